@@ -1,0 +1,193 @@
+"""`sluice` command line: repack | verify | generate | chat.
+
+With no --model, commands use the bundled default model (made on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from sluice.errors import SluiceError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except SluiceError as e:
+        print(f"sluice: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sluice", description="Run MoE models larger than the GPU by streaming routed experts.")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    r = sub.add_parser("repack", help="turn a Hugging Face checkpoint into an expert store")
+    r.add_argument("checkpoint", type=Path)
+    r.add_argument("store", type=Path)
+    r.add_argument("--force", action="store_true", help="replace an existing store")
+    r.set_defaults(func=cmd_repack)
+
+    v = sub.add_parser("verify", help="check every block of a store against its checksum and the source checkpoint")
+    v.add_argument("store", type=Path)
+    v.add_argument("--source", type=Path, help="source checkpoint (default: the path recorded at repack)")
+    v.set_defaults(func=cmd_verify)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    _engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal (the conversation state is kept between turns)")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    return p
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint or expert store (default: the bundled default model)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--ram-cache", help="host RAM for expert blocks, e.g. 8GiB (default: a quarter of free RAM)")
+    p.add_argument("--vram-slots", type=int, help="expert slots on the GPU (default: 4 x top-k)")
+    p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
+    p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
+    p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+
+
+def _open_engine(args):
+    import sluice
+    from sluice.models.tiny import default_model_path
+
+    model = args.model or default_model_path()
+    return sluice.load(
+        model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, schedule=args.schedule,
+        dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace,
+    )
+
+
+def _tokenizer(engine):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(engine.store.path)
+    except Exception as e:
+        raise SluiceError(f"{engine.store.path}: no usable tokenizer ({e})") from None
+
+
+def cmd_repack(args) -> int:
+    from sluice.storage.repack import repack
+
+    store = repack(args.checkpoint, args.store, force=args.force)
+    print(f"{store.path}: {store.total_blocks} blocks of {store.block_bytes} bytes in {len(store.moe_layers)} MoE layers")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from sluice.storage.verify import verify
+
+    problems = verify(args.store, args.source)
+    for p in problems:
+        print(p, file=sys.stderr)
+    print(f"{args.store}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    return 0 if not problems else 1
+
+
+def _stream_text(engine, tok, ids: list[int], args, seq=None) -> list[int]:
+    """Generate, printing text as it forms; returns the new token ids."""
+    out: list[int] = []
+    shown = ""
+    stop = tuple(i for i in (tok.eos_token_id,) if i is not None)
+    t0 = time.perf_counter()
+    before = engine.rt.stats.snapshot()
+    first = None
+    for token in engine.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop, seq=seq):
+        first = first or time.perf_counter()
+        out.append(token)
+        text = tok.decode(out, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for a multi-byte character to complete
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    _report(engine.rt.stats.since(before), len(ids), len(out), t0, first)
+    return out
+
+
+def _report(s: dict, n_prompt: int, n_new: int, t0: float, first: float | None) -> None:
+    end = time.perf_counter()
+    decode = (n_new - 1) / (end - first) if first and n_new > 1 else 0.0
+    blocks = s["blocks"]
+    total = sum(blocks.values()) or 1
+    pred = f"{s['predicted_right'] / s['routed_predicted']:.0%}" if s["routed_predicted"] else "n/a"
+    print(
+        f"[{n_prompt} prompt + {n_new} new tokens | first token {((first or end) - t0):.2f}s | decode {decode:.1f} tok/s | "
+        f"blocks vram {blocks['vram']} ram {blocks['ram']} disk {blocks['disk']} (hit {1 - blocks['disk'] / total:.0%}) | "
+        f"prediction recall {pred} | stall {s['stall_s']:.2f}s]",
+        file=sys.stderr,
+    )
+
+
+def _chat_ids(tok, messages: list[dict]) -> list[int]:
+    if not tok.chat_template:
+        raise SluiceError("this model's tokenizer has no chat template")
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def cmd_generate(args) -> int:
+    with _open_engine(args) as engine:
+        tok = _tokenizer(engine)
+        if args.chat:
+            ids = _chat_ids(tok, [{"role": "user", "content": args.prompt}])
+        else:
+            ids = tok(args.prompt)["input_ids"]
+        _stream_text(engine, tok, list(ids), args)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    with _open_engine(args) as engine:
+        tok = _tokenizer(engine)
+        messages: list[dict] = []
+        seq = engine.new_sequence()
+        print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            ids = _chat_ids(tok, messages)
+            if ids[: len(seq.tokens)] != seq.tokens or seq.broken:
+                seq = engine.new_sequence()  # the template rewrote history: start over
+            tail = ids[len(seq.tokens):]
+            new = _stream_text(engine, tok, tail, args, seq=seq)
+            messages.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

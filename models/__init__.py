@@ -1,0 +1,20 @@
+"""Architectures Sluice runs, one file each, looked up by config.json's model_type."""
+
+from sluice.errors import CheckpointError
+from sluice.models.base import Architecture, ExpertSpec, Layer, MoEBlock, ResidentModel
+from sluice.models.nemotron_h import NemotronH
+from sluice.models.qwen3_moe import Qwen3Moe
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (NemotronH(), Qwen3Moe())}
+
+
+def get_architecture(model_type: str) -> Architecture:
+    try:
+        return ARCHITECTURES[model_type]
+    except KeyError:
+        raise CheckpointError(
+            f"unsupported model_type {model_type!r}; Sluice supports: {', '.join(sorted(ARCHITECTURES))}"
+        ) from None
+
+
+__all__ = ["ARCHITECTURES", "Architecture", "ExpertSpec", "Layer", "MoEBlock", "ResidentModel", "get_architecture"]

@@ -1,0 +1,222 @@
+"""What an architecture file provides, and the shared code that builds the resident model.
+
+Shape legend (used in every docstring below and in stages/ and kernels/):
+    T  tokens in the step            K  routed experts per token (top-k)
+    D  hidden size                   Dx expert input size (D, or the latent size for latent MoE)
+    I  expert intermediate size      E  routed experts per MoE layer      V  vocabulary
+
+An architecture file says three things: which checkpoint tensors are routed experts (`ExpertSpec`),
+how a layer runs around its routed experts (`Layer`, `MoEBlock`), and how the step begins and ends
+(`ResidentModel.begin`, `.head`). Everything except routed experts is transformers' own module,
+built on the meta device, stripped of its routed experts, then filled from resident.safetensors.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sluice.errors import CheckpointError
+
+ExpertKind = str  # "relu2": down(act(up x)); "swiglu": down(act(gate x) * up x)
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """Which checkpoint tensors are routed experts, and the order of projections inside a block.
+
+    `pattern` matches a full checkpoint tensor name and captures `layer`, `expert`, `proj` (the
+    checkpoint's projection name) and `suffix` (weight, weight_scale, ...). `proj_names` maps the
+    checkpoint's projection names to block names (up, gate, down).
+    """
+
+    kind: ExpertKind
+    pattern: re.Pattern
+    proj_names: dict[str, str]
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+
+    @property
+    def projs(self) -> tuple[str, ...]:
+        return ("up", "down") if self.kind == "relu2" else ("gate", "up", "down")
+
+    @property
+    def relaid(self) -> frozenset[str]:
+        """Projections whose bytes the store re-lays: ReLU^2 `down`, so live 16-neuron groups are contiguous."""
+        return frozenset({"down"}) if self.kind == "relu2" else frozenset()
+
+    def match(self, name: str) -> tuple[int, int, str, str] | None:
+        m = self.pattern.match(name)
+        if m is None:
+            return None
+        proj = self.proj_names.get(m["proj"])
+        if proj is None:
+            return None
+        return int(m["layer"]), int(m["expert"]), proj, m["suffix"]
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    """One MoE layer as the stage graph sees it. All callables take and return 2-D tensors [T, ...]."""
+
+    layer: int  # index among all model layers
+    index: int  # index among MoE layers (0 .. n_moe-1)
+    kind: ExpertKind
+    top_k: int
+    num_experts: int
+    router: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [T,D] -> (weights [T,K] f32|act, ids [T,K] i64)
+    expert_input: Callable[[torch.Tensor], torch.Tensor]  # x [T,D] -> xe [T,Dx]
+    finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (routed [T,Dx], x [T,D]) -> out [T,D], before the residual
+    act: Callable[[torch.Tensor], torch.Tensor]
+    weight_dtype: torch.dtype | None  # routing weights cast to this before weighting (None: keep fp32)
+    combine_dtype: torch.dtype  # dtype in which weighted expert outputs are summed
+
+
+class Layer(ABC):
+    """One model layer. MoE layers split into `moe_input` (resident) + the stage graph + residual add."""
+
+    moe: MoEBlock | None = None
+
+    def forward(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """A whole non-MoE layer on h [1,T,D]."""
+        raise NotImplementedError
+
+    def moe_input(self, h: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the routed experts. Returns (x [T,D] the MoE input, residual [1,T,D])."""
+        raise NotImplementedError
+
+
+class ResidentModel(ABC):
+    """The resident part of a model on one device, with routed experts removed."""
+
+    layers: list[Layer]
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+
+    @abstractmethod
+    def new_cache(self) -> Any:
+        """A fresh KV / recurrent-state cache for one sequence."""
+
+    @abstractmethod
+    def begin(self, ids: torch.Tensor, cache: Any, past: int) -> tuple[torch.Tensor, Any]:
+        """Embed ids [1,T] at positions past..past+T-1. Returns (h [1,T,D], ctx for the layers)."""
+
+    @abstractmethod
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: h [1,T,D] -> logits [T,V] fp32."""
+
+    @property
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.moe for layer in self.layers if layer.moe is not None]
+
+
+class Architecture(ABC):
+    """One model family. Subclasses live one per file in models/."""
+
+    model_type: str
+    renames: tuple[tuple[str, str], ...] = ()  # checkpoint name -> transformers module name (regex, repl)
+
+    @abstractmethod
+    def expert_spec(self, hf_config: Any) -> ExpertSpec: ...
+
+    @abstractmethod
+    def build(self, hf_config: Any, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype | None) -> ResidentModel: ...
+
+    def module_name(self, checkpoint_name: str) -> str:
+        for pattern, repl in self.renames:
+            checkpoint_name = re.sub(pattern, repl, checkpoint_name)
+        return checkpoint_name
+
+
+class StreamedExperts(nn.Module):
+    """Stands where transformers' fused experts were: routed experts come from the stage graph."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("routed experts are streamed by the Sluice stage graph, not called as a module")
+
+
+def build_hf_model(
+    arch: Architecture,
+    hf_config: Any,
+    tensors: dict[str, torch.Tensor],
+    strip: Callable[[nn.Module], None],
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> nn.Module:
+    """transformers' model class on `device` with routed experts stripped and resident weights loaded.
+
+    The model is built on the meta device (no expert memory is ever allocated), `strip` replaces
+    each routed-expert module by `StreamedExperts`, the rest is materialised on `device` and
+    filled from `tensors` (checkpoint names). Dtypes follow transformers' from_pretrained: the
+    model dtype, except modules it keeps in fp32.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if dtype is None:
+        dtype = _config_dtype(hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    strip(model)
+    keep_fp32 = [re.compile(p) for p in model._get_dtype_plan(dtype)]
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if any(k.search(name) for k in keep_fp32) and p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+    model.to_empty(device=device)
+
+    state = {arch.module_name(k): v for k, v in tensors.items()}
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing:
+        raise CheckpointError(f"resident weights missing from the checkpoint: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        raise CheckpointError(f"checkpoint tensors the {arch.model_type} model does not have: {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+    for name, value in state.items():
+        target = model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
+        if tuple(target.shape) != tuple(value.shape):
+            raise CheckpointError(f"tensor {name!r}: checkpoint shape {list(value.shape)} != model shape {list(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+    _init_non_persistent_buffers(model)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _is_param(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _init_non_persistent_buffers(model: nn.Module) -> None:
+    """Recompute buffers not stored in checkpoints (rotary inv_freq) with transformers' own init."""
+    for mod_name, module in model.named_modules():
+        if not getattr(module, "_non_persistent_buffers_set", None):
+            continue
+        if "RotaryEmbedding" not in type(module).__name__:
+            raise CheckpointError(f"module {mod_name} ({type(module).__name__}) has non-persistent buffers Sluice cannot initialise")
+        model._init_weights(module)
+
+
+def _config_dtype(hf_config: Any) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def default_expert_pattern(prefix: str, experts_path: str) -> re.Pattern:
+    """Regex for per-expert tensors: {prefix}layers.L.{experts_path}.E.PROJ.SUFFIX."""
+    return re.compile(
+        rf"^{re.escape(prefix)}layers\.(?P<layer>\d+)\.{re.escape(experts_path)}\.(?P<expert>\d+)\.(?P<proj>\w+?)\.(?P<suffix>weight\w*|input_scale)$"
+    )

@@ -1,0 +1,129 @@
+"""NemotronH: Mamba-2, attention and MoE layers; ReLU^2 non-gated experts, optional latent MoE.
+
+Checkpoint names: backbone.layers.L.mixer.experts.E.{up_proj,down_proj}.weight are routed experts
+(up [I, Dx], down [Dx, I]; Dx = moe_latent_size or hidden_size). Everything else (mixers, router
+with e_score_correction_bias, shared expert, fc1/fc2 latent projections, norms, head) is resident
+and runs as transformers' own modules. A layer is residual + mixer(norm(h)); for MoE layers the
+mixer is: router on x, fc1_latent(x) -> routed experts -> fc2_latent, plus shared_experts(x).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sluice.models.base import (
+    Architecture,
+    ExpertSpec,
+    Layer,
+    MoEBlock,
+    ResidentModel,
+    StreamedExperts,
+    build_hf_model,
+    default_expert_pattern,
+)
+
+
+class NemotronH(Architecture):
+    model_type = "nemotron_h"
+    renames = ((r"^backbone\.", "model."),)
+
+    def expert_spec(self, config) -> ExpertSpec:
+        return ExpertSpec(
+            kind="relu2",
+            pattern=default_expert_pattern("backbone.", "mixer.experts"),
+            proj_names={"up_proj": "up", "down_proj": "down"},
+            moe_layers=tuple(i for i, t in enumerate(config.layers_block_type) if t == "moe"),
+            num_experts=config.n_routed_experts,
+            top_k=config.num_experts_per_tok,
+        )
+
+    def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
+        def strip(model: nn.Module) -> None:
+            for block in model.model.layers:
+                if block.block_type == "moe":
+                    block.mixer.experts = StreamedExperts()
+
+        return NemotronHResident(build_hf_model(self, hf_config, tensors, strip, device, dtype))
+
+
+class _Ctx:
+    __slots__ = ("cache", "position_ids", "masks")
+
+    def __init__(self, cache, position_ids, masks):
+        self.cache, self.position_ids, self.masks = cache, position_ids, masks
+
+
+class _MixerLayer(Layer):
+    def __init__(self, block):
+        self.block = block
+
+    def forward(self, h, ctx: _Ctx):
+        return self.block(
+            h,
+            past_key_values=ctx.cache,
+            attention_mask=ctx.masks.get(self.block.block_type),
+            position_ids=ctx.position_ids,
+            use_cache=True,
+        )
+
+
+class _MoELayer(Layer):
+    def __init__(self, block, moe_index: int, config):
+        from transformers.activations import ACT2FN
+
+        self.block = block
+        mixer = block.mixer
+        self.moe = MoEBlock(
+            layer=block.layer_idx,
+            index=moe_index,
+            kind="relu2",
+            top_k=config.num_experts_per_tok,
+            num_experts=config.n_routed_experts,
+            router=lambda x: mixer.gate(x)[1:],
+            expert_input=mixer.fc1_latent_proj,
+            finish=lambda routed, x: mixer.fc2_latent_proj(routed) + mixer.shared_experts(x),
+            act=ACT2FN[config.mlp_hidden_act],
+            weight_dtype=None,
+            combine_dtype=torch.float32,
+        )
+
+    def moe_input(self, h, ctx):
+        x = self.block.norm(h.to(dtype=self.block.norm.weight.dtype))
+        return x.view(-1, x.shape[-1]), h
+
+
+class NemotronHResident(ResidentModel):
+    def __init__(self, hf_model):
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.device = hf_model.lm_head.weight.device
+        self.dtype = hf_model.lm_head.weight.dtype
+        self.layers = []
+        moe_index = 0
+        for block in hf_model.model.layers:
+            if block.block_type == "moe":
+                self.layers.append(_MoELayer(block, moe_index, self.config))
+                moe_index += 1
+            else:
+                self.layers.append(_MixerLayer(block))
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
+        from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+
+        h = self.hf.model.embeddings(ids)
+        position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
+        kw = dict(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=cache, position_ids=position_ids)
+        masks = {"full_attention": create_causal_mask(**kw), "linear_attention": create_recurrent_attention_mask(**kw)}
+        return h, _Ctx(cache, position_ids, masks)
+
+    def head(self, h):
+        h = self.hf.model.norm_f(h)
+        return self.hf.lm_head(h[0]).float()

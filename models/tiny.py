@@ -1,0 +1,110 @@
+"""Tiny random-weight checkpoints built from transformers configs, saved as real HF checkpoints.
+
+Used by the tests and as the default model until a trained one ships. At transformers' default
+init the routed experts barely touch the residual stream and the router's scores are near-ties,
+so a wrong expert path would still produce the same greedy tokens. We scale the routed experts
+and the routers up (`expert_scale`, `router_scale`) so that the experts decide the output, and give
+the NemotronH router a non-zero correction bias so that path is exercised.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def tiny_config(arch: str, **overrides):
+    """A small config of `arch` (nemotron_h | qwen3_moe); keyword overrides win."""
+    if arch == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        base = dict(
+            vocab_size=320, hidden_size=64, hybrid_override_pattern="ME*EME", n_routed_experts=16, num_experts_per_tok=4,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=None, n_group=1, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+            n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+            bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        )
+        return NemotronHConfig(**{**base, **overrides})
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        base = dict(
+            vocab_size=320, hidden_size=64, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+            intermediate_size=96, mlp_only_layers=[2], decoder_sparse_step=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, norm_topk_prob=True, max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        )
+        return Qwen3MoeConfig(**{**base, **overrides})
+    raise ValueError(f"no tiny config for {arch!r}")
+
+
+def make_tiny_checkpoint(path: str | Path, arch: str = "nemotron_h", seed: int = 0, expert_scale: float = 12.0,
+                         router_scale: float = 40.0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Build, scale and save a tiny random checkpoint (safetensors + config + tokenizer) at path."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+                if ".experts." in name:
+                    p.mul_(expert_scale)
+                elif name.endswith("gate.weight"):
+                    p.mul_(router_scale)
+                elif name.endswith("e_score_correction_bias"):
+                    p.copy_(torch.randn_like(p) * 0.05)
+    model.to(dtype).save_pretrained(path)
+    save_byte_tokenizer(path)
+    return path
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer (256 byte tokens + chat specials) with a ChatML-style template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def default_model_path() -> Path:
+    """The bundled default model: a deterministic tiny random NemotronH made on first use."""
+    from sluice.log import get_logger
+    from sluice.pipeline.config import sluice_home
+
+    path = sluice_home() / "models" / "tiny-random-nemotron_h"
+    if (path / "config.json").is_file():
+        return path
+    get_logger().info("making the default model: a tiny NemotronH with RANDOM weights (its text is noise)", path=str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        make_tiny_checkpoint(tmp, "nemotron_h", seed=0, moe_latent_size=32)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,85 @@
+"""Engine settings: a frozen dataclass validated on construction; errors name the setting and value."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluice.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(value: str | int | float | None, what: str) -> int | None:
+    """'8GiB', '512MiB', '1.5GB', 4096 -> bytes. None stays None."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m[2].lower() not in _UNITS:
+        raise ConfigError(f"{what}: cannot read {value!r} as a size (e.g. 8GiB, 512MiB, 2GB)")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def sluice_home() -> Path:
+    return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024**3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str | None = None  # resident dtype; None = the checkpoint's
+    ram_cache: int | None = None  # bytes of host RAM for expert blocks; None = a quarter of free RAM, at most all blocks
+    vram_slots: int | None = None  # expert slots on the GPU; None = 4 x top-k
+    schedule: str = "overlap"  # schedule name (schedules/NAME.yaml) or path
+    readers: int | None = None  # reader threads; None = the schedule's fetch.readers
+    verify_checksums: bool = True
+    direct_io: bool = True
+    trace: str | None = None  # path for Chrome trace JSON (+ .jsonl stage lines)
+
+    def __post_init__(self):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device: {self.device!r} is not auto, cpu, cuda or cuda:N")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device: {self.device!r} asked for, but CUDA is not available here")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
+        for name in ("ram_cache", "vram_slots", "readers"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.dtype) if self.dtype else None

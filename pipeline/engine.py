@@ -1,0 +1,181 @@
+"""The engine: resident model + stage graph + sequences; forward, generate, stream.
+
+One token step (`_step`) reads as its docstring: embed, run each layer (resident modules for
+mixers; the stage graph for MoE layers), head. The engine owns one asyncio event loop; public
+methods are synchronous and drive it, so the engine is used from one thread at a time (the
+server runs it on a worker thread of its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from sluice.errors import SluiceError, StoreError
+from sluice.log import get_logger
+from sluice.models import get_architecture
+from sluice.models.base import MoEBlock, ResidentModel
+from sluice.pipeline.config import EngineConfig, available_ram, parse_size, sluice_home
+from sluice.pipeline.coordinator import Coordinator
+from sluice.pipeline.runtime import Runtime
+from sluice.pipeline.sampling import Sampler
+from sluice.pipeline.schedule import load_schedule
+from sluice.pipeline.trace import Tracer
+from sluice.stages.types import LayerInput
+from sluice.storage.store import ExpertStore
+
+log = get_logger()
+
+
+@dataclass
+class Sequence:
+    """One sequence's state: the KV / recurrent cache and how many tokens it holds."""
+
+    cache: Any
+    tokens: list[int]
+    broken: bool = False  # a step failed half-way; the cache no longer matches `tokens`
+
+
+class Engine:
+    def __init__(self, store: ExpertStore, model: ResidentModel, rt: Runtime, coordinator: Coordinator, config: EngineConfig):
+        self.store, self.model, self.rt, self.coordinator, self.config = store, model, rt, coordinator, config
+        self.device = model.device
+        self._loop = asyncio.new_event_loop()
+        blocks = model.moe_blocks
+        self._next: list[MoEBlock | None] = blocks[1:] + [None]
+        self._jsonl = None
+
+    @classmethod
+    def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":
+        """Open a store, or a checkpoint (repacked once into SLUICE_HOME/stores). Settings: EngineConfig fields;
+        sizes may be strings ('8GiB')."""
+        if "ram_cache" in settings:
+            settings["ram_cache"] = parse_size(settings["ram_cache"], "ram_cache")
+        config = EngineConfig(**{k: v for k, v in settings.items() if v is not None})
+        store = ExpertStore.open(resolve_store(path, progress))
+        device = config.torch_device
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        arch = get_architecture(store.manifest.architecture)
+        hf_config = AutoConfig.from_pretrained(store.path)
+        model = arch.build(hf_config, load_file(store.path / store.manifest.resident), device, config.torch_dtype)
+        schedule = load_schedule(config.schedule)
+        fetch = schedule.stage("fetch")
+        readers = config.readers or fetch.knobs.readers
+        ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
+        ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
+        vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
+        jsonl = open(f"{config.trace}.jsonl", "w") if config.trace else None
+        rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io)
+        rt.tracer = Tracer(rt.streams, enabled=config.trace is not None, jsonl=jsonl)
+        engine = cls(store, model, rt, Coordinator(schedule, rt), config)
+        engine._jsonl = jsonl
+        return engine
+
+    # -- public, synchronous API ------------------------------------------------------------
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(self.model.new_cache(), [])
+
+    def forward(self, input_ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] (fp32, CPU) for a fresh sequence of input_ids."""
+        return self.extend(self.new_sequence(), input_ids).cpu()
+
+    def extend(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        """Append ids to seq; returns their logits [T, V] fp32 on the device."""
+        return self._loop.run_until_complete(self._guarded_step(seq, ids))
+
+    def stream(self, input_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int | None = None, stop_ids: tuple[int, ...] = (), seq: Sequence | None = None) -> Iterator[int]:
+        """Yield new tokens one at a time: prefill input_ids, then decode one token per step from the cache."""
+        _check_ids(input_ids)
+        seq = seq or self.new_sequence()
+        sampler = Sampler(temperature, top_p, seed)
+        logits = self.extend(seq, input_ids)
+        for i in range(max_new_tokens):
+            token = sampler(logits[-1])
+            yield token
+            if token in stop_ids or i == max_new_tokens - 1:
+                return
+            logits = self.extend(seq, [token])
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, stop_ids: tuple[int, ...] = ()) -> list[int]:
+        """The new tokens (greedy when temperature is 0)."""
+        return list(self.stream(input_ids, max_new_tokens, temperature, top_p, seed, stop_ids))
+
+    def close(self) -> None:
+        if self.config.trace:
+            self.rt.tracer.write_chrome(self.config.trace)
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self.rt.close()
+        self._loop.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the token step -----------------------------------------------------------------------
+
+    async def _guarded_step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        if seq.broken:
+            raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
+        try:
+            return await self._step(seq, ids)
+        except BaseException:
+            seq.broken = True
+            await self.rt.recover()
+            raise
+
+    async def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        """Embed ids, run every layer (MoE layers through the stage graph), return logits [T, V]."""
+        model = self.model
+        with torch.inference_mode():
+            h, ctx = model.begin(torch.tensor([ids], device=self.device), seq.cache, len(seq.tokens))
+            for layer in model.layers:
+                if layer.moe is None:
+                    h = layer.forward(h, ctx)
+                    continue
+                x, residual = layer.moe_input(h, ctx)
+                h = (await self.coordinator.run_layer(LayerInput(layer.moe, self._next[layer.moe.index], x, residual))).h
+            logits = model.head(h)
+        seq.tokens.extend(ids)
+        self.rt.stats.steps += 1
+        self.rt.stats.tokens += len(ids)
+        self.rt.tracer.flush()
+        return logits
+
+
+def _check_ids(ids: list[int]) -> None:
+    if not ids:
+        raise SluiceError("input_ids is empty")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise SluiceError("input_ids must be a list of ints")
+
+
+def resolve_store(path: str | Path, progress: bool = True) -> Path:
+    """A store path as is; a checkpoint is repacked once into SLUICE_HOME/stores/<name>-<hash>."""
+    from sluice.storage.checkpoint import Checkpoint
+    from sluice.storage.repack import repack
+
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    if not (path / "config.json").is_file():
+        raise StoreError(f"{path}: neither an expert store (manifest.json) nor a checkpoint (config.json)")
+    ckpt = Checkpoint.open(path)
+    digest = hashlib.sha256(ckpt.fingerprint()["sha256"].encode() + str(path.resolve()).encode()).hexdigest()[:12]
+    target = sluice_home() / "stores" / f"{path.resolve().name}-{digest}"
+    if not (target / "manifest.json").is_file():
+        log.info("repacking checkpoint into an expert store (once)", checkpoint=str(path), store=str(target))
+    repack(path, target, progress=progress)
+    return target

@@ -1,0 +1,129 @@
+"""What the stages share for the engine's lifetime: store, reader pool, memory tiers, streams, trace, counters.
+
+Memory tiers (DESIGN.md): VRAM slots (a bank of block-sized buffers; on CUDA only) -> host RAM
+LRU (pinned when CUDA) -> disk. All bookkeeping happens on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sluice.pipeline.streams import Streams
+from sluice.pipeline.trace import Tracer
+from sluice.storage.cache import BlockCache, CacheEntry
+from sluice.storage.reader import BlockReader, HostArena
+from sluice.storage.store import ExpertStore
+
+TIERS = ("vram", "ram", "disk")
+
+
+@dataclass
+class IOStats:
+    """Expert I/O counters since the engine opened. `snapshot()` copies; subtract two for a request."""
+
+    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # routed blocks served per tier
+    prefetch_reads: int = 0  # blocks read ahead on a guess
+    prefetch_hits: int = 0  # demand RAM hits on a block that a prefetch brought in
+    predicted: int = 0  # guesses made for layers that then ran
+    predicted_right: int = 0  # guesses the layer then routed to
+    routed_predicted: int = 0  # experts routed in layers that had a prediction
+    stall_s: float = 0.0  # time fetch waited for reads to land
+    steps: int = 0
+    tokens: int = 0
+    _guesses: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    def tier(self, layer: int, tier: str, prefetched: bool = False) -> None:
+        self.blocks[tier] += 1
+        self.prefetch_hits += prefetched
+
+    def observe_prediction(self, layer: int, guesses: tuple[int, ...]) -> None:
+        self._guesses[layer] = guesses
+
+    def observe_routing(self, layer: int, experts: tuple[int, ...]) -> None:
+        guesses = self._guesses.pop(layer, None)
+        if guesses is not None:
+            self.predicted += len(guesses)
+            self.predicted_right += len(set(guesses) & set(experts))
+            self.routed_predicted += len(experts)
+
+    def snapshot(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        d["blocks"] = dict(self.blocks)
+        return d
+
+    def since(self, before: dict) -> dict:
+        """Counters accumulated since `before` (an earlier snapshot)."""
+        now = self.snapshot()
+        d = {k: now[k] - before[k] for k in now if k != "blocks"}
+        d["blocks"] = {t: now["blocks"][t] - before["blocks"][t] for t in TIERS}
+        return d
+
+
+class Runtime:
+    def __init__(
+        self,
+        store: ExpertStore,
+        device: torch.device,
+        ram_blocks: int,
+        vram_blocks: int,
+        readers: int,
+        verify: bool,
+        direct_io: bool,
+        tracer: Tracer | None = None,
+    ):
+        self.store = store
+        self.device = device
+        self.streams = Streams(device)
+        self.tracer = tracer or Tracer(self.streams, enabled=False)
+        self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify)
+        cuda = device.type == "cuda"
+        self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
+        self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device)) if cuda else None
+        self.stats = IOStats()
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.store.views(buf)
+
+    def read(self, layer: int, expert: int, entry: CacheEntry) -> asyncio.Future:
+        """Start reading block (layer, expert) into entry's slot; the future completes on the loop."""
+        after, entry.reuse_after = entry.reuse_after, None
+        fut = self.reader.submit(layer, expert, entry.buf, after=after)
+        if self.tracer.enabled:
+            self.tracer.read_started(layer, expert, fut)
+        return asyncio.wrap_future(fut)
+
+    def settle_prefetch(self, entry: CacheEntry, fut: asyncio.Future) -> None:
+        """A prefetch read finished: keep the block, or drop it if the read failed (a demand will retry and report)."""
+        if fut.cancelled() or fut.exception() is not None:
+            entry.pins -= 1
+            self.ram.discard(entry)
+        else:
+            self.ram.unpin(entry)
+
+    async def recover(self) -> None:
+        """After a failed step: let in-flight reads settle, then drop every cached block and pin."""
+        reads = [e.ready for e in self.ram.entries() if e.ready is not None]
+        if reads:
+            await asyncio.gather(*reads, return_exceptions=True)  # also marks failed reads as seen
+        self.streams.synchronize()
+        self.ram.clear()
+        if self.vram is not None:
+            self.vram.clear()
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class _DeviceArena:
+    """`n` block-sized slots in one device allocation (the VRAM slot bank)."""
+
+    def __init__(self, n: int, nbytes: int, device: torch.device):
+        self.n, self.nbytes = n, nbytes
+        self.data = torch.empty(n * nbytes, dtype=torch.uint8, device=device)
+
+    def slot(self, i: int) -> torch.Tensor:
+        return self.data[i * self.nbytes : (i + 1) * self.nbytes]

@@ -1,0 +1,175 @@
+"""Schedules: which stages run for a MoE layer, what each waits for, on which stream, with which knobs.
+
+    name: overlap
+    description: copies on their own stream; next layer's guesses read into the gap
+    stages:
+      route:   {}
+      predict: {after: [route], width: 0}
+      fetch:   {prefetch: true, readers: 8}
+      h2d:     {stream: copy}
+      compute: {}
+      combine: {}
+
+Per stage: `after` (stages to wait for) and `stream` (compute | copy), plus the stage's own knobs.
+`after` on a one-shot stage waits for its value. A channel input (fetch -> h2d -> compute) is
+consumed as items arrive, unless its producer is listed in `after`: then the consumer waits for
+each whole wave (the layer's blocks, or as many as the caches hold at once) before starting.
+Validation is strict and happens once: unknown stages or keys, bad values, inputs no stage
+produces and cycles are errors naming the culprit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sluice.errors import ScheduleError
+from sluice.pipeline.streams import STREAM_NAMES
+from sluice.stages import REQUIRED, STAGES
+
+SCHEDULES_DIR = Path(__file__).resolve().parent.parent / "schedules"
+COMMON_KEYS = ("after", "stream")
+INITIAL = ("layer",)  # values the coordinator provides
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    after: tuple[str, ...]
+    stream: str
+    knobs: Any
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    description: str
+    stages: tuple[StageSpec, ...]  # in a valid execution order
+    source: str
+
+    def stage(self, name: str) -> StageSpec | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+
+def load_schedule(ref: str | Path) -> Schedule:
+    """A schedule by name (schedules/NAME.yaml) or by path."""
+    path = Path(ref)
+    if not path.suffix:
+        path = SCHEDULES_DIR / f"{ref}.yaml"
+        if not path.is_file():
+            names = ", ".join(sorted(p.stem for p in SCHEDULES_DIR.glob("*.yaml")))
+            raise ScheduleError(f"no schedule named {ref!r} (available: {names}; or give a path to a .yaml file)")
+    if not path.is_file():
+        raise ScheduleError(f"schedule file {path} does not exist")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ScheduleError(f"{path}: not valid YAML: {e}") from None
+    return parse_schedule(doc, str(path))
+
+
+def parse_schedule(doc: Any, source: str = "<schedule>") -> Schedule:
+    if not isinstance(doc, dict):
+        raise ScheduleError(f"{source}: a schedule is a mapping with 'name' and 'stages'")
+    _reject_unknown(doc, ("name", "description", "stages"), source)
+    stages_doc = doc.get("stages")
+    if not isinstance(stages_doc, dict) or not stages_doc:
+        raise ScheduleError(f"{source}: 'stages' must be a non-empty mapping of stage name -> settings")
+    specs = {}
+    for name, body in stages_doc.items():
+        if name not in STAGES:
+            raise ScheduleError(f"{source}: unknown stage {name!r} (known: {', '.join(STAGES)})")
+        specs[name] = _parse_stage(name, body or {}, f"{source}: stage {name!r}")
+    missing = [s for s in REQUIRED if s not in specs]
+    if missing:
+        raise ScheduleError(f"{source}: required stage(s) missing: {', '.join(missing)}")
+    order = _check_graph(specs, source)
+    return Schedule(str(doc.get("name", Path(source).stem)), str(doc.get("description", "")), tuple(specs[n] for n in order), source)
+
+
+def _parse_stage(name: str, body: Any, where: str) -> StageSpec:
+    if not isinstance(body, dict):
+        raise ScheduleError(f"{where}: settings must be a mapping, got {body!r}")
+    cls = STAGES[name]
+    fields = {f.name: f for f in dataclasses.fields(cls.Knobs)}
+    _reject_unknown(body, COMMON_KEYS + tuple(fields), where)
+    after = body.get("after", [])
+    if isinstance(after, str):
+        after = [after]
+    if not isinstance(after, list) or not all(isinstance(a, str) for a in after):
+        raise ScheduleError(f"{where}: 'after' must be a list of stage names, got {after!r}")
+    stream = body.get("stream", "compute")
+    if stream not in STREAM_NAMES:
+        raise ScheduleError(f"{where}: 'stream' must be one of {', '.join(STREAM_NAMES)}, got {stream!r}")
+    hints = typing.get_type_hints(cls.Knobs)
+    values = {}
+    for key, f in fields.items():
+        if key in body:
+            values[key] = _check_value(body[key], hints[key], f"{where}: {key!r}")
+    return StageSpec(name, tuple(after), stream, cls.Knobs(**values))
+
+
+def _check_value(value: Any, hint: Any, where: str) -> Any:
+    ok = isinstance(value, bool) if hint is bool else (isinstance(value, hint) and not isinstance(value, bool))
+    if not ok:
+        raise ScheduleError(f"{where} must be {hint.__name__}, got {value!r}")
+    if hint is int and value < 0:
+        raise ScheduleError(f"{where} must be >= 0, got {value!r}")
+    return value
+
+
+def _reject_unknown(d: dict, allowed: tuple[str, ...], where: str) -> None:
+    for key in d:
+        if key not in allowed:
+            raise ScheduleError(f"{where}: unknown key {key!r} (allowed: {', '.join(allowed)})")
+
+
+def _check_graph(specs: dict[str, StageSpec], source: str) -> list[str]:
+    """Every input produced, every `after` known, no cycle. Returns a topological order."""
+    producer = {STAGES[n].produces: n for n in specs}
+    deps: dict[str, set[str]] = {}
+    for name, spec in specs.items():
+        cls = STAGES[name]
+        d = set()
+        for value in cls.consumes:
+            if value in INITIAL:
+                continue
+            if value not in producer:
+                raise ScheduleError(f"{source}: stage {name!r} consumes {value!r}, which no stage of the schedule produces")
+            d.add(producer[value])
+        d.update(producer[v] for v in cls.optional if v in producer)
+        for a in spec.after:
+            if a not in specs:
+                raise ScheduleError(f"{source}: stage {name!r} runs after {a!r}, which is not in the schedule")
+            if a == name:
+                raise ScheduleError(f"{source}: stage {name!r} runs after itself")
+            if STAGES[a].channel and STAGES[a].produces not in cls.consumes:
+                raise ScheduleError(
+                    f"{source}: stage {name!r} runs after {a!r}, a streaming stage whose output it does not consume; "
+                    f"'after' on a stream means 'wait for each wave' and needs that data edge"
+                )
+            d.add(a)
+        deps[name] = d
+    order: list[str] = []
+    state: dict[str, int] = {}
+
+    def visit(n: str, path: list[str]) -> None:
+        if state.get(n) == 2:
+            return
+        if state.get(n) == 1:
+            cycle = path[path.index(n) :] + [n]
+            raise ScheduleError(f"{source}: cycle in the stage graph: {' -> '.join(cycle)}")
+        state[n] = 1
+        for d in sorted(deps[n]):
+            visit(d, path + [n])
+        state[n] = 2
+        order.append(n)
+
+    for n in specs:
+        visit(n, [])
+    return order

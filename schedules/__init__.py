@@ -1,0 +1,1 @@
+"""YAML stage schedules (data, not code); see pipeline/schedule.py for the format."""

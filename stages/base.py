@@ -1,0 +1,65 @@
+"""The stage contract: what a stage consumes, what it produces, its knobs, and the IO it runs with.
+
+A stage is one step of a MoE layer's work. It declares the values it consumes and the one value
+it produces; a schedule (YAML) wires stages by those names, says which stream each runs on and
+sets its knobs. Knobs are a frozen dataclass per stage, validated by the schedule loader.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar
+
+if TYPE_CHECKING:
+    from sluice.pipeline.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class NoKnobs:
+    pass
+
+
+class StageIO(ABC):
+    """How a running stage reaches its inputs and outputs (implemented by the coordinator)."""
+
+    @abstractmethod
+    async def value(self, name: str) -> Any:
+        """A one-shot input, once its producer has finished."""
+
+    @abstractmethod
+    def has(self, name: str) -> bool:
+        """Whether the schedule produces `name` (for optional inputs)."""
+
+    @abstractmethod
+    def batches(self, name: str) -> AsyncIterator[list]:
+        """A channel input as lists of items: each list is what has arrived ('each') or one wave ('wave')."""
+
+    @abstractmethod
+    def emit(self, item: Any) -> None:
+        """Send one item on this stage's output channel."""
+
+    @abstractmethod
+    def end_wave(self) -> None:
+        """Mark a wave boundary: consumers batching by wave may now process what was emitted.
+
+        A stage must call this before it waits for capacity held by items it already emitted.
+        """
+
+
+class Stage(ABC):
+    name: ClassVar[str]
+    consumes: ClassVar[tuple[str, ...]] = ()
+    optional: ClassVar[tuple[str, ...]] = ()  # consumed only when some stage of the schedule produces it
+    produces: ClassVar[str]
+    channel: ClassVar[bool] = False  # output is an item channel rather than one value
+    Knobs: ClassVar[type] = NoKnobs
+
+    def __init__(self, knobs: Any, stream: str, rt: "Runtime"):
+        self.knobs = knobs
+        self.stream = stream
+        self.rt = rt
+
+    @abstractmethod
+    async def run(self, io: StageIO) -> Any:
+        """Do this layer's work; return the produced value (channel stages return None)."""

@@ -1,0 +1,26 @@
+"""combine: sum each token's K weighted expert outputs in a fixed order, finish the layer, add the residual.
+
+The sum runs over k = 0..K-1 of y viewed [T, K, Dx], a fixed-order reduction with no atomics, so
+the layer output is bit-identical whatever the schedule, cache size or arrival order. `finish`
+is the model's: the latent up-projection and shared expert for NemotronH, identity for Qwen3-MoE.
+"""
+
+from __future__ import annotations
+
+from sluice.stages.base import Stage, StageIO
+from sluice.stages.types import ExpertOutputs, LayerInput, LayerOutput
+
+
+class Combine(Stage):
+    name = "combine"
+    consumes = ("layer", "expert_outputs")
+    produces = "output"
+
+    async def run(self, io: StageIO) -> LayerOutput:
+        li: LayerInput = await io.value("layer")
+        out: ExpertOutputs = await io.value("expert_outputs")
+        T, K = li.x.shape[0], li.block.top_k
+        with self.rt.streams.use(self.stream):
+            routed = out.y.view(T, K, -1).sum(dim=1).to(li.x.dtype)
+            h = li.residual + li.block.finish(routed, li.x).view_as(li.residual)
+        return LayerOutput(h)

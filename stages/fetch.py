@@ -1,0 +1,98 @@
+"""fetch: find each routed expert's block in the fastest tier and bring misses into RAM.
+
+For each distinct expert of the layer: a VRAM-slot hit passes through; a RAM hit is pinned and
+emitted at once; a miss reserves a RAM slot and goes to the reader pool, and is emitted when its
+read lands (so copies of hits start while reads are in flight). When the RAM tier has no slot
+to give, the stage ends a wave and waits for a consumer to release one: a layer's experts may
+pass through a small cache in turns.
+
+Prefetch: once every demand read of the layer has landed, the predicted experts of the next MoE
+layer are read into free or evictable slots, never alongside demand reads (they would share the
+drive) and never evicting a pinned block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from sluice.stages.base import Stage, StageIO
+from sluice.stages.types import HostBlock, Prediction, Routing
+
+
+@dataclass(frozen=True)
+class FetchKnobs:
+    prefetch: bool = False  # read the predicted experts of the next layer after demand reads
+    readers: int = 8  # reader threads (one pool for the engine; the schedule's value sizes it)
+
+
+class Fetch(Stage):
+    name = "fetch"
+    consumes = ("layer", "routing")
+    optional = ("prediction",)
+    produces = "blocks"
+    channel = True
+    Knobs = FetchKnobs
+
+    async def run(self, io: StageIO) -> None:
+        routing: Routing = await io.value("routing")
+        layer = (await io.value("layer")).block.layer
+        rt = self.rt
+        pending: dict[asyncio.Future, HostBlock] = {}
+        for expert in routing.experts:
+            key = (layer, expert)
+            if rt.vram is not None and (v := rt.vram.lookup(key)) is not None:
+                rt.vram.pin(v)
+                rt.stats.tier(layer, "vram")
+                io.emit(HostBlock(expert, "vram", None, v))
+                continue
+            entry = rt.ram.lookup(key)
+            if entry is not None:
+                rt.ram.pin(entry)
+                rt.stats.tier(layer, "ram", prefetched=entry.prefetched)
+                entry.prefetched = False
+                if entry.loading:
+                    pending[entry.ready] = HostBlock(expert, "ram", entry, None)
+                else:
+                    io.emit(HostBlock(expert, "ram", entry, None))
+                continue
+            rt.stats.tier(layer, "disk")
+            entry = rt.ram.try_reserve(key)
+            if entry is None:
+                await self._drain(io, pending)
+                io.end_wave()
+                entry = await rt.ram.reserve(key)
+            entry.ready = rt.read(layer, expert, entry)
+            pending[entry.ready] = HostBlock(expert, "disk", entry, None)
+        await self._drain(io, pending)
+        io.end_wave()
+        if self.knobs.prefetch and io.has("prediction"):
+            self._prefetch(await io.value("prediction"))
+
+    async def _drain(self, io: StageIO, pending: dict[asyncio.Future, HostBlock]) -> None:
+        """Emit pending blocks as their reads land; time spent here is stall."""
+        t0 = time.perf_counter()
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                hb = pending.pop(fut)
+                fut.result()  # a failed read raises here, naming layer and expert
+                io.emit(hb)
+        self.rt.stats.stall_s += time.perf_counter() - t0
+
+    def _prefetch(self, pred: Prediction) -> None:
+        rt = self.rt
+        if pred.layer is None:
+            return
+        for expert in pred.experts:
+            key = (pred.layer, expert)
+            if key in rt.ram or (rt.vram is not None and key in rt.vram):
+                continue
+            entry = rt.ram.try_reserve(key)
+            if entry is None:
+                return
+            entry.prefetched = True
+            entry.ready = rt.read(pred.layer, expert, entry)
+            entry.ready.add_done_callback(lambda f, e=entry: rt.settle_prefetch(e, f))
+            rt.stats.prefetch_reads += 1

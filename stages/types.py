@@ -1,0 +1,79 @@
+"""What stages hand each other, per MoE layer. Shapes use the legend in models/base.py.
+
+Values are one-shot (a stage produces one per layer) or item channels (fetch -> h2d -> compute
+pass blocks one by one, so copies and compute can start before the last read lands). Anything
+made on one stream and used on another carries the event recorded after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from sluice.models.base import MoEBlock
+from sluice.storage.cache import CacheEntry
+
+
+@dataclass(frozen=True)
+class LayerInput:
+    """The coordinator's input for one MoE layer."""
+
+    block: MoEBlock
+    next_block: MoEBlock | None  # the next MoE layer (the predict stage's target), None for the last
+    x: torch.Tensor  # [T, D] MoE input (normalised), model dtype, device, compute stream
+    residual: torch.Tensor  # [1, T, D] added after the experts, device, compute stream
+
+
+@dataclass(frozen=True)
+class Routing:
+    """route -> fetch, compute, combine."""
+
+    weights: torch.Tensor  # [T, K] routing weights (MoEBlock.weight_dtype or fp32), device, compute stream
+    ids: torch.Tensor  # [T, K] int64 expert ids, CPU (the one host sync of the layer)
+    xe: torch.Tensor  # [T, Dx] expert input, model dtype, device, compute stream
+    experts: tuple[int, ...]  # distinct experts used, ascending
+    rows: dict[int, torch.Tensor]  # expert -> flat (token * K + k) positions it serves, int64, device
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """predict -> fetch: guesses for the next MoE layer, made from this layer's input."""
+
+    layer: int | None  # model layer index of the next MoE layer; None when this is the last
+    experts: tuple[int, ...]  # guessed expert ids, most likely first
+
+
+@dataclass(frozen=True)
+class HostBlock:
+    """fetch -> h2d: one block resident in a faster tier, pinned there until released."""
+
+    expert: int
+    tier: str  # where fetch found it: "vram" | "ram" | "disk"
+    ram: CacheEntry | None  # pinned RAM entry (None for a VRAM hit)
+    vram: CacheEntry | None  # pinned VRAM entry when the block is already on the GPU
+
+
+@dataclass(frozen=True)
+class DeviceBlock:
+    """h2d -> compute: one block's tensors where the compute stream can read them."""
+
+    expert: int
+    tensors: dict[str, torch.Tensor]  # slot name -> view, as stored (see storage/store.py)
+    ready: Any  # CUDA event after the copy (None on CPU or for a VRAM hit)
+    release: Callable[[Any], None]  # compute calls release(done_event) once its reads are enqueued
+
+
+@dataclass(frozen=True)
+class ExpertOutputs:
+    """compute -> combine."""
+
+    y: torch.Tensor  # [T*K, Dx] weighted output of each (token, k), combine dtype, device, compute stream
+
+
+@dataclass(frozen=True)
+class LayerOutput:
+    """combine -> the engine: the layer's output hidden state."""
+
+    h: torch.Tensor  # [1, T, D] model dtype, device, compute stream

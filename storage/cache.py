@@ -1,0 +1,140 @@
+"""A memory tier: an LRU cache of expert blocks in fixed-size slots of one arena.
+
+Used twice: the host-RAM tier (page-aligned, pinned when CUDA; filled by reader threads) and the
+VRAM slot bank (filled by H2D copies). Threading: all bookkeeping runs on the engine's event-loop
+thread; reader threads only fill slot memory and the loop learns of completion through an
+asyncio future. No locks.
+
+Invariants:
+- An entry being loaded (`ready` not done) or pinned (`pins > 0`) is never evicted.
+- Each entry remembers `busy`, the CUDA event after the last GPU work that reads its slot. When
+  the slot is handed to a new block, the new entry carries it as `reuse_after`: whoever fills
+  the slot must wait for it first (the host: event.synchronize() before a disk read; a copy
+  stream: wait_event before an H2D copy), so a slot is never overwritten while being read.
+- `lookup` changes LRU order (it counts as a use); `peek` does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+Key = tuple[int, int]  # (model layer, expert)
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    key: Key
+    slot: int
+    buf: torch.Tensor  # uint8 [block_bytes] host memory of the slot
+    ready: asyncio.Future | None = None  # pending while a reader fills the slot; None once loaded
+    pins: int = 0
+    prefetched: bool = False  # loaded by a prefetch and not yet used by a demand
+    filled: Any = None  # CUDA event after the copy that filled the slot (VRAM tier), or None
+    busy: Any = None  # CUDA event after the last GPU work reading this slot, or None
+    reuse_after: Any = None  # the previous occupant's `busy`: wait for it before filling the slot
+
+    @property
+    def loading(self) -> bool:
+        return self.ready is not None and not self.ready.done()
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # lookups that found the block (loaded or loading)
+    misses: int = 0
+    evictions: int = 0
+
+
+class BlockCache:
+    """LRU over `arena.n` slots; `arena.slot(i)` is slot i's memory (uint8 [block_bytes])."""
+
+    def __init__(self, arena: Any):
+        self.arena = arena
+        self.capacity = arena.n
+        self._entries: OrderedDict[Key, CacheEntry] = OrderedDict()  # LRU first
+        self._free = list(range(arena.n - 1, -1, -1))
+        self._released = asyncio.Event()
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._entries
+
+    def peek(self, key: Key) -> CacheEntry | None:
+        return self._entries.get(key)
+
+    def lookup(self, key: Key) -> CacheEntry | None:
+        """The entry for key (loaded or loading), marked most recently used; None if absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+            self._entries.move_to_end(key)
+        return entry
+
+    def try_reserve(self, key: Key) -> CacheEntry | None:
+        """A new pinned, empty entry for key in a free or evicted slot; None if every slot is busy."""
+        assert key not in self._entries, key
+        if self._free:
+            slot, reuse_after = self._free.pop(), None
+        else:
+            evicted = self._evict_one()
+            if evicted is None:
+                return None
+            slot, reuse_after = evicted.slot, evicted.busy
+        entry = CacheEntry(key, slot, self.arena.slot(slot), pins=1, reuse_after=reuse_after)
+        self._entries[key] = entry
+        return entry
+
+    async def reserve(self, key: Key) -> CacheEntry:
+        """Like try_reserve, waiting for a pinned entry to be released if none is evictable."""
+        while (entry := self.try_reserve(key)) is None:
+            self._released.clear()
+            await self._released.wait()
+        return entry
+
+    def pin(self, entry: CacheEntry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: CacheEntry, busy: Any = None) -> None:
+        """Release one pin; `busy` is the event after GPU work still reading the slot, if any."""
+        assert entry.pins > 0, entry.key
+        entry.pins -= 1
+        if busy is not None:
+            entry.busy = busy
+        if entry.pins == 0:
+            self._released.set()
+
+    def discard(self, entry: CacheEntry) -> None:
+        """Drop an entry whose load failed; its slot becomes free."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+            self._free.append(entry.slot)
+            self._released.set()
+
+    def entries(self) -> list[CacheEntry]:
+        return list(self._entries.values())
+
+    def clear(self) -> None:
+        """Forget every block and pin. Only when no read is in flight and the GPU is idle (error recovery)."""
+        assert not any(e.loading for e in self._entries.values())
+        self._entries.clear()
+        self._free = list(range(self.arena.n - 1, -1, -1))
+        self._released.set()
+
+    def _evict_one(self) -> CacheEntry | None:
+        for key, entry in self._entries.items():
+            if entry.pins == 0 and not entry.loading:
+                del self._entries[key]
+                self.stats.evictions += 1
+                return entry
+        return None

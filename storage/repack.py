@@ -1,0 +1,199 @@
+"""`sluice repack CKPT STORE`: checkpoint -> expert store, atomic and resumable.
+
+Work happens in STORE.partial/ (marked by its progress.json). Each MoE layer's block file is
+written to a temporary name, fsynced and renamed, then recorded in progress.json, so an
+interrupted repack resumes at the first unfinished layer. Only when everything is written is
+the folder renamed to STORE; an existing STORE is replaced only with --force, and only after
+the new one is complete. Re-running on an up-to-date store only checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+from tqdm import tqdm
+
+from sluice.errors import CheckpointError, StoreError
+from sluice.models import get_architecture
+from sluice.models.base import ExpertSpec
+from sluice.storage.checkpoint import Checkpoint
+from sluice.storage.safetensors_io import RawTensor, TensorInfo, read_bytes, write_file
+from sluice.storage.store import ExpertStore, Manifest, StoreLayer, TensorSlot, plan_layout, relay
+
+SUFFIX_ORDER = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """The checkpoint's routed-expert tensors: (layer, expert) -> slot name -> TensorInfo."""
+
+    spec: ExpertSpec
+    blocks: dict[tuple[int, int], dict[str, TensorInfo]]
+    resident: dict[str, TensorInfo]
+    slots: tuple[TensorSlot, ...]
+    block_bytes: int
+
+
+def classify(ckpt: Checkpoint, spec: ExpertSpec) -> ExpertTensors:
+    """Split tensors into routed experts and resident ones; check every expert is complete and alike."""
+    blocks: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    resident = {}
+    moe = set(spec.moe_layers)
+    for name, info in ckpt.tensors.items():
+        m = spec.pattern.match(name)
+        if m is None:
+            resident[name] = info
+            continue
+        layer, expert, raw_proj, suffix = int(m["layer"]), int(m["expert"]), m["proj"], m["suffix"]
+        proj = spec.proj_names.get(raw_proj)
+        if proj is None:
+            raise CheckpointError(f"{info.file.name}: {name!r}: unknown expert projection {raw_proj!r} (expected {', '.join(spec.proj_names)})")
+        if layer not in moe or not 0 <= expert < spec.num_experts:
+            raise CheckpointError(f"{info.file.name}: {name!r}: layer {layer} expert {expert} is not a routed expert of this config")
+        blocks.setdefault((layer, expert), {})[f"{proj}.{suffix}"] = info
+    if not spec.moe_layers:
+        raise CheckpointError(f"{ckpt.path}: config has no MoE layers")
+    first = blocks.get((spec.moe_layers[0], 0))
+    if not first:
+        raise CheckpointError(f"{ckpt.path}: no routed-expert tensors found for layer {spec.moe_layers[0]} (fused 3-D expert tensors are not supported)")
+    entries = []
+    for proj in spec.projs:
+        for suffix in SUFFIX_ORDER:
+            info = first.get(f"{proj}.{suffix}")
+            if info is not None:
+                entries.append((proj, suffix, info.shape, info.dtype, info.nbytes, proj in spec.relaid and len(info.shape) == 2))
+    slots, block_bytes = plan_layout(entries)
+    names = {s.name: s for s in slots}
+    for layer in spec.moe_layers:
+        for expert in range(spec.num_experts):
+            found = blocks.get((layer, expert), {})
+            for slot_name, slot in names.items():
+                info = found.get(slot_name)
+                if info is None:
+                    raise CheckpointError(f"{ckpt.path}: layer {layer} expert {expert}: tensor {slot_name} is missing")
+                if info.shape != slot.shape or info.dtype != slot.dtype:
+                    raise CheckpointError(f"{info.file.name}: {info.name!r} is {info.dtype}{list(info.shape)}, other experts have {slot.dtype}{list(slot.shape)}")
+            extra = set(found) - set(names)
+            if extra:
+                raise CheckpointError(f"{ckpt.path}: layer {layer} expert {expert}: unexpected tensors {sorted(extra)}")
+    return ExpertTensors(spec, blocks, resident, slots, block_bytes)
+
+
+def build_block(tensors: dict[str, TensorInfo], slots: tuple[TensorSlot, ...], block_bytes: int, fds: dict) -> bytearray:
+    block = bytearray(block_bytes)
+    for slot in slots:
+        data = relay(read_bytes(tensors[slot.name], fds), slot)
+        block[slot.offset : slot.offset + slot.nbytes] = data
+    return block
+
+
+def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, progress: bool = True) -> ExpertStore:
+    ckpt = Checkpoint.open(ckpt_path)
+    arch = get_architecture(ckpt.model_type)
+    spec = arch.expert_spec(ckpt.hf_config())
+    ex = classify(ckpt, spec)
+    source = ckpt.fingerprint()
+    store_path = Path(store_path)
+
+    if store_path.exists():
+        current = _existing_source(store_path)
+        if current is not None and current.get("sha256") == source["sha256"] and not force:
+            return ExpertStore.open(store_path)  # up to date: opening checks sizes and files
+        if not force:
+            raise StoreError(f"{store_path} already exists{' and holds another checkpoint' if current else ''}; pass --force to replace it")
+
+    work = store_path.with_name(store_path.name + ".partial")
+    done = _resume_state(work, source)
+    (work / "experts").mkdir(parents=True, exist_ok=True)
+
+    layers = []
+    total = len(spec.moe_layers) * spec.num_experts * ex.block_bytes
+    fds: dict[Path, int] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"repack {ckpt.path.name}", disable=not progress)
+    try:
+        for layer in spec.moe_layers:
+            rel = f"experts/layer_{layer:03d}.bin"
+            if str(layer) in done["layers"]:
+                layers.append(StoreLayer(layer, rel, tuple(done["layers"][str(layer)])))
+                bar.update(spec.num_experts * ex.block_bytes)
+                continue
+            sums = []
+            tmp = work / (rel + ".tmp")
+            with open(tmp, "wb") as f:
+                for expert in range(spec.num_experts):
+                    block = build_block(ex.blocks[(layer, expert)], ex.slots, ex.block_bytes, fds)
+                    sums.append(xxhash.xxh64(block).hexdigest())
+                    f.write(block)
+                    bar.update(len(block))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, work / rel)
+            layers.append(StoreLayer(layer, rel, tuple(sums)))
+            done["layers"][str(layer)] = sums
+            _write_json(work / "progress.json", done)
+    finally:
+        bar.close()
+        for fd in fds.values():
+            os.close(fd)
+
+    tmp = work / "resident.safetensors.tmp"
+    write_file(tmp, [RawTensor(i.name, i.dtype, i.shape, source=i) for i in ex.resident.values()], {"format": "pt"})
+    os.replace(tmp, work / "resident.safetensors")
+    for f in ckpt.side_files():
+        shutil.copyfile(f, work / f.name)
+    manifest = Manifest(arch.model_type, spec.kind, spec.num_experts, spec.top_k, ex.block_bytes, ex.slots, tuple(layers), source)
+    _write_json(work / "manifest.json", manifest.to_json())
+    (work / "progress.json").unlink()
+    _swap_into_place(work, store_path)
+    return ExpertStore.open(store_path)
+
+
+def _existing_source(store_path: Path) -> dict | None:
+    try:
+        return json.loads((store_path / "manifest.json").read_text()).get("source")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def _resume_state(work: Path, source: dict) -> dict:
+    """progress.json of an interrupted repack of the same source, or a fresh one."""
+    fresh = {"source": source, "layers": {}}
+    if not work.exists():
+        return fresh
+    progress = work / "progress.json"
+    try:
+        state = json.loads(progress.read_text())
+    except (OSError, json.JSONDecodeError):
+        state = None
+    if state is None:
+        if any(work.iterdir()):
+            raise StoreError(f"{work} exists but is not an unfinished Sluice repack (no progress.json); move it away")
+        return fresh
+    if state.get("source", {}).get("sha256") != source["sha256"]:
+        shutil.rmtree(work)  # our own unfinished work for a different checkpoint
+        return fresh
+    return state
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _swap_into_place(work: Path, store_path: Path) -> None:
+    if not store_path.exists():
+        os.replace(work, store_path)
+        return
+    old = store_path.with_name(store_path.name + f".old-{os.getpid()}")
+    os.replace(store_path, old)
+    os.replace(work, store_path)
+    shutil.rmtree(old, ignore_errors=True)

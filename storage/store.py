@@ -1,0 +1,202 @@
+"""The expert store on disk: one 4 KiB-aligned block per (MoE layer, expert), and its manifest.
+
+    STORE/
+      manifest.json              format version, source identity, block layout, xxh64 per block
+      experts/layer_LLL.bin      E blocks of `block_bytes` each, expert e at offset e * block_bytes
+      resident.safetensors       every tensor that is not a routed expert, in the checkpoint's bytes
+      config.json, tokenizer*    copied from the checkpoint
+
+A block holds the expert's tensors back to back (each at a 256-byte aligned offset), in the
+checkpoint's own dtype and bytes. ReLU^2 experts' `down` [Dx, I] is stored transposed, [I, Dx]:
+a pure byte permutation that makes each neuron's weights contiguous, so a kernel can read only
+the 16-neuron groups that are live after ReLU^2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluice.errors import StoreError
+from sluice.storage.safetensors_io import DTYPES
+
+FORMAT = "sluice-expert-store"
+VERSION = 1
+PAGE = 4096
+TENSOR_ALIGN = 256
+
+
+def round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one expert tensor sits inside every block of the store."""
+
+    name: str  # "<proj>.<suffix>", e.g. "down.weight"
+    proj: str  # up | gate | down
+    suffix: str  # weight | weight_scale | weight_scale_2 | input_scale
+    offset: int  # bytes from the block start
+    nbytes: int
+    shape: tuple[int, ...]  # the checkpoint's shape
+    dtype: str  # safetensors dtype name
+    relaid: bool  # stored transposed (2-D only)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape)) if self.relaid else self.shape
+
+    def view(self, block: torch.Tensor) -> torch.Tensor:
+        """This tensor inside a block buffer (uint8 [block_bytes]), as stored (relaid: transposed)."""
+        return block[self.offset : self.offset + self.nbytes].view(DTYPES[self.dtype]).view(self.stored_shape)
+
+    def to_json(self) -> dict:
+        return {**self.__dict__, "shape": list(self.shape)}
+
+
+def plan_layout(entries: list[tuple[str, str, tuple[int, ...], str, int, bool]]) -> tuple[tuple[TensorSlot, ...], int]:
+    """Lay tensors (proj, suffix, shape, dtype, nbytes, relaid) out in order. Returns (slots, block_bytes)."""
+    slots, offset = [], 0
+    for proj, suffix, shape, dtype, nbytes, relaid in entries:
+        offset = round_up(offset, TENSOR_ALIGN)
+        if relaid and len(shape) != 2:
+            raise StoreError(f"cannot re-lay {proj}.{suffix}: shape {list(shape)} is not 2-D")
+        slots.append(TensorSlot(f"{proj}.{suffix}", proj, suffix, offset, nbytes, tuple(shape), dtype, relaid))
+        offset += nbytes
+    return tuple(slots), round_up(max(offset, 1), PAGE)
+
+
+def relay(data: bytes, slot: TensorSlot) -> bytes:
+    """Checkpoint bytes -> stored bytes (transpose when re-laid). A byte permutation: same size."""
+    if not slot.relaid:
+        return data
+    return _transpose_bytes(data, slot.shape, slot.dtype)
+
+
+def unrelay(data: bytes, slot: TensorSlot) -> bytes:
+    """Stored bytes -> checkpoint bytes; the inverse of `relay`."""
+    if not slot.relaid:
+        return data
+    return _transpose_bytes(data, slot.stored_shape, slot.dtype)
+
+
+def _transpose_bytes(data: bytes, shape: tuple[int, ...], dtype: str) -> bytes:
+    rows, cols = shape
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(rows, cols, -1)
+    return t.permute(1, 0, 2).contiguous().numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class StoreLayer:
+    layer: int  # model layer index
+    file: str  # relative to the store
+    checksums: tuple[str, ...]  # xxh64 hex per expert
+
+
+@dataclass(frozen=True)
+class Manifest:
+    architecture: str
+    kind: str  # relu2 | swiglu
+    num_experts: int
+    top_k: int
+    block_bytes: int
+    slots: tuple[TensorSlot, ...]
+    layers: tuple[StoreLayer, ...]
+    source: dict
+    resident: str = "resident.safetensors"
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "architecture": self.architecture,
+            "expert_kind": self.kind,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "block_bytes": self.block_bytes,
+            "checksum": "xxh64",
+            "tensors": [s.to_json() for s in self.slots],
+            "layers": [{"layer": l.layer, "file": l.file, "checksums": list(l.checksums)} for l in self.layers],
+            "source": self.source,
+            "resident": self.resident,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, where: Path) -> "Manifest":
+        if d.get("format") != FORMAT:
+            raise StoreError(f"{where}: not a Sluice expert store manifest (format={d.get('format')!r})")
+        if d.get("version") != VERSION:
+            raise StoreError(f"{where}: store format version {d.get('version')} is not supported (expected {VERSION}); repack with --force")
+        try:
+            slots = tuple(TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
+            layers = tuple(StoreLayer(l["layer"], l["file"], tuple(l["checksums"])) for l in d["layers"])
+            return cls(d["architecture"], d["expert_kind"], d["num_experts"], d["top_k"], d["block_bytes"], slots, layers, d["source"], d.get("resident", "resident.safetensors"))
+        except (KeyError, TypeError) as e:
+            raise StoreError(f"{where}: malformed manifest ({e!r})") from None
+
+
+class ExpertStore:
+    """An opened store: where each block lives and how to view its tensors. Immutable; thread-safe."""
+
+    def __init__(self, path: Path, manifest: Manifest):
+        self.path = path
+        self.manifest = manifest
+        self.block_bytes = manifest.block_bytes
+        self.slots = {s.name: s for s in manifest.slots}
+        self._layers = {l.layer: l for l in manifest.layers}
+        self.moe_layers = tuple(l.layer for l in manifest.layers)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "ExpertStore":
+        path = Path(path)
+        mf = path / "manifest.json"
+        if not mf.is_file():
+            raise StoreError(f"{path}: no manifest.json (not an expert store, or its repack did not finish)")
+        try:
+            manifest = Manifest.from_json(json.loads(mf.read_text()), mf)
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{mf}: not valid JSON ({e})") from None
+        store = cls(path, manifest)
+        expected = manifest.num_experts * manifest.block_bytes
+        for l in manifest.layers:
+            f = path / l.file
+            if not f.is_file():
+                raise StoreError(f"{path}: block file for layer {l.layer} is missing: {l.file}")
+            size = f.stat().st_size
+            if size != expected:
+                raise StoreError(f"{f}: {size} bytes, expected {expected} ({manifest.num_experts} blocks of {manifest.block_bytes}); truncated store?")
+            if len(l.checksums) != manifest.num_experts:
+                raise StoreError(f"{mf}: layer {l.layer} has {len(l.checksums)} checksums for {manifest.num_experts} experts")
+        if not (path / manifest.resident).is_file():
+            raise StoreError(f"{path}: {manifest.resident} is missing")
+        return store
+
+    @property
+    def num_experts(self) -> int:
+        return self.manifest.num_experts
+
+    @property
+    def total_blocks(self) -> int:
+        return self.num_experts * len(self.moe_layers)
+
+    def file(self, layer: int) -> Path:
+        return self.path / self._layer(layer).file
+
+    def offset(self, expert: int) -> int:
+        return expert * self.block_bytes
+
+    def checksum(self, layer: int, expert: int) -> int:
+        return int(self._layer(layer).checksums[expert], 16)
+
+    def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: slot.view(block) for name, slot in self.slots.items()}
+
+    def _layer(self, layer: int) -> StoreLayer:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise StoreError(f"{self.path}: layer {layer} is not a MoE layer of this store") from None

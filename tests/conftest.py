@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random checkpoints (saved by transformers' save_pretrained), their stores,
+and transformers reference models in fp32 with eager experts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice.models.tiny import make_tiny_checkpoint
+from sluice.storage.repack import repack
+
+# name -> (architecture, config overrides). Experts and routers are scaled so experts decide the output.
+VARIANTS = {
+    "nemotron_h": ("nemotron_h", {}),
+    "nemotron_h_latent": ("nemotron_h", {"moe_latent_size": 32}),
+    "nemotron_h_groups": ("nemotron_h", {"n_group": 4, "topk_group": 2, "moe_latent_size": 48}),
+    "qwen3_moe": ("qwen3_moe", {}),
+}
+PROMPT = [5, 17, 42, 99, 3, 250, 77, 8, 61, 130, 12, 201]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sluice_home(tmp_path_factory):
+    os.environ["SLUICE_HOME"] = str(tmp_path_factory.mktemp("sluice-home"))
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_tiny_checkpoint(root / name, arch, seed=i, **over) for i, (name, (arch, over)) in enumerate(VARIANTS.items())}
+
+
+@pytest.fixture(scope="session")
+def stores(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stores")
+    return {name: repack(path, root / name, progress=False).path for name, path in checkpoints.items()}
+
+
+class References:
+    """transformers' own models on the same checkpoints, fp32 on CPU, eager experts; loaded once."""
+
+    def __init__(self, checkpoints):
+        self.checkpoints = checkpoints
+        self._models = {}
+        self._greedy = {}
+
+    def model(self, name):
+        if name not in self._models:
+            from transformers import AutoModelForCausalLM
+
+            self._models[name] = AutoModelForCausalLM.from_pretrained(
+                self.checkpoints[name], dtype=torch.float32, experts_implementation="eager"
+            ).eval()
+        return self._models[name]
+
+    @torch.no_grad()
+    def logits(self, name, ids) -> torch.Tensor:
+        return self.model(name)(torch.tensor([ids])).logits[0].float()
+
+    @torch.no_grad()
+    def greedy(self, name, ids, n=32) -> list[int]:
+        """Greedy decoding one token per step from transformers' own cache (no EOS handling)."""
+        key = (name, tuple(ids), n)
+        if key not in self._greedy:
+            model, new = self.model(name), []
+            out = model(torch.tensor([ids]), use_cache=True)
+            for _ in range(n):
+                new.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[new[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            self._greedy[key] = new
+        return self._greedy[key]
+
+
+@pytest.fixture(scope="session")
+def refs(checkpoints) -> References:
+    return References(checkpoints)

@@ -1,0 +1,76 @@
+"""The block cache (RAM tier and VRAM bank): LRU order, pins, loading entries, waiting, counters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sluice.storage.cache import BlockCache
+from sluice.storage.reader import HostArena
+
+
+def cache(n=3) -> BlockCache:
+    return BlockCache(HostArena(n, 4096, pin=False))
+
+
+def fill(c: BlockCache, key):
+    e = c.try_reserve(key)
+    c.unpin(e)
+    return e
+
+
+def test_lru_order_and_counters():
+    c = cache(3)
+    for k in [(0, 0), (0, 1), (0, 2)]:
+        fill(c, k)
+    assert c.lookup((0, 0)) is not None  # (0,0) becomes most recent
+    assert c.lookup((0, 9)) is None
+    fill(c, (0, 3))  # evicts the least recently used: (0,1)
+    assert (0, 1) not in c and (0, 0) in c and (0, 2) in c
+    assert (c.stats.hits, c.stats.misses, c.stats.evictions) == (1, 1, 1)
+    assert c.peek((0, 2)) is not None and c.stats.hits == 1  # peek does not count or reorder
+
+
+def test_pinned_and_loading_entries_are_never_evicted():
+    c = cache(2)
+    pinned = c.try_reserve((1, 0))  # pinned until unpinned
+    loading = c.try_reserve((1, 1))
+    loop = asyncio.new_event_loop()
+    loading.ready = loop.create_future()
+    c.unpin(loading)  # unpinned but still loading
+    assert c.try_reserve((1, 2)) is None
+    loading.ready.set_result(4096)
+    e = c.try_reserve((1, 2))
+    assert e.slot == loading.slot and (1, 1) not in c and (1, 0) in c
+    c.unpin(pinned)
+    loop.close()
+
+
+def test_reserve_waits_for_a_release():
+    async def main():
+        c = cache(1)
+        held = c.try_reserve((2, 0))
+        waiter = asyncio.create_task(c.reserve((2, 1)))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        c.unpin(held)
+        got = await asyncio.wait_for(waiter, 1)
+        assert got.key == (2, 1) and (2, 0) not in c
+
+    asyncio.run(main())
+
+
+def test_slot_reuse_carries_the_previous_readers_event():
+    c = cache(1)
+    e = c.try_reserve((3, 0))
+    c.unpin(e, busy="copy-event")
+    again = c.try_reserve((3, 1))
+    assert again.slot == e.slot and again.reuse_after == "copy-event"
+
+
+def test_arena_slots_are_page_aligned():
+    a = HostArena(5, 8192, pin=False)
+    assert all(a.slot(i).data_ptr() % 4096 == 0 for i in range(5))
+    with pytest.raises(ValueError):
+        HostArena(2, 1000, pin=False)

@@ -1,0 +1,34 @@
+"""The command line: the README's first command on the default model, repack/verify, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from sluice.cli import main
+
+
+def test_generate_default_model_from_a_fresh_home(tmp_path):
+    env = {"SLUICE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "generate", "--prompt", "Hello", "--max-new-tokens", "6", "--device", "cpu"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "RANDOM weights" in r.stderr and "6 new tokens" in r.stderr
+    assert (tmp_path / "models" / "tiny-random-nemotron_h" / "config.json").exists()
+
+
+def test_repack_and_verify_commands(checkpoints, tmp_path, capsys):
+    store = tmp_path / "store"
+    assert main(["repack", str(checkpoints["qwen3_moe"]), str(store)]) == 0
+    assert main(["verify", str(store)]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["repack", str(checkpoints["nemotron_h"]), str(store)]) == 1
+    assert "--force" in capsys.readouterr().err
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sluice: error:") and "Traceback" not in err

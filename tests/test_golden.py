@@ -1,0 +1,135 @@
+"""Golden tests: Sluice against transformers' own model on the same checkpoint (fp32, CPU, eager experts).
+
+Tolerance: both sides run the same resident modules in fp32; they differ only in the order in
+which routed-expert outputs are summed (Sluice: a fixed-order sum over k per token; transformers:
+index_add_ over experts) and in BLAS blocking of the expert matmuls. Each is a rounding-level
+(~1e-7 relative) difference, amplified through a few layers; LOGIT_ATOL = 1e-4 leaves two orders
+of magnitude of headroom over what we observe (~1e-6) while a wrong expert, weight or layout
+moves logits by O(0.1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import sluice
+from sluice.errors import CorruptBlockError
+from tests.conftest import PROMPT, VARIANTS
+
+LOGIT_ATOL = 1e-4
+SCHEDULES = ("serial", "overlap")
+
+
+def mean_kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    p = torch.log_softmax(ref.double(), -1)
+    q = torch.log_softmax(got.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def ram_sizes(store) -> list[int]:
+    """RAM caches from the smallest the engine accepts (one block) to every block of the store."""
+    from sluice.storage.store import ExpertStore
+
+    s = ExpertStore.open(store)
+    return [s.block_bytes, 3 * s.block_bytes, s.total_blocks * s.block_bytes]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_transformers(variant, schedule, stores, refs):
+    ref_logits = refs.logits(variant, PROMPT)
+    ref_tokens = refs.greedy(variant, PROMPT, 32)
+    for ram in ram_sizes(stores[variant]):
+        with sluice.load(stores[variant], device="cpu", schedule=schedule, ram_cache=ram) as engine:
+            logits = engine.forward(PROMPT)
+            assert logits.shape == ref_logits.shape
+            diff = (logits - ref_logits).abs().max().item()
+            assert diff <= LOGIT_ATOL, f"{variant}/{schedule}/ram={ram}: max |dlogit| {diff:.3g}"
+            assert mean_kl(ref_logits, logits) < 1e-8
+            tokens = engine.generate(PROMPT, 32)
+            assert tokens == ref_tokens, f"{variant}/{schedule}/ram={ram}: greedy tokens differ"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_bit_identical_across_runs_schedules_and_caches(variant, stores):
+    outputs = []
+    for schedule in SCHEDULES:
+        for ram in ram_sizes(stores[variant])[::2]:
+            with sluice.load(stores[variant], device="cpu", schedule=schedule, ram_cache=ram) as engine:
+                outputs.append(engine.forward(PROMPT))
+                outputs.append(engine.forward(PROMPT))  # warm cache, same engine
+    for o in outputs[1:]:
+        assert torch.equal(o, outputs[0])
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
+def test_experts_decide_the_output(variant, checkpoints, refs):
+    """Zeroing every routed expert must change most greedy tokens, else the golden test could not fail."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[variant], dtype=torch.float32, experts_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.zero_()
+        ids, out = [], model(torch.tensor([PROMPT]), use_cache=True)
+        for _ in range(32):
+            ids.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    same = sum(a == b for a, b in zip(ids, refs.greedy(variant, PROMPT, 32)))
+    assert same <= 8, f"only {32 - same}/32 tokens changed without experts"
+
+
+def _swap_blocks(store, dst, layer: int, a: int, b: int) -> None:
+    """Copy a store, swapping two experts' blocks and their checksums (so only the golden check can see it)."""
+    shutil.copytree(store, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    entry = next(l for l in manifest["layers"] if l["layer"] == layer)
+    n = manifest["block_bytes"]
+    path = dst / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[a * n : (a + 1) * n], data[b * n : (b + 1) * n] = data[b * n : (b + 1) * n], data[a * n : (a + 1) * n]
+    path.write_bytes(data)
+    sums = entry["checksums"]
+    sums[a], sums[b] = sums[b], sums[a]
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
+def test_swapped_experts_diverge(variant, stores, refs, tmp_path):
+    """A wrong expert permutation passes checksums but must fail the golden comparison."""
+    with sluice.load(stores[variant], device="cpu") as engine:
+        layer = engine.model.moe_blocks[0].layer
+        used = engine.forward(PROMPT)  # noqa: F841 - warm; find experts the prompt uses
+        routed = engine.rt.ram.entries()
+    experts = sorted({e.key[1] for e in routed if e.key[0] == layer})
+    bad = tmp_path / "swapped"
+    _swap_blocks(stores[variant], bad, layer, experts[0], experts[1])
+    with sluice.load(bad, device="cpu") as engine:
+        diff = (engine.forward(PROMPT) - refs.logits(variant, PROMPT)).abs().max().item()
+    assert diff > 100 * LOGIT_ATOL
+
+
+def test_corrupt_block_is_named(stores, tmp_path):
+    bad = tmp_path / "corrupt"
+    shutil.copytree(stores["nemotron_h"], bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    layer = manifest["layers"][0]
+    n = manifest["block_bytes"]
+    path = bad / layer["file"]
+    data = bytearray(path.read_bytes())
+    for expert in range(manifest["num_experts"]):  # every block of the first MoE layer
+        data[expert * n + 100] ^= 0xFF
+    path.write_bytes(data)
+    with sluice.load(bad, device="cpu") as engine:
+        with pytest.raises(CorruptBlockError, match=rf"layer {layer['layer']}, expert \d+"):
+            engine.forward(PROMPT)
+        # the engine recovers: a fresh sequence on a store-independent path still reports the same error
+        with pytest.raises(CorruptBlockError):
+            engine.forward(PROMPT)
+    with sluice.load(bad, device="cpu", verify_checksums=False) as engine:
+        assert engine.forward(PROMPT).shape[0] == len(PROMPT)  # unverified reads run (wrongly) instead

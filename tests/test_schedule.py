@@ -1,0 +1,69 @@
+"""Schedule validation: every bad input names its culprit; the bundled schedules load."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from sluice.errors import ScheduleError
+from sluice.pipeline.schedule import SCHEDULES_DIR, load_schedule, parse_schedule
+
+BASE = {
+    "name": "t",
+    "stages": {"route": {}, "predict": {"after": ["route"]}, "fetch": {"prefetch": True}, "h2d": {"stream": "copy"}, "compute": {}, "combine": {}},
+}
+
+
+def with_stage(name, body):
+    doc = {"name": "t", "stages": {**BASE["stages"], name: body}}
+    return doc
+
+
+@pytest.mark.parametrize("path", sorted(SCHEDULES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_bundled_schedules_load(path):
+    s = load_schedule(path)
+    order = [st.name for st in s.stages]
+    assert order.index("route") < order.index("fetch") < order.index("h2d") < order.index("compute") < order.index("combine")
+    assert load_schedule(path.stem).name == s.name
+
+
+def test_serial_waits_and_overlap_streams():
+    serial, overlap = load_schedule("serial"), load_schedule("overlap")
+    assert serial.stage("h2d").after == ("fetch",) and serial.stage("h2d").stream == "compute"
+    assert serial.stage("predict") is None
+    assert overlap.stage("h2d").stream == "copy" and overlap.stage("h2d").after == ()
+    assert overlap.stage("fetch").knobs.prefetch is True
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({**BASE, "colour": "red"}, "unknown key 'colour'"),
+        (with_stage("fetch", {"prefech": True}), "stage 'fetch': unknown key 'prefech'"),
+        (with_stage("fetch", {"prefetch": "yes"}), "'prefetch' must be bool"),
+        (with_stage("fetch", {"readers": -2}), "'readers' must be >= 0"),
+        (with_stage("h2d", {"stream": "side"}), "'stream' must be one of compute, copy"),
+        (with_stage("compute", {"after": ["shuffle"]}), "runs after 'shuffle', which is not in the schedule"),
+        (with_stage("route", {"after": ["combine"]}), "cycle in the stage graph: route -> combine -> .* -> route"),
+        (with_stage("combine", {"after": ["fetch"]}), "streaming stage whose output it does not consume"),
+        ({"name": "t", "stages": {**BASE["stages"], "prefetcher": {}}}, "unknown stage 'prefetcher'"),
+        ({"name": "t", "stages": {k: v for k, v in BASE["stages"].items() if k != "h2d"}}, "required stage\\(s\\) missing: h2d"),
+        ({"name": "t", "stages": []}, "'stages' must be a non-empty mapping"),
+        ([1, 2], "a schedule is a mapping"),
+    ],
+)
+def test_bad_schedules_are_named(doc, message):
+    with pytest.raises(ScheduleError, match=message):
+        parse_schedule(doc, "test.yaml")
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ScheduleError, match="no schedule named 'fastest'"):
+        load_schedule("fastest")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: {route: [}")
+    with pytest.raises(ScheduleError, match="bad.yaml: not valid YAML"):
+        load_schedule(bad)
+    good = tmp_path / "mine.yaml"
+    good.write_text(yaml.safe_dump(BASE))
+    assert load_schedule(good).name == "t"
