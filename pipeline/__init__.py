@@ -1,0 +1,1 @@
+"""Stage graph, coordinator, runtime, streams, trace, engine."""

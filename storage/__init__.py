@@ -1,0 +1,1 @@
+"""Checkpoint reading, repack, the expert store, readers and the block cache."""
