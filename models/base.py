@@ -215,6 +215,22 @@ def _config_dtype(hf_config: Any) -> torch.dtype:
     return dtype
 
 
+def cache_kw(cache: Any) -> dict:
+    """The cache keyword of transformers' forward functions: `cache` from 5.2x on, `past_key_values` before."""
+    return {_CACHE_KW: cache}
+
+
+def _cache_keyword() -> str:
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+_CACHE_KW = _cache_keyword()
+
+
 def default_expert_pattern(prefix: str, experts_path: str) -> re.Pattern:
     """Regex for per-expert tensors: {prefix}layers.L.{experts_path}.E.PROJ.SUFFIX."""
     return re.compile(

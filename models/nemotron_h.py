@@ -22,6 +22,7 @@ from sluice.models.base import (
     ResidentModel,
     StreamedExperts,
     build_hf_model,
+    cache_kw,
     default_expert_pattern,
 )
 
@@ -63,10 +64,10 @@ class _MixerLayer(Layer):
     def forward(self, h, ctx: _Ctx):
         return self.block(
             h,
-            past_key_values=ctx.cache,
             attention_mask=ctx.masks.get(self.block.block_type),
             position_ids=ctx.position_ids,
             use_cache=True,
+            **cache_kw(ctx.cache),
         )
 
 
@@ -120,7 +121,7 @@ class NemotronHResident(ResidentModel):
 
         h = self.hf.model.embeddings(ids)
         position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
-        kw = dict(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=cache, position_ids=position_ids)
+        kw = dict(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
         masks = {"full_attention": create_causal_mask(**kw), "linear_attention": create_recurrent_attention_mask(**kw)}
         return h, _Ctx(cache, position_ids, masks)
 

@@ -20,6 +20,7 @@ from sluice.models.base import (
     ResidentModel,
     StreamedExperts,
     build_hf_model,
+    cache_kw,
     default_expert_pattern,
 )
 
@@ -63,9 +64,9 @@ def _attn_kwargs(ctx: _Ctx) -> dict:
     return dict(
         attention_mask=ctx.mask,
         position_ids=ctx.position_ids,
-        past_key_values=ctx.cache,
         use_cache=True,
         position_embeddings=ctx.position_embeddings,
+        **cache_kw(ctx.cache),
     )
 
 
@@ -136,7 +137,7 @@ class Qwen3MoeResident(ResidentModel):
         h = model.embed_tokens(ids)
         position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
         mask_fn = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
-        mask = mask_fn(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=cache, position_ids=position_ids)
+        mask = mask_fn(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
         return h, _Ctx(cache, position_ids, mask, model.rotary_emb(h, position_ids=position_ids))
 
     def head(self, h):

@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from sluice.models.base import cache_kw
 from sluice.models.tiny import make_tiny_checkpoint
 from sluice.storage.repack import repack
+from tests.common import VARIANTS
 
-# name -> (architecture, config overrides). Experts and routers are scaled so experts decide the output.
-VARIANTS = {
-    "nemotron_h": ("nemotron_h", {}),
-    "nemotron_h_latent": ("nemotron_h", {"moe_latent_size": 32}),
-    "nemotron_h_groups": ("nemotron_h", {"n_group": 4, "topk_group": 2, "moe_latent_size": 48}),
-    "qwen3_moe": ("qwen3_moe", {}),
-}
-PROMPT = [5, 17, 42, 99, 3, 250, 77, 8, 61, 130, 12, 201]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -70,7 +64,7 @@ class References:
             out = model(torch.tensor([ids]), use_cache=True)
             for _ in range(n):
                 new.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[new[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = model(torch.tensor([[new[-1]]]), use_cache=True, **cache_kw(out.past_key_values))
             self._greedy[key] = new
         return self._greedy[key]
 

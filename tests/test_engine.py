@@ -12,21 +12,21 @@ from sluice.errors import ConfigError, SluiceError, StoreError
 from sluice.pipeline.config import parse_size
 from sluice.pipeline.sampling import Sampler
 from sluice.stages import STAGES
-from tests.conftest import PROMPT
+from tests.common import DEVICE, PROMPT
 
 
 def test_checkpoint_path_is_repacked_once(checkpoints):
-    with sluice.load(checkpoints["qwen3_moe"], device="cpu", progress=False) as a:
+    with sluice.load(checkpoints["qwen3_moe"], device=DEVICE, progress=False) as a:
         first = a.store.path
         logits = a.forward(PROMPT)
     mtime = (first / "manifest.json").stat().st_mtime_ns
-    with sluice.load(checkpoints["qwen3_moe"], device="cpu", progress=False) as b:
+    with sluice.load(checkpoints["qwen3_moe"], device=DEVICE, progress=False) as b:
         assert b.store.path == first and torch.equal(b.forward(PROMPT), logits)
     assert (first / "manifest.json").stat().st_mtime_ns == mtime
 
 
 def test_stream_equals_generate_and_sampling_is_seeded(stores):
-    with sluice.load(stores["nemotron_h_latent"], device="cpu") as engine:
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
         assert list(engine.stream(PROMPT, 10)) == engine.generate(PROMPT, 10)
         a = engine.generate(PROMPT, 12, temperature=0.8, top_p=0.9, seed=7)
         b = engine.generate(PROMPT, 12, temperature=0.8, top_p=0.9, seed=7)
@@ -36,7 +36,7 @@ def test_stream_equals_generate_and_sampling_is_seeded(stores):
 
 
 def test_extend_continues_a_sequence_like_one_long_prompt(stores):
-    with sluice.load(stores["qwen3_moe"], device="cpu") as engine:
+    with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         whole = engine.forward(PROMPT)
         seq = engine.new_sequence()
         engine.extend(seq, PROMPT[:5])
@@ -61,7 +61,7 @@ def test_bad_settings_are_named(stores, tmp_path):
         sluice.load(stores["qwen3_moe"], device="gpu")
     with pytest.raises(StoreError, match="neither an expert store"):
         sluice.load(tmp_path)
-    with sluice.load(stores["qwen3_moe"], device="cpu") as engine:
+    with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         with pytest.raises(SluiceError, match="empty"):
             engine.generate([], 3)
     assert parse_size("1.5GiB", "x") == 1536 * 1024**2 and parse_size("512MB", "x") == 512 * 10**6
@@ -69,15 +69,17 @@ def test_bad_settings_are_named(stores, tmp_path):
 
 def test_trace_files(stores, tmp_path):
     trace = tmp_path / "t.json"
-    with sluice.load(stores["nemotron_h_latent"], device="cpu", trace=str(trace), ram_cache="64KiB") as engine:
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE, trace=str(trace), ram_cache="64KiB") as engine:
         engine.generate(PROMPT, 3)
         summary = engine.rt.tracer.summary()
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert names == set(STAGES)  # span names are the stage file names
-    assert {e["tid"] for e in events if e.get("ph") == "X"} == {f"host/{n}" for n in STAGES}
+    assert {e["tid"] for e in events if e.get("ph") == "X" and e["pid"] == 1} == {f"host/{n}" for n in STAGES}
     assert any(e["name"] == "read" and e["ph"] == "b" for e in events)
     lines = [json.loads(l) for l in (tmp_path / "t.json.jsonl").read_text().splitlines()]
-    assert {l["stage"] for l in lines} == set(STAGES) and all(l["host_us"] >= 0 for l in lines)
+    host = [l for l in lines if l["event"] == "stage"]
+    assert {l["stage"] for l in host} == set(STAGES) and all(l["host_us"] >= 0 for l in host)
+    assert all(l["gpu_us"] >= 0 for l in lines if l["event"] == "gpu")  # CUDA only
     n_moe = 3
     assert summary["route"]["count"] == 3 * n_moe  # 3 steps x 3 MoE layers

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import sluice
+from sluice.models.base import cache_kw
 from sluice.errors import CorruptBlockError
-from tests.conftest import PROMPT, VARIANTS
+from tests.common import DEVICE, PROMPT, VARIANTS
 
 LOGIT_ATOL = 1e-4
 SCHEDULES = ("serial", "overlap")
@@ -43,15 +44,18 @@ def ram_sizes(store) -> list[int]:
 def test_matches_transformers(variant, schedule, stores, refs):
     ref_logits = refs.logits(variant, PROMPT)
     ref_tokens = refs.greedy(variant, PROMPT, 32)
+    vram_slots = (1, None) if DEVICE.startswith("cuda") else (None,)  # the smallest VRAM bank, and the default
     for ram in ram_sizes(stores[variant]):
-        with sluice.load(stores[variant], device="cpu", schedule=schedule, ram_cache=ram) as engine:
-            logits = engine.forward(PROMPT)
-            assert logits.shape == ref_logits.shape
-            diff = (logits - ref_logits).abs().max().item()
-            assert diff <= LOGIT_ATOL, f"{variant}/{schedule}/ram={ram}: max |dlogit| {diff:.3g}"
-            assert mean_kl(ref_logits, logits) < 1e-8
-            tokens = engine.generate(PROMPT, 32)
-            assert tokens == ref_tokens, f"{variant}/{schedule}/ram={ram}: greedy tokens differ"
+        for vram in vram_slots:
+            where = f"{variant}/{schedule}/ram={ram}/vram={vram}"
+            with sluice.load(stores[variant], device=DEVICE, schedule=schedule, ram_cache=ram, vram_slots=vram) as engine:
+                logits = engine.forward(PROMPT)
+                assert logits.shape == ref_logits.shape
+                diff = (logits - ref_logits).abs().max().item()
+                assert diff <= LOGIT_ATOL, f"{where}: max |dlogit| {diff:.3g}"
+                assert mean_kl(ref_logits, logits) < 1e-8
+                tokens = engine.generate(PROMPT, 32)
+                assert tokens == ref_tokens, f"{where}: greedy tokens differ"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -59,7 +63,7 @@ def test_bit_identical_across_runs_schedules_and_caches(variant, stores):
     outputs = []
     for schedule in SCHEDULES:
         for ram in ram_sizes(stores[variant])[::2]:
-            with sluice.load(stores[variant], device="cpu", schedule=schedule, ram_cache=ram) as engine:
+            with sluice.load(stores[variant], device=DEVICE, schedule=schedule, ram_cache=ram) as engine:
                 outputs.append(engine.forward(PROMPT))
                 outputs.append(engine.forward(PROMPT))  # warm cache, same engine
     for o in outputs[1:]:
@@ -79,7 +83,7 @@ def test_experts_decide_the_output(variant, checkpoints, refs):
         ids, out = [], model(torch.tensor([PROMPT]), use_cache=True)
         for _ in range(32):
             ids.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[ids[-1]]]), use_cache=True, **cache_kw(out.past_key_values))
     same = sum(a == b for a, b in zip(ids, refs.greedy(variant, PROMPT, 32)))
     assert same <= 8, f"only {32 - same}/32 tokens changed without experts"
 
@@ -102,14 +106,14 @@ def _swap_blocks(store, dst, layer: int, a: int, b: int) -> None:
 @pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
 def test_swapped_experts_diverge(variant, stores, refs, tmp_path):
     """A wrong expert permutation passes checksums but must fail the golden comparison."""
-    with sluice.load(stores[variant], device="cpu") as engine:
+    with sluice.load(stores[variant], device=DEVICE) as engine:
         layer = engine.model.moe_blocks[0].layer
         used = engine.forward(PROMPT)  # noqa: F841 - warm; find experts the prompt uses
         routed = engine.rt.ram.entries()
     experts = sorted({e.key[1] for e in routed if e.key[0] == layer})
     bad = tmp_path / "swapped"
     _swap_blocks(stores[variant], bad, layer, experts[0], experts[1])
-    with sluice.load(bad, device="cpu") as engine:
+    with sluice.load(bad, device=DEVICE) as engine:
         diff = (engine.forward(PROMPT) - refs.logits(variant, PROMPT)).abs().max().item()
     assert diff > 100 * LOGIT_ATOL
 
@@ -125,11 +129,11 @@ def test_corrupt_block_is_named(stores, tmp_path):
     for expert in range(manifest["num_experts"]):  # every block of the first MoE layer
         data[expert * n + 100] ^= 0xFF
     path.write_bytes(data)
-    with sluice.load(bad, device="cpu") as engine:
+    with sluice.load(bad, device=DEVICE) as engine:
         with pytest.raises(CorruptBlockError, match=rf"layer {layer['layer']}, expert \d+"):
             engine.forward(PROMPT)
         # the engine recovers: a fresh sequence on a store-independent path still reports the same error
         with pytest.raises(CorruptBlockError):
             engine.forward(PROMPT)
-    with sluice.load(bad, device="cpu", verify_checksums=False) as engine:
+    with sluice.load(bad, device=DEVICE, verify_checksums=False) as engine:
         assert engine.forward(PROMPT).shape[0] == len(PROMPT)  # unverified reads run (wrongly) instead

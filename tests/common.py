@@ -1,0 +1,14 @@
+"""Constants the tests share (imported as tests.common)."""
+
+import os
+
+# name -> (architecture, config overrides). Experts and routers are scaled so experts decide the output.
+VARIANTS = {
+    "nemotron_h": ("nemotron_h", {}),
+    "nemotron_h_latent": ("nemotron_h", {"moe_latent_size": 32}),
+    "nemotron_h_groups": ("nemotron_h", {"n_group": 4, "topk_group": 2, "moe_latent_size": 48}),
+    "qwen3_moe": ("qwen3_moe", {}),
+}
+PROMPT = [5, 17, 42, 99, 3, 250, 77, 8, 61, 130, 12, 201]
+# The engine's device in tests: CPU in CI; SLUICE_TEST_DEVICE=cuda runs the same tests on a GPU.
+DEVICE = os.environ.get("SLUICE_TEST_DEVICE", "cpu")
