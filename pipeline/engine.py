@@ -25,7 +25,6 @@ from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
-from sluice.pipeline.trace import Tracer
 from sluice.stages.types import LayerInput
 from sluice.storage.store import ExpertStore
 
@@ -48,7 +47,6 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         blocks = model.moe_blocks
         self._next: list[MoEBlock | None] = blocks[1:] + [None]
-        self._jsonl = None
 
     @classmethod
     def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":
@@ -71,12 +69,8 @@ class Engine:
         ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
-        jsonl = open(f"{config.trace}.jsonl", "w") if config.trace else None
-        rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io)
-        rt.tracer = Tracer(rt.streams, enabled=config.trace is not None, jsonl=jsonl)
-        engine = cls(store, model, rt, Coordinator(schedule, rt), config)
-        engine._jsonl = jsonl
-        return engine
+        rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace)
+        return cls(store, model, rt, Coordinator(schedule, rt), config)
 
     # -- public, synchronous API ------------------------------------------------------------
 
@@ -111,10 +105,6 @@ class Engine:
         return list(self.stream(input_ids, max_new_tokens, temperature, top_p, seed, stop_ids))
 
     def close(self) -> None:
-        if self.config.trace:
-            self.rt.tracer.write_chrome(self.config.trace)
-        if self._jsonl is not None:
-            self._jsonl.close()
         self.rt.close()
         self._loop.close()
 

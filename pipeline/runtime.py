@@ -36,7 +36,7 @@ class IOStats:
     tokens: int = 0
     _guesses: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
-    def tier(self, layer: int, tier: str, prefetched: bool = False) -> None:
+    def tier(self, tier: str, prefetched: bool = False) -> None:
         self.blocks[tier] += 1
         self.prefetch_hits += prefetched
 
@@ -73,12 +73,12 @@ class Runtime:
         readers: int,
         verify: bool,
         direct_io: bool,
-        tracer: Tracer | None = None,
+        trace: str | None = None,
     ):
         self.store = store
         self.device = device
         self.streams = Streams(device)
-        self.tracer = tracer or Tracer(self.streams, enabled=False)
+        self.tracer = Tracer(self.streams, trace)
         self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify)
         cuda = device.type == "cuda"
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
@@ -116,6 +116,7 @@ class Runtime:
 
     def close(self) -> None:
         self.reader.close()
+        self.tracer.close()
 
 
 class _DeviceArena:

@@ -29,16 +29,21 @@ def _now_us() -> float:
 
 
 class Tracer:
-    def __init__(self, streams: Streams, enabled: bool = False, jsonl: IO[str] | None = None):
+    """Disabled when `path` is None. Otherwise stage lines go to PATH.jsonl as they happen and
+    `close()` writes the Chrome trace to PATH."""
+
+    def __init__(self, streams: Streams, path: str | None = None):
         self.streams = streams
-        self.enabled = enabled
+        self.path = path
+        self.enabled = path is not None
         self.events: list[dict] = []
         self.totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # stage -> [count, host_us, gpu_us]
         self.step = 0
         self._pending_gpu: list[tuple[str, str, int, Any, Any]] = []
-        self._log = structlog.wrap_logger(structlog.PrintLogger(jsonl), processors=[structlog.processors.JSONRenderer()]) if jsonl else None
+        self._jsonl: IO[str] | None = open(f"{path}.jsonl", "w") if path else None
+        self._log = structlog.wrap_logger(structlog.PrintLogger(self._jsonl), processors=[structlog.processors.JSONRenderer()]) if path else None
         self._t0 = _now_us()
-        self._ev0 = streams.record("compute", timing=True) if enabled else None
+        self._ev0 = streams.record("compute", timing=True) if path else None
         self._read_id = 0
 
     @contextlib.contextmanager
@@ -90,6 +95,13 @@ class Tracer:
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {k: {"count": v[0], "host_ms": v[1] / 1000, "gpu_ms": v[2] / 1000} for k, v in self.totals.items()}
+
+    def close(self) -> None:
+        if self.enabled:
+            self.write_chrome(self.path)
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
 
     def write_chrome(self, path: str | Path) -> None:
         meta = [

@@ -44,20 +44,20 @@ class Fetch(Stage):
             key = (layer, expert)
             if rt.vram is not None and (v := rt.vram.lookup(key)) is not None:
                 rt.vram.pin(v)
-                rt.stats.tier(layer, "vram")
+                rt.stats.tier("vram")
                 io.emit(HostBlock(expert, "vram", None, v))
                 continue
             entry = rt.ram.lookup(key)
             if entry is not None:
                 rt.ram.pin(entry)
-                rt.stats.tier(layer, "ram", prefetched=entry.prefetched)
+                rt.stats.tier("ram", prefetched=entry.prefetched)
                 entry.prefetched = False
                 if entry.loading:
                     pending[entry.ready] = HostBlock(expert, "ram", entry, None)
                 else:
                     io.emit(HostBlock(expert, "ram", entry, None))
                 continue
-            rt.stats.tier(layer, "disk")
+            rt.stats.tier("disk")
             entry = rt.ram.try_reserve(key)
             if entry is None:
                 await self._drain(io, pending)
