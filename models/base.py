@@ -96,13 +96,18 @@ class ResidentModel(ABC):
     """The resident part of a model on one device, with routed experts removed."""
 
     layers: list[Layer]
-    config: Any
-    device: torch.device
-    dtype: torch.dtype
 
-    @abstractmethod
+    def __init__(self, hf_model: nn.Module):
+        self.hf = hf_model  # transformers' CausalLM, routed experts stripped
+        self.config = hf_model.config
+        self.device = hf_model.lm_head.weight.device
+        self.dtype = hf_model.lm_head.weight.dtype
+
     def new_cache(self) -> Any:
-        """A fresh KV / recurrent-state cache for one sequence."""
+        """A fresh KV / recurrent-state cache for one sequence (transformers' own, per the config's layer types)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
 
     @abstractmethod
     def begin(self, ids: torch.Tensor, cache: Any, past: int) -> tuple[torch.Tensor, Any]:

@@ -98,10 +98,7 @@ class _MoELayer(Layer):
 
 class NemotronHResident(ResidentModel):
     def __init__(self, hf_model):
-        self.hf = hf_model
-        self.config = hf_model.config
-        self.device = hf_model.lm_head.weight.device
-        self.dtype = hf_model.lm_head.weight.dtype
+        super().__init__(hf_model)
         self.layers = []
         moe_index = 0
         for block in hf_model.model.layers:
@@ -110,11 +107,6 @@ class NemotronHResident(ResidentModel):
                 moe_index += 1
             else:
                 self.layers.append(_MixerLayer(block))
-
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
         from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask

@@ -112,10 +112,7 @@ class _MoELayer(Layer):
 
 class Qwen3MoeResident(ResidentModel):
     def __init__(self, hf_model):
-        self.hf = hf_model
-        self.config = hf_model.config
-        self.device = hf_model.lm_head.weight.device
-        self.dtype = hf_model.lm_head.weight.dtype
+        super().__init__(hf_model)
         self.layers = []
         moe_index = 0
         for i, layer in enumerate(hf_model.model.layers):
@@ -124,11 +121,6 @@ class Qwen3MoeResident(ResidentModel):
                 moe_index += 1
             else:
                 self.layers.append(_DenseLayer(layer))
-
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
