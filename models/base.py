@@ -74,6 +74,7 @@ class MoEBlock:
     expert_input: Callable[[torch.Tensor], torch.Tensor]  # x [T,D] -> xe [T,Dx]
     finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (routed [T,Dx], x [T,D]) -> out [T,D], before the residual
     act: Callable[[torch.Tensor], torch.Tensor]
+    act_name: str  # the activation's name in transformers' ACT2FN (kernels implement relu2 and silu)
     weight_dtype: torch.dtype | None  # routing weights cast to this before weighting (None: keep fp32)
     combine_dtype: torch.dtype  # dtype in which weighted expert outputs are summed
 
@@ -239,5 +240,5 @@ _CACHE_KW = _cache_keyword()
 def default_expert_pattern(prefix: str, experts_path: str) -> re.Pattern:
     """Regex for per-expert tensors: {prefix}layers.L.{experts_path}.E.PROJ.SUFFIX."""
     return re.compile(
-        rf"^{re.escape(prefix)}layers\.(?P<layer>\d+)\.{re.escape(experts_path)}\.(?P<expert>\d+)\.(?P<proj>\w+?)\.(?P<suffix>weight\w*|input_scale)$"
+        rf"^{re.escape(prefix)}layers\.(?P<layer>\d+)\.{re.escape(experts_path)}\.(?P<expert>\d+)\.(?P<proj>\w+?)\.(?P<suffix>weight\w*|input_\w+)$"
     )

@@ -96,6 +96,7 @@ class _MoELayer(Layer):
             expert_input=lambda x: x,
             finish=lambda routed, x: routed,
             act=ACT2FN[config.hidden_act],
+            act_name=config.hidden_act,
             weight_dtype=layer.input_layernorm.weight.dtype,
             combine_dtype=layer.input_layernorm.weight.dtype,
         )

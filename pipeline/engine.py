@@ -69,7 +69,8 @@ class Engine:
         ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
-        rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace)
+        rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
+                     down_in_ram=schedule.stage("h2d").knobs.copy == "up")
         return cls(store, model, rt, Coordinator(schedule, rt), config)
 
     # -- public, synchronous API ------------------------------------------------------------

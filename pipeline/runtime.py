@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from sluice.kernels.layout import proj_layouts
 from sluice.pipeline.streams import Streams
 from sluice.pipeline.trace import Tracer
 from sluice.storage.cache import BlockCache, CacheEntry
@@ -34,6 +35,7 @@ class IOStats:
     stall_s: float = 0.0  # time fetch waited for reads to land
     steps: int = 0
     tokens: int = 0
+    kernels: list = field(default_factory=list, repr=False)  # TritonExperts, for live-group counts
     _guesses: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def tier(self, tier: str, prefetched: bool = False) -> None:
@@ -51,8 +53,11 @@ class IOStats:
             self.routed_predicted += len(experts)
 
     def snapshot(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        """Counters as plain numbers (reading the kernels' live-group counters syncs the GPU)."""
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "kernels"}
         d["blocks"] = dict(self.blocks)
+        d["live_groups"] = sum(int(k.live_groups) for k in self.kernels)
+        d["total_groups"] = sum(k.total_groups for k in self.kernels)
         return d
 
     def since(self, before: dict) -> dict:
@@ -74,6 +79,7 @@ class Runtime:
         verify: bool,
         direct_io: bool,
         trace: str | None = None,
+        down_in_ram: bool = False,
     ):
         self.store = store
         self.device = device
@@ -84,9 +90,12 @@ class Runtime:
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
         self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device)) if cuda else None
         self.stats = IOStats()
+        self.layouts = proj_layouts(store.manifest)
+        # zero-copy down: h2d copies only up, compute reads down from the pinned RAM slot
+        self.down_in_ram = down_in_ram and "down" in self.layouts
 
-    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.store.views(buf)
+    def logical(self, buf: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        return self.store.logical(buf)
 
     def read(self, layer: int, expert: int, entry: CacheEntry) -> asyncio.Future:
         """Start reading block (layer, expert) into entry's slot; the future completes on the loop."""

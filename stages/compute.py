@@ -5,38 +5,92 @@ its own rows of y [T*K, Dx]: no accumulation here, so the result does not depend
 were batched or in which order they arrived (combine sums in a fixed order). The compute stream
 waits for each block's copy event; the blocks are released with the event recorded after the
 batch, so their slots are not refilled before the kernels have read them.
+
+Backends: `triton` (kernels/experts.py: one launch per projection for the whole batch; on a CPU
+only under TRITON_INTERPRET=1), `torch` (kernels/experts_ref.py: the plain-torch reference, one
+expert at a time), `auto` (triton on CUDA, torch on a CPU). `zero_skip` makes the ReLU^2 down
+kernel skip 16-neuron groups whose activations are all zero.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
-from sluice.kernels.experts_ref import expert_ref
+from sluice.errors import ScheduleError
+from sluice.kernels.experts_ref import dequant_expert_ref, expert_ref
 from sluice.stages.base import Stage, StageIO
-from sluice.stages.types import ExpertOutputs, LayerInput, Routing
+from sluice.stages.types import DeviceBlock, ExpertOutputs, LayerInput, Routing
+
+
+@dataclass(frozen=True)
+class ComputeKnobs:
+    backend: str = "auto"  # auto | triton | torch
+    zero_skip: bool = False  # ReLU^2 down reads only live 16-neuron groups (triton backend)
 
 
 class Compute(Stage):
     name = "compute"
     consumes = ("layer", "routing", "device_blocks")
     produces = "expert_outputs"
+    Knobs = ComputeKnobs
+
+    def __init__(self, knobs, stream, rt):
+        super().__init__(knobs, stream, rt)
+        backend = knobs.backend
+        if backend not in ("auto", "triton", "torch"):
+            raise ScheduleError(f"stage 'compute': 'backend' must be auto, triton or torch, got {backend!r}")
+        if backend == "auto":
+            backend = "triton" if rt.device.type == "cuda" else "torch"
+        if backend == "triton" and rt.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ScheduleError("stage 'compute': the triton backend needs CUDA (or TRITON_INTERPRET=1 on a CPU)")
+        self.backend = backend
+        self._kernels = {}  # (kind, act) -> TritonExperts
 
     async def run(self, io: StageIO) -> ExpertOutputs:
         li: LayerInput = await io.value("layer")
         r: Routing = await io.value("routing")
-        block, streams = li.block, self.rt.streams
+        streams = self.rt.streams
         T, K = r.ids.shape
-        y = torch.empty(T * K, r.xe.shape[1], dtype=block.combine_dtype, device=r.xe.device)
+        y = torch.empty(T * K, r.xe.shape[1], dtype=li.block.combine_dtype, device=r.xe.device)
         w = r.weights.reshape(-1)
         async for batch in io.batches("device_blocks"):
             with streams.use(self.stream):
                 for db in batch:
                     streams.wait(self.stream, db.ready)
-                for db in batch:
-                    rows = r.rows[db.expert]
-                    out = expert_ref(block.kind, r.xe[rows // K], db.tensors, block.act)
-                    y[rows] = (out * w[rows, None]).to(block.combine_dtype)
+                if self.backend == "triton":
+                    self._triton(li, r, batch, w, y)
+                else:
+                    self._torch(li, r, batch, w, y)
                 done = streams.record(self.stream)
             for db in batch:
                 db.release(done)
         return ExpertOutputs(y)
+
+    def _torch(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
+        store, K, block = self.rt.store, r.ids.shape[1], li.block
+        for db in batch:
+            views = store.logical(db.bank.narrow(0, db.offset, store.block_bytes))
+            if db.down_bank is not db.bank:
+                views["down"] = store.logical(db.down_bank.narrow(0, db.down_offset, store.block_bytes))["down"]
+            dense = dequant_expert_ref(store.manifest.formats, views, r.xe.dtype)
+            rows = r.rows[db.expert]
+            out = expert_ref(block.kind, r.xe[rows // K], dense, block.act)
+            y[rows] = (out * w[rows, None]).to(block.combine_dtype)
+
+    def _triton(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
+        from sluice.kernels.experts import TritonExperts
+
+        block = li.block
+        kern = self._kernels.get((block.kind, block.act_name))
+        if kern is None:
+            kern = self._kernels[(block.kind, block.act_name)] = TritonExperts(self.rt.store.manifest, block.kind, block.act_name, y.device)
+            self.rt.stats.kernels.append(kern)
+        dev = y.device
+        offs = torch.tensor([db.offset for db in batch], dtype=torch.int64).to(dev, non_blocking=True)
+        down_offs = torch.tensor([db.down_offset for db in batch], dtype=torch.int64).to(dev, non_blocking=True)
+        rows = [r.rows[db.expert] for db in batch]
+        kern.run(batch[0].bank, offs, batch[0].down_bank, down_offs, [x.numel() for x in rows], torch.cat(rows),
+                 r.ids.shape[1], r.xe, w, y, self.knobs.zero_skip)

@@ -1,6 +1,7 @@
 """fetch: find each routed expert's block in the fastest tier and bring misses into RAM.
 
-For each distinct expert of the layer: a VRAM-slot hit passes through; a RAM hit is pinned and
+For each distinct expert of the layer: a VRAM-slot hit passes through (and, when `down` is read
+zero-copy from RAM, still needs its RAM copy); a RAM hit is pinned and
 emitted at once; a miss reserves a RAM slot and goes to the reader pool, and is emitted when its
 read lands (so copies of hits start while reads are in flight). When the RAM tier has no slot
 to give, the stage ends a wave and waits for a consumer to release one: a layer's experts may
@@ -42,29 +43,33 @@ class Fetch(Stage):
         pending: dict[asyncio.Future, HostBlock] = {}
         for expert in routing.experts:
             key = (layer, expert)
-            if rt.vram is not None and (v := rt.vram.lookup(key)) is not None:
+            v = rt.vram.lookup(key) if rt.vram is not None else None
+            if v is not None:
                 rt.vram.pin(v)
                 rt.stats.tier("vram")
-                io.emit(HostBlock(expert, "vram", None, v))
-                continue
+                if not rt.down_in_ram:
+                    io.emit(HostBlock(expert, "vram", None, v))
+                    continue
             entry = rt.ram.lookup(key)
             if entry is not None:
                 rt.ram.pin(entry)
-                rt.stats.tier("ram", prefetched=entry.prefetched)
+                if v is None:
+                    rt.stats.tier("ram", prefetched=entry.prefetched)
                 entry.prefetched = False
                 if entry.loading:
-                    pending[entry.ready] = HostBlock(expert, "ram", entry, None)
+                    pending[entry.ready] = HostBlock(expert, "ram", entry, v)
                 else:
-                    io.emit(HostBlock(expert, "ram", entry, None))
+                    io.emit(HostBlock(expert, "ram", entry, v))
                 continue
-            rt.stats.tier("disk")
+            if v is None:
+                rt.stats.tier("disk")
             entry = rt.ram.try_reserve(key)
             if entry is None:
                 await self._drain(io, pending)
                 io.end_wave()
                 entry = await rt.ram.reserve(key)
             entry.ready = rt.read(layer, expert, entry)
-            pending[entry.ready] = HostBlock(expert, "disk", entry, None)
+            pending[entry.ready] = HostBlock(expert, "disk", entry, v)
         await self._drain(io, pending)
         io.end_wave()
         if self.knobs.prefetch and io.has("prediction"):

@@ -51,16 +51,23 @@ class HostBlock:
 
     expert: int
     tier: str  # where fetch found it: "vram" | "ram" | "disk"
-    ram: CacheEntry | None  # pinned RAM entry (None for a VRAM hit)
+    ram: CacheEntry | None  # pinned RAM entry (None for a VRAM hit, unless `down` is read from RAM)
     vram: CacheEntry | None  # pinned VRAM entry when the block is already on the GPU
 
 
 @dataclass(frozen=True)
 class DeviceBlock:
-    """h2d -> compute: one block's tensors where the compute stream can read them."""
+    """h2d -> compute: where the compute stream can read one block.
+
+    The block is `bank[offset : offset + block_bytes]` (the VRAM slot bank on CUDA, the host arena
+    on a CPU); its `down` projection is read from `down_bank` at `down_offset`, which is the pinned
+    host slot when h2d copies only `up` (zero-copy down) and the same block otherwise."""
 
     expert: int
-    tensors: dict[str, torch.Tensor]  # slot name -> view, as stored (see storage/store.py)
+    bank: torch.Tensor  # uint8 arena
+    offset: int  # bytes
+    down_bank: torch.Tensor
+    down_offset: int
     ready: Any  # CUDA event after the copy (None on CPU or for a VRAM hit)
     release: Callable[[Any], None]  # compute calls release(done_event) once its reads are enqueued
 

@@ -19,13 +19,16 @@ import xxhash
 from tqdm import tqdm
 
 from sluice.errors import CheckpointError, StoreError
+from sluice.kernels.formats import WeightFormat, detect_format
 from sluice.models import get_architecture
 from sluice.models.base import ExpertSpec
 from sluice.storage.checkpoint import Checkpoint
 from sluice.storage.safetensors_io import RawTensor, TensorInfo, read_bytes, write_file
 from sluice.storage.store import ExpertStore, Manifest, StoreLayer, TensorSlot, plan_layout, relay
 
-SUFFIX_ORDER = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+# inside a block, each projection's tensors in this order (weights first, then scales)
+SUFFIX_ORDER = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale",
+                "input_scale", "input_global_scale")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class ExpertTensors:
     blocks: dict[tuple[int, int], dict[str, TensorInfo]]
     resident: dict[str, TensorInfo]
     slots: tuple[TensorSlot, ...]
+    formats: dict[str, WeightFormat]
     block_bytes: int
 
 
@@ -61,12 +65,14 @@ def classify(ckpt: Checkpoint, spec: ExpertSpec) -> ExpertTensors:
     first = blocks.get((spec.moe_layers[0], 0))
     if not first:
         raise CheckpointError(f"{ckpt.path}: no routed-expert tensors found for layer {spec.moe_layers[0]} (fused 3-D expert tensors are not supported)")
-    entries = []
+    entries, formats = [], {}
     for proj in spec.projs:
-        for suffix in SUFFIX_ORDER:
-            info = first.get(f"{proj}.{suffix}")
-            if info is not None:
-                entries.append((proj, suffix, info.shape, info.dtype, info.nbytes, proj in spec.relaid and len(info.shape) == 2))
+        found = {k.split(".", 1)[1]: v for k, v in first.items() if k.startswith(proj + ".")}
+        where = f"{ckpt.path}: layer {spec.moe_layers[0]} expert 0 {proj}"
+        formats[proj] = detect_format({sfx: (i.dtype, i.shape) for sfx, i in found.items()}, where)
+        for suffix in sorted(found, key=lambda x: SUFFIX_ORDER.index(x) if x in SUFFIX_ORDER else len(SUFFIX_ORDER)):
+            info = found[suffix]
+            entries.append((proj, suffix, info.shape, info.dtype, info.nbytes, proj in spec.relaid and len(info.shape) == 2))
     slots, block_bytes = plan_layout(entries)
     names = {s.name: s for s in slots}
     for layer in spec.moe_layers:
@@ -81,7 +87,7 @@ def classify(ckpt: Checkpoint, spec: ExpertSpec) -> ExpertTensors:
             extra = set(found) - set(names)
             if extra:
                 raise CheckpointError(f"{ckpt.path}: layer {layer} expert {expert}: unexpected tensors {sorted(extra)}")
-    return ExpertTensors(spec, blocks, resident, slots, block_bytes)
+    return ExpertTensors(spec, blocks, resident, slots, formats, block_bytes)
 
 
 def build_block(tensors: dict[str, TensorInfo], slots: tuple[TensorSlot, ...], block_bytes: int, fds: dict) -> bytearray:
@@ -146,7 +152,7 @@ def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, p
     os.replace(tmp, work / "resident.safetensors")
     for f in ckpt.side_files():
         shutil.copyfile(f, work / f.name)
-    manifest = Manifest(arch.model_type, spec.kind, spec.num_experts, spec.top_k, ex.block_bytes, ex.slots, tuple(layers), source)
+    manifest = Manifest(arch.model_type, spec.kind, spec.num_experts, spec.top_k, ex.block_bytes, ex.slots, ex.formats, tuple(layers), source)
     _write_json(work / "manifest.json", manifest.to_json())
     (work / "progress.json").unlink()
     _swap_into_place(work, store_path)

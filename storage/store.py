@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from sluice.errors import StoreError
+from sluice.kernels.formats import WeightFormat
 from sluice.storage.safetensors_io import DTYPES
 
 FORMAT = "sluice-expert-store"
@@ -53,6 +54,11 @@ class TensorSlot:
     def view(self, block: torch.Tensor) -> torch.Tensor:
         """This tensor inside a block buffer (uint8 [block_bytes]), as stored (relaid: transposed)."""
         return block[self.offset : self.offset + self.nbytes].view(DTYPES[self.dtype]).view(self.stored_shape)
+
+    def logical(self, block: torch.Tensor) -> torch.Tensor:
+        """The same bytes in the checkpoint's orientation (a transposed view when re-laid)."""
+        v = self.view(block)
+        return v.t() if self.relaid else v
 
     def to_json(self) -> dict:
         return {**self.__dict__, "shape": list(self.shape)}
@@ -105,6 +111,7 @@ class Manifest:
     top_k: int
     block_bytes: int
     slots: tuple[TensorSlot, ...]
+    formats: dict[str, WeightFormat]  # projection -> how its weight is stored
     layers: tuple[StoreLayer, ...]
     source: dict
     resident: str = "resident.safetensors"
@@ -120,6 +127,7 @@ class Manifest:
             "block_bytes": self.block_bytes,
             "checksum": "xxh64",
             "tensors": [s.to_json() for s in self.slots],
+            "formats": {p: f.to_json() for p, f in self.formats.items()},
             "layers": [{"layer": l.layer, "file": l.file, "checksums": list(l.checksums)} for l in self.layers],
             "source": self.source,
             "resident": self.resident,
@@ -133,8 +141,9 @@ class Manifest:
             raise StoreError(f"{where}: store format version {d.get('version')} is not supported (expected {VERSION}); repack with --force")
         try:
             slots = tuple(TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
+            formats = {p: WeightFormat.from_json(f) for p, f in d["formats"].items()}
             layers = tuple(StoreLayer(l["layer"], l["file"], tuple(l["checksums"])) for l in d["layers"])
-            return cls(d["architecture"], d["expert_kind"], d["num_experts"], d["top_k"], d["block_bytes"], slots, layers, d["source"], d.get("resident", "resident.safetensors"))
+            return cls(d["architecture"], d["expert_kind"], d["num_experts"], d["top_k"], d["block_bytes"], slots, formats, layers, d["source"], d.get("resident", "resident.safetensors"))
         except (KeyError, TypeError) as e:
             raise StoreError(f"{where}: malformed manifest ({e!r})") from None
 
@@ -193,7 +202,15 @@ class ExpertStore:
         return int(self._layer(layer).checksums[expert], 16)
 
     def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Slot name -> tensor as stored (relaid tensors transposed)."""
         return {name: slot.view(block) for name, slot in self.slots.items()}
+
+    def logical(self, block: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        """proj -> suffix -> tensor in the checkpoint's orientation (what WeightFormat.dequant_ref takes)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for slot in self.slots.values():
+            out.setdefault(slot.proj, {})[slot.suffix] = slot.logical(block)
+        return out
 
     def _layer(self, layer: int) -> StoreLayer:
         try:

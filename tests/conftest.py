@@ -4,6 +4,10 @@ and transformers reference models in fp32 with eager experts."""
 from __future__ import annotations
 
 import os
+
+# Triton kernels run on the CPU through the interpreter; it must be chosen before triton is imported.
+if os.environ.get("SLUICE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 import pytest

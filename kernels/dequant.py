@@ -1,0 +1,86 @@
+"""Triton device functions: decode stored weights to fp32 in registers.
+
+Formats (kernels/formats.py) as constexpr codes. Weights are addressed inside a block buffer:
+`base` is the block's first byte, `*_OFF` byte offsets of its tensors. NVFP4 nibbles are decoded
+in software (the H200 has no FP4 path); E4M3 scales and FP8 weights use Triton's float8e4nv
+conversion.
+
+Shape legend: BN rows (output features) and BK columns (input features) of a tile, in the
+checkpoint's [out, in] orientation unless the tile loader says K-major (re-laid ReLU^2 down).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+DENSE = tl.constexpr(0)
+FP8 = tl.constexpr(1)  # one scale for the tensor
+FP8_ROW = tl.constexpr(2)  # one scale per output row
+FP8_BLOCK = tl.constexpr(3)  # one scale per BxB tile
+NVFP4 = tl.constexpr(4)
+
+FORMAT_CODES = {"dense": 0, "fp8": 1, "fp8_row": 2, "fp8_block": 3, "nvfp4": 4}
+
+
+@triton.jit
+def e2m1_to_f32(nib):
+    """4-bit E2M1 codes (int32, 0..15) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    m = nib & 7
+    e = m >> 1
+    f = m & 1
+    bits = tl.where(m == 0, 0, tl.where(e == 0, 126 << 23, ((e + 126) << 23) | (f << 22)))
+    bits = bits | ((nib >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scalar_f32(base, off):
+    """An fp32 scalar stored at byte `off` of the block."""
+    return tl.load((base + off).to(tl.pointer_type(tl.float32)))
+
+
+@triton.jit
+def load_tile(base, W_OFF, S_OFF, S_STRIDE, n, k, N, K, FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr):
+    """Dense/FP8 weight tile W[n, k] as fp32 (n [BN] rows, k [BK] cols, W [N, K] row-major).
+
+    The per-tensor scale is left to the caller (it factors out of the dot product)."""
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    if FMT == DENSE:
+        w = tl.load((base + W_OFF).to(tl.pointer_type(WDT)) + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if FMT == FP8_ROW:
+            s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + n, mask=n < N, other=0.0)
+            w = w * s[:, None]
+        if FMT == FP8_BLOCK:
+            sp = (base + S_OFF).to(tl.pointer_type(tl.float32)) + (n[:, None] // BLOCK) * S_STRIDE + k[None, :] // BLOCK
+            w = w * tl.load(sp, mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
+def load_nvfp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB):
+    """NVFP4 tile: bytes W[n, kb] (kb [BKB] byte columns; byte j holds elements 2j (low) and 2j+1 (high)).
+
+    Returns (lo, hi) fp32 [BN, BKB], each scaled by its group's E4M3 scale (group = j // 8).
+    The second-level scale is left to the caller."""
+    mask = (n[:, None] < N) & (kb[None, :] < KB)
+    b = tl.load((base + W_OFF) + n[:, None] * KB + kb[None, :], mask=mask, other=0).to(tl.int32)
+    s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float8e4nv)) + n[:, None] * S_STRIDE + kb[None, :] // 8, mask=mask, other=0.0)
+    s = s.to(tl.float32)
+    return e2m1_to_f32(b & 15) * s, e2m1_to_f32(b >> 4) * s
+
+
+@triton.jit
+def tensor_scale(base, S_OFF, S2_OFF, FMT: tl.constexpr, S2_INV: tl.constexpr):
+    """The factor a whole tile is multiplied by: FP8 per-tensor scale or NVFP4 second-level scale."""
+    if FMT == FP8:
+        return scalar_f32(base, S_OFF)
+    elif FMT == NVFP4:
+        s2 = scalar_f32(base, S2_OFF)
+        if S2_INV:
+            s2 = 1.0 / s2
+        return s2
+    else:
+        return 1.0

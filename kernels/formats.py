@@ -1,0 +1,112 @@
+"""Weight formats as checkpoints store them, detected from tensor names, dtypes and shapes.
+
+    dense      weight float (F32 / BF16 / F16)                                       [out, in]
+    fp8        weight F8_E4M3 [out, in]; weight_scale F32, one per tensor or per row
+    fp8_block  weight F8_E4M3 [out, in]; weight_scale_inv F32 [ceil(out/128), ceil(in/128)]
+    nvfp4      weight U8 [out, in/2] (low nibble = even element, E2M1), weight_scale F8_E4M3
+               [out, in/16], weight_scale_2 F32 scalar (ModelOpt); compressed-tensors names it
+               weight_packed / weight_scale / weight_global_scale and stores the global scale inverted
+
+W[o, i] = E2M1[nibble] * fp32(weight_scale[o, i // 16]) * weight_scale_2 for NVFP4. The `*_ref`
+functions here are the plain-torch dequantisation every kernel is tested against; they in turn are
+tested against nvidia-modelopt's own NVFP4 code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from sluice.errors import CheckpointError
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+NVFP4_GROUP = 16
+FP8_BLOCK = 128
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one linear weight is stored: its kind and which tensor suffix holds what."""
+
+    kind: str  # dense | fp8 | fp8_block | nvfp4
+    weight: str = "weight"  # suffix of the (packed) weight
+    scale: str | None = None  # per-group / per-row / per-block scale
+    scale2: str | None = None  # NVFP4 second-level (global) scale
+    scale2_inverted: bool = False  # compressed-tensors stores 1 / scale_2
+    block: int = 0  # fp8_block tile edge
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "WeightFormat":
+        return cls(**d)
+
+    def dequant_ref(self, t: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Plain-torch dequantisation: tensors by suffix (checkpoint orientation) -> [out, in] in dtype."""
+        w = t[self.weight]
+        if self.kind == "dense":
+            return w.to(dtype)
+        if self.kind == "fp8":
+            s = t[self.scale].float()
+            s = s.reshape(-1, 1) if s.numel() > 1 else s.reshape(())
+            return (w.float() * s).to(dtype)
+        if self.kind == "fp8_block":
+            return fp8_block_dequant_ref(w, t[self.scale], self.block).to(dtype)
+        if self.kind == "nvfp4":
+            s2 = t[self.scale2].float().reshape(())
+            if self.scale2_inverted:
+                s2 = 1.0 / s2
+            return nvfp4_dequant_ref(w, t[self.scale], s2).to(dtype)
+        raise ValueError(f"unknown weight format {self.kind!r}")
+
+
+def nvfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, scale2: torch.Tensor | float) -> torch.Tensor:
+    """packed uint8 [out, in/2], scale e4m3 [out, in/16], scale2 fp32 scalar -> fp32 [out, in]."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    p = packed.to(torch.int64)
+    vals = torch.stack([lut[p & 0xF], lut[p >> 4]], dim=-1).reshape(packed.shape[0], -1)  # low nibble first
+    s = (scale.float() * torch.as_tensor(scale2, dtype=torch.float32)).repeat_interleave(NVFP4_GROUP, dim=1)[:, : vals.shape[1]]
+    return vals * s
+
+
+def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    """w e4m3 [out, in], scale_inv fp32 [ceil(out/b), ceil(in/b)] -> fp32 [out, in] (edges of any size)."""
+    out, inp = w.shape
+    s = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:out, :inp]
+    return w.float() * s
+
+
+def detect_format(suffixes: dict[str, tuple[str, tuple[int, ...]]], where: str) -> WeightFormat:
+    """Which format a projection is stored in, from {suffix: (safetensors dtype, shape)}."""
+    names = set(suffixes) - {"input_scale", "input_global_scale"}
+
+    def dtype(s):
+        return suffixes[s][0]
+
+    if names == {"weight"} and dtype("weight") in FLOAT_DTYPES:
+        return WeightFormat("dense")
+    if names == {"weight", "weight_scale", "weight_scale_2"} and dtype("weight") == "U8" and dtype("weight_scale") == "F8_E4M3":
+        return WeightFormat("nvfp4", "weight", "weight_scale", "weight_scale_2")
+    if names == {"weight_packed", "weight_scale", "weight_global_scale"} and dtype("weight_scale") == "F8_E4M3":
+        return WeightFormat("nvfp4", "weight_packed", "weight_scale", "weight_global_scale", scale2_inverted=True)
+    if names == {"weight", "weight_scale"} and dtype("weight") == "F8_E4M3":
+        out = suffixes["weight"][1][0]
+        n = 1
+        for d in suffixes["weight_scale"][1]:
+            n *= d
+        if n not in (1, out):
+            raise CheckpointError(f"{where}: FP8 weight_scale of shape {list(suffixes['weight_scale'][1])} is neither per-tensor nor per-row")
+        return WeightFormat("fp8", "weight", "weight_scale")
+    if names == {"weight", "weight_scale_inv"} and dtype("weight") == "F8_E4M3":
+        out, inp = suffixes["weight"][1]
+        so, si = suffixes["weight_scale_inv"][1]
+        # 128 is the standard tile; dividing out by the scale rows would be wrong for edges (1856 / 15 != 128)
+        block = next((b for b in (FP8_BLOCK, 64, 256, 32) if -(-out // b) == so and -(-inp // b) == si), None)
+        if block is None:
+            raise CheckpointError(f"{where}: FP8 block scales {so}x{si} do not tile a {out}x{inp} weight in square blocks")
+        return WeightFormat("fp8_block", "weight", "weight_scale_inv", block=block)
+    found = ", ".join(f"{k}:{v[0]}{list(v[1])}" for k, v in sorted(suffixes.items()))
+    raise CheckpointError(f"{where}: unsupported weight format ({found})")

@@ -1,0 +1,61 @@
+"""Where a projection's tensors sit inside a block, in the terms the Triton kernels take.
+
+Built once per store from its manifest (storage/store.py). Offsets are bytes from the block start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.kernels.dequant import FORMAT_CODES
+from sluice.storage.safetensors_io import DTYPES
+
+
+@dataclass(frozen=True)
+class ProjLayout:
+    proj: str
+    fmt: int  # kernels.dequant format code
+    wdt: torch.dtype  # stored weight dtype (uint8 for NVFP4, float8 for FP8)
+    n: int  # output features (checkpoint orientation [n, k])
+    k: int  # input features
+    relaid: bool  # stored K-major ([k, n]; ReLU^2 down)
+    w_off: int
+    s_off: int  # 0 when unused
+    s2_off: int
+    s_stride: int  # row stride, in elements, of the stored 2-D scale tensor (0 when none)
+    s2_inv: bool
+    block: int  # FP8 block edge (0 when unused)
+    nbytes: int  # bytes this projection occupies in the block (weights and scales, with padding)
+    start: int  # first byte of this projection's tensors in the block
+
+
+def proj_layouts(manifest) -> dict[str, ProjLayout]:
+    out = {}
+    for proj, fmt in manifest.formats.items():
+        slots = {s.suffix: s for s in manifest.slots if s.proj == proj}
+        w = slots[fmt.weight]
+        n, k = w.shape
+        if fmt.kind == "nvfp4":
+            k *= 2
+        s = slots.get(fmt.scale) if fmt.scale else None
+        s2 = slots.get(fmt.scale2) if fmt.scale2 else None
+        kind = fmt.kind
+        if kind == "fp8" and s is not None and _numel(s.shape) > 1:
+            kind = "fp8_row"
+        s_stride = s.stored_shape[1] if s is not None and len(s.shape) == 2 else 0
+        first = min(x.offset for x in slots.values())
+        last = max(x.offset + x.nbytes for x in slots.values())
+        out[proj] = ProjLayout(
+            proj, FORMAT_CODES[kind], DTYPES[w.dtype], n, k, w.relaid, w.offset, s.offset if s else 0,
+            s2.offset if s2 else 0, s_stride, fmt.scale2_inverted, fmt.block, last - first, first,
+        )
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

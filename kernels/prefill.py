@@ -1,0 +1,149 @@
+"""Prefill expert kernel: a grouped GEMM over a whole prompt, rows grouped by expert.
+
+Shape legend: R rows in the launch (the (token, k) pairs routed to its experts), BM/BN/BK tile
+sizes, N output features, K input features. `items` [n_items, 3] int32 lists (expert index a,
+first row j0, row count) per BM-row tile; rows j of one expert are contiguous. Expert a's block
+is at `bank + offs[a]`.
+
+    out[j, :] = epilogue(x[xrows[j], :] @ W_a^T)      W [N, K] (checkpoint orientation), or
+                                                    W [K, N] when KMAJOR (re-laid ReLU^2 down)
+    epilogues as in kernels/decode.py: relu2, swiglu (gate and up in one program), weighted
+    (y[orows[j]] = round(out) * wts[j]).
+
+NVFP4 tiles are used without interleaving nibbles: the dot product is split into the even
+elements (low nibbles) and the odd ones (high nibbles), each against the matching columns of x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.decode import EPILOGUES, SWIGLU, TL_DTYPES, WEIGHTED, _act
+from sluice.kernels.dequant import DENSE, FP8_BLOCK, FP8_ROW, NVFP4, e2m1_to_f32, load_nvfp4_tile, load_tile, tensor_scale
+from sluice.kernels.layout import ProjLayout
+
+
+@triton.jit
+def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
+              FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, KMAJOR: tl.constexpr,
+              DOT_DT: tl.constexpr, IEEE: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] += x[xr, :] @ W[n, :]^T over all of K (per-tensor scales excluded)."""
+    nm = n < N
+    if FMT == NVFP4:
+        KB = K // 2
+        for k0 in range(0, KB, BK // 2):
+            kb = k0 + tl.arange(0, BK // 2)
+            km = kb < KB
+            xe = tl.load(xp + xr[:, None] + 2 * kb[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(DOT_DT)
+            xo = tl.load(xp + xr[:, None] + 2 * kb[None, :] + 1, mask=mm[:, None] & km[None, :], other=0.0).to(DOT_DT)
+            if KMAJOR:  # bytes [K/2, N]; scales [K/16, N]
+                b = tl.load(base + W_OFF + kb[:, None] * N + n[None, :], mask=km[:, None] & nm[None, :], other=0).to(tl.int32)
+                s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float8e4nv)) + (kb[:, None] // 8) * S_STRIDE + n[None, :],
+                            mask=km[:, None] & nm[None, :], other=0.0).to(tl.float32)
+                lo = e2m1_to_f32(b & 15) * s
+                hi = e2m1_to_f32(b >> 4) * s
+            else:
+                lo_t, hi_t = load_nvfp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB)
+                lo = tl.trans(lo_t)
+                hi = tl.trans(hi_t)
+            if IEEE:
+                acc += tl.dot(xe, lo.to(DOT_DT), input_precision="ieee")
+                acc += tl.dot(xo, hi.to(DOT_DT), input_precision="ieee")
+            else:
+                acc += tl.dot(xe, lo.to(DOT_DT))
+                acc += tl.dot(xo, hi.to(DOT_DT))
+    else:
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            xt = tl.load(xp + xr[:, None] + k[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(DOT_DT)
+            if KMAJOR:  # W [K, N]
+                m2 = km[:, None] & nm[None, :]
+                if FMT == DENSE:
+                    wt = tl.load((base + W_OFF).to(tl.pointer_type(WDT)) + k[:, None] * N + n[None, :], mask=m2, other=0.0).to(tl.float32)
+                else:
+                    wt = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + k[:, None] * N + n[None, :], mask=m2, other=0.0).to(tl.float32)
+                    if FMT == FP8_BLOCK:
+                        sp = (base + S_OFF).to(tl.pointer_type(tl.float32)) + (k[:, None] // BLOCK) * S_STRIDE + n[None, :] // BLOCK
+                        wt = wt * tl.load(sp, mask=m2, other=0.0)
+            else:
+                wt = tl.trans(load_tile(base, W_OFF, S_OFF, S_STRIDE, n, k, N, K, FMT, WDT, BLOCK))
+            if IEEE:
+                acc += tl.dot(xt, wt.to(DOT_DT), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, wt.to(DOT_DT))
+    return acc
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    bank, offs, x, X_STRIDE, xrows, out, OUT_STRIDE, orows, wts, items, N, K,
+    W_OFF, S_OFF, S2_OFF, S_STRIDE, G_W_OFF, G_S_OFF, G_S2_OFF,
+    FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, KMAJOR: tl.constexpr,
+    EPI: tl.constexpr, ACT: tl.constexpr, X_DT: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    it = tl.program_id(0)
+    a = tl.load(items + it * 3)
+    j0 = tl.load(items + it * 3 + 1)
+    cnt = tl.load(items + it * 3 + 2)
+    j = j0 + tl.arange(0, BM)
+    mm = tl.arange(0, BM) < cnt
+    xr = tl.load(xrows + j, mask=mm, other=0).to(tl.int64) * X_STRIDE
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    base = bank + tl.load(offs + a)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, KMAJOR, DOT_DT, IEEE, BK)
+    if FMT == FP8_ROW:
+        if KMAJOR:  # row-major tiles applied the per-row scale already
+            acc = acc * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
+    acc = acc * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
+    omask = mm[:, None] & nm[None, :]
+    if EPI == WEIGHTED:
+        orow = tl.load(orows + j, mask=mm, other=0).to(tl.int64)
+        w = tl.load(wts + j, mask=mm, other=0.0).to(tl.float32)
+        y = acc.to(X_DT).to(tl.float32) * w[:, None]
+        tl.store(out + orow[:, None] * OUT_STRIDE + n[None, :], y.to(out.dtype.element_ty), mask=omask)
+    else:
+        acc = acc.to(X_DT).to(tl.float32)
+        if EPI == SWIGLU:
+            g = tl.zeros([BM, BN], dtype=tl.float32)
+            g = _tile_dot(g, base, G_W_OFF, G_S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, KMAJOR, DOT_DT, IEEE, BK)
+            g = g * tensor_scale(base, G_S_OFF, G_S2_OFF, FMT, S2_INV)
+            h = _act(g.to(X_DT).to(tl.float32), ACT).to(X_DT).to(tl.float32) * acc
+        else:
+            h = _act(acc, ACT)
+        tl.store(out + j.to(tl.int64)[:, None] * OUT_STRIDE + n[None, :], h.to(X_DT), mask=omask)
+
+
+def tile_items(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
+    """(expert index, first row, rows) per BM-row tile, for experts with `counts` rows stored back to back."""
+    items, start = [], 0
+    for a, c in enumerate(counts):
+        for t in range(0, c, bm):
+            items.append((a, start + t, min(bm, c - t)))
+        start += c
+    return items
+
+
+def grouped_gemm(bank: torch.Tensor, offs: torch.Tensor, x: torch.Tensor, xrows: torch.Tensor, items: torch.Tensor,
+                 layout: ProjLayout, epilogue: str, x_dtype: torch.dtype, out: torch.Tensor, gate: ProjLayout | None = None,
+                 act: int = 0, orows: torch.Tensor | None = None, wts: torch.Tensor | None = None,
+                 bm: int = 16, bn: int = 64, bk: int = 64) -> torch.Tensor:
+    """Launch over `items` (int32 [n, 3], device) built by `tile_items` with the same bm."""
+    g = gate or layout
+    dot_dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    dummy = offs
+    grid = (items.shape[0], triton.cdiv(layout.n, bn))
+    _grouped_gemm_kernel[grid](
+        bank, offs, x, x.stride(0), xrows, out, out.stride(0), orows if orows is not None else dummy,
+        wts if wts is not None else dummy, items, layout.n, layout.k,
+        layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, g.w_off, g.s_off, g.s2_off,
+        FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, KMAJOR=layout.relaid,
+        EPI=EPILOGUES[epilogue], ACT=act, X_DT=TL_DTYPES[x_dtype], DOT_DT=TL_DTYPES[dot_dt], IEEE=dot_dt == torch.float32,
+        BM=bm, BN=bn, BK=bk,
+    )
+    return out

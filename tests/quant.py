@@ -1,0 +1,100 @@
+"""Test-side quantisers (checkpoint layouts) and block builders for the kernel tests.
+
+NVFP4 comes from nvidia-modelopt's own NVFP4QTensor, so our decode is checked against code we did
+not write. FP8 here is a plain cast with per-tensor / per-row / per-block scales.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from sluice.kernels.formats import WeightFormat, detect_format
+from sluice.storage.safetensors_io import TORCH_TO_ST
+from sluice.storage.store import Manifest, plan_layout, relay
+
+FORMATS = ("bf16", "fp32", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct")
+
+
+def modelopt_nvfp4():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    return NVFP4QTensor
+
+
+def quantize(w: torch.Tensor, fmt: str, block: int = 32) -> dict[str, torch.Tensor]:
+    """w [out, in] fp32 -> checkpoint tensors by suffix, in `fmt`."""
+    if fmt == "bf16":
+        return {"weight": w.to(torch.bfloat16)}
+    if fmt == "fp32":
+        return {"weight": w.float()}
+    if fmt in ("fp8", "fp8_row"):
+        amax = w.abs().amax() if fmt == "fp8" else w.abs().amax(dim=1, keepdim=True)
+        scale = (amax / 448.0).clamp(min=1e-12).float()
+        return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(()) if fmt == "fp8" else scale}
+    if fmt == "fp8_block":
+        out, inp = w.shape
+        so, si = -(-out // block), -(-inp // block)
+        scale = torch.empty(so, si)
+        q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+        for i in range(so):
+            for j in range(si):
+                tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
+                s = (tile.abs().amax() / 448.0).clamp(min=1e-12)
+                scale[i, j] = s
+                q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / s).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale_inv": scale}
+    if fmt in ("nvfp4", "nvfp4_ct"):
+        q, s, s2 = modelopt_nvfp4().quantize(w.float(), 16)
+        packed = q._quantized_data
+        if fmt == "nvfp4":
+            return {"weight": packed, "weight_scale": s, "weight_scale_2": s2.float().reshape(()), "input_scale": torch.ones(())}
+        return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": (1.0 / s2.float()).reshape(())}
+    raise ValueError(fmt)
+
+
+def modelopt_dequant(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """NVFP4 checkpoint tensors -> fp32 through modelopt's own dequantize (the independent reference)."""
+    cls = modelopt_nvfp4()
+    packed = t.get("weight", t.get("weight_packed"))
+    s2 = t["weight_scale_2"] if "weight_scale_2" in t else 1.0 / t["weight_global_scale"]
+    q = cls(torch.Size([packed.shape[0], packed.shape[1] * 2]), torch.float32, packed)
+    return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=s2.float(), block_sizes={-1: 16})
+
+
+def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale: float = 0.2):
+    """A bank of A expert blocks (the store's layout) with random weights in `fmt`.
+
+    Returns (bank uint8 [A * block_bytes], offsets int64 [A], manifest, dense fp32 weights per expert)."""
+    g = torch.Generator().manual_seed(seed)
+    projs = ("up", "down") if kind == "relu2" else ("gate", "up", "down")
+    experts = []
+    for _ in range(A):
+        ws = {}
+        for p in projs:
+            shape = (Dx, I) if p == "down" else (I, Dx)
+            ws[p] = torch.randn(*shape, generator=g) * scale
+        experts.append(ws)
+    quantized = [{p: quantize(ws[p], fmt) for p in projs} for ws in experts]
+    entries, formats = [], {}
+    for p in projs:
+        t0 = quantized[0][p]
+        formats[p] = detect_format({s: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for s, t in t0.items()}, p)
+        for sfx, t in t0.items():
+            entries.append((p, sfx, tuple(t.shape), TORCH_TO_ST[t.dtype], t.numel() * t.element_size(), p == "down" and kind == "relu2" and t.dim() == 2))
+    slots, block_bytes = plan_layout(entries)
+    manifest = Manifest("test", kind, A, 1, block_bytes, slots, formats, (), {})
+    bank = torch.zeros(A * block_bytes, dtype=torch.uint8)
+    by = {(s.proj, s.suffix): s for s in slots}
+    for a, q in enumerate(quantized):
+        for p, tensors in q.items():
+            for sfx, t in tensors.items():
+                slot = by[(p, sfx)]
+                data = relay(t.contiguous().view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes(), slot)
+                start = a * block_bytes + slot.offset
+                bank[start : start + slot.nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    offsets = torch.arange(A, dtype=torch.int64) * block_bytes
+    dense = [{p: WeightFormat.dequant_ref(formats[p], q[p]) for p in projs} for q in quantized]
+    return bank, offsets, manifest, dense

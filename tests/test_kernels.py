@@ -1,0 +1,171 @@
+"""Triton kernels against their plain-torch references, over formats and sizes.
+
+On a CPU these run under TRITON_INTERPRET=1 (conftest sets it); with SLUICE_TEST_DEVICE=cuda on the GPU.
+NVFP4 decoding is checked against nvidia-modelopt's own code, and checks that must fail (swapped
+nibbles, scales applied to the wrong group) are included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.kernels.decode import down_relaid, matvec
+from sluice.kernels.formats import nvfp4_dequant_ref
+from sluice.kernels.layout import proj_layouts
+from tests.common import DEVICE
+from tests.quant import make_bank, modelopt_dequant, quantize
+
+SIZES = [(1, 64, 32), (3, 96, 48), (2, 32, 80)]  # (A, Dx, I)
+FORMATS = ["fp32", "bf16", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct"]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct"])
+def test_nvfp4_decode_matches_modelopt(fmt):
+    w = torch.randn(48, 64) * 3
+    t = quantize(w, fmt)
+    packed = t.get("weight", t.get("weight_packed"))
+    s2 = t["weight_scale_2"] if fmt == "nvfp4" else 1.0 / t["weight_global_scale"]
+    ours = nvfp4_dequant_ref(packed, t["weight_scale"], s2)
+    assert torch.equal(ours, modelopt_dequant(t))
+    assert rel_err(ours, w) < 0.15  # 4-bit: close to the original, not equal
+
+
+def test_wrong_nibble_order_and_wrong_groups_fail():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=g) * torch.tensor([1.0, 8.0, 0.5, 30.0]).repeat_interleave(16)  # groups of unlike size
+    t = quantize(w, "nvfp4")
+    ref = modelopt_dequant(t)
+    swapped = ((t["weight"] & 0x0F) << 4) | (t["weight"] >> 4)
+    assert rel_err(nvfp4_dequant_ref(swapped, t["weight_scale"], t["weight_scale_2"]), ref) > 0.5
+    shifted = torch.roll(t["weight_scale"].view(torch.uint8), 1, dims=1).view(torch.float8_e4m3fn)
+    assert rel_err(nvfp4_dequant_ref(t["weight"], shifted, t["weight_scale_2"]), ref) > 1.0
+
+
+def _to(*ts):
+    return [t.to(DEVICE) for t in ts]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("A, Dx, I", SIZES)
+def test_relu2_decode(fmt, A, Dx, I):
+    bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=A + Dx)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest)
+    x = torch.randn(Dx, device=DEVICE)
+    h = torch.empty(A, I, device=DEVICE)
+    matvec(bank, offs, x, lay["up"], "relu2", torch.float32, h)
+    h_ref = torch.stack([torch.relu(d["up"].double() @ x.double().cpu()) ** 2 for d in dense])
+    assert h.shape == (A, I) and rel_err(h.cpu(), h_ref) < 1e-5
+    part, live = down_relaid(bank, offs, h, lay["down"], skip=False)
+    y = part.sum(1)
+    y_ref = torch.stack([dense[a]["down"].double() @ h.double().cpu()[a] for a in range(A)])
+    assert y.shape == (A, Dx) and rel_err(y.cpu(), y_ref) < 1e-5
+    assert int(live.sum()) == A * I // 16
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4"])
+def test_zero_skip_reads_only_live_groups_and_changes_nothing(fmt):
+    A, Dx, I = 2, 64, 96
+    bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=3)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest)["down"]
+    h = torch.relu(torch.randn(A, I, device=DEVICE)) ** 2
+    h.view(A, -1, 16)[:, ::2] = 0  # every other 16-neuron group dead
+    h[0, 16 + 3] = 0.5  # ... except one neuron that revives a group
+    full, live_full = down_relaid(bank, offs, h, lay, skip=False)
+    skip, live = down_relaid(bank, offs, h, lay, skip=True)
+    assert torch.equal(full.sum(1), skip.sum(1))
+    expected = int((h.view(A, -1, 16) != 0).any(-1).sum())
+    assert int(live.sum()) == expected < int(live_full.sum())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("A, Dx, I", SIZES[:2])
+def test_swiglu_decode(fmt, A, Dx, I):
+    import torch.nn.functional as F
+
+    bank, offs, manifest, dense = make_bank("swiglu", fmt, A, Dx, I, seed=A * 7)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest)
+    x = torch.randn(Dx, device=DEVICE)
+    h = torch.empty(A, I, device=DEVICE)
+    matvec(bank, offs, x, lay["up"], "swiglu", torch.float32, h, gate=lay["gate"], act=1)
+    xd = x.double().cpu()
+    h_ref = torch.stack([F.silu(d["gate"].double() @ xd) * (d["up"].double() @ xd) for d in dense])
+    assert rel_err(h.cpu(), h_ref) < 1e-5
+    y = torch.full((A + 2, Dx), float("nan"), device=DEVICE)
+    rows = torch.tensor([2, 0, 3][:A], device=DEVICE)
+    wts = torch.rand(A, device=DEVICE)
+    matvec(bank, offs, h, lay["down"], "weighted", torch.float32, y, rows=rows, wts=wts)
+    for a in range(A):
+        ref = (dense[a]["down"].double() @ h.double().cpu()[a]) * float(wts[a])
+        assert rel_err(y[rows[a]].cpu(), ref) < 1e-5
+
+
+def test_kernel_fails_on_swapped_nibbles():
+    A, Dx, I = 2, 64, 32
+    bank, offs, manifest, dense = make_bank("relu2", "nvfp4", A, Dx, I, seed=9)
+    lay = proj_layouts(manifest)
+    up = lay["up"]
+    bad = bank.clone()
+    for a in range(A):
+        s = a * manifest.block_bytes + up.w_off
+        b = bad[s : s + I * Dx // 2]
+        bad[s : s + I * Dx // 2] = ((b & 0x0F) << 4) | (b >> 4)
+    x = torch.randn(Dx, device=DEVICE)
+    h_ref = torch.stack([torch.relu(d["up"].double() @ x.double().cpu()) ** 2 for d in dense])
+    good, wrong = torch.empty(A, I, device=DEVICE), torch.empty(A, I, device=DEVICE)
+    matvec(bank.to(DEVICE), offs.to(DEVICE), x, up, "relu2", torch.float32, good)
+    matvec(bad.to(DEVICE), offs.to(DEVICE), x, up, "relu2", torch.float32, wrong)
+    assert rel_err(good.cpu(), h_ref) < 1e-5 and rel_err(wrong.cpu(), h_ref) > 0.3
+
+
+def _rows(counts, T, K, seed=0):
+    """Random (token, k) rows for experts with `counts` rows each: xrows (token ids) and flat y rows."""
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randperm(T * K, generator=g)[: sum(counts)]
+    return flat // K, flat
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["relu2", "swiglu"])
+def test_prefill_grouped_gemm(fmt, kind):
+    import torch.nn.functional as F
+
+    from sluice.kernels.prefill import grouped_gemm, tile_items
+
+    A, Dx, I, T, K, bm = 3, 64, 48, 20, 4, 16
+    counts = [5, 17, 1]  # one expert spans two row tiles
+    bank, offs, manifest, dense = make_bank(kind, fmt, A, Dx, I, seed=11)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest)
+    x = torch.randn(T, Dx, device=DEVICE)
+    xrows, flat = _rows(counts, T, K)
+    items = torch.tensor(tile_items(counts, bm), dtype=torch.int32, device=DEVICE)
+    xrows, flat = xrows.to(DEVICE), flat.to(DEVICE)
+    R = sum(counts)
+    h = torch.empty(R, I, device=DEVICE)
+    if kind == "relu2":
+        grouped_gemm(bank, offs, x, xrows, items, lay["up"], "relu2", torch.float32, h, bm=bm)
+    else:
+        grouped_gemm(bank, offs, x, xrows, items, lay["up"], "swiglu", torch.float32, h, gate=lay["gate"], act=1, bm=bm)
+    y = torch.full((T * K, Dx), float("nan"), device=DEVICE)
+    wts = torch.rand(R, device=DEVICE)
+    grouped_gemm(bank, offs, h, torch.arange(R, device=DEVICE), items, lay["down"], "weighted", torch.float32, y, orows=flat, wts=wts, bm=bm)
+    start = 0
+    for a, c in enumerate(counts):
+        xa = x.double().cpu()[xrows[start : start + c].cpu()]
+        d = {p: w.double() for p, w in dense[a].items()}
+        ha = torch.relu(xa @ d["up"].t()) ** 2 if kind == "relu2" else F.silu(xa @ d["gate"].t()) * (xa @ d["up"].t())
+        assert rel_err(h[start : start + c].cpu(), ha) < 1e-5
+        ya = (h[start : start + c].double().cpu() @ d["down"].t()) * wts[start : start + c].double().cpu()[:, None]
+        assert rel_err(y[flat[start : start + c]].cpu(), ya) < 1e-5
+        start += c
+    untouched = torch.ones(T * K, dtype=torch.bool)
+    untouched[flat.cpu()] = False
+    assert torch.isnan(y.cpu()[untouched]).all()  # rows not routed here are left alone
