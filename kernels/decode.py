@@ -6,7 +6,8 @@ Every expert's block lives in a bank (one uint8 tensor: the VRAM slot bank, or t
 
     matvec        out[a, n] = epilogue(W_a[n, :] . v_a)    W [N, K] in the checkpoint's orientation
                   epilogues: relu2 (ReLU^2 up), swiglu (act(gate) * up, both projections in one
-                  program), weighted (y[rows[a]] = round(out) * w[a], for SwiGLU down)
+                  program), weighted (y[rows[a]] = round(out) * w[a], for SwiGLU down),
+                  plain (out[a] = round(out): quantised resident linears)
     down_relaid   part[a, s, :] = sum over 16-neuron groups g of split s of h[a, g] @ W_a[g]
                   W [I, Dx] re-laid neuron-major (ReLU^2 down); groups whose 16 activations are all
                   zero are skipped, so their weights are never read (zero-skip)
@@ -27,7 +28,8 @@ from sluice.kernels.layout import ProjLayout
 RELU2 = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
 WEIGHTED = tl.constexpr(2)
-EPILOGUES = {"relu2": 0, "swiglu": 1, "weighted": 2}
+PLAIN = tl.constexpr(3)
+EPILOGUES = {"relu2": 0, "swiglu": 1, "weighted": 2, "plain": 3}
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
              torch.uint8: tl.uint8, torch.float8_e4m3fn: tl.float8e4nv}
 
@@ -85,6 +87,8 @@ def _matvec_kernel(
         if EPI == SWIGLU:
             g = _row_dots(base, G_W_OFF, G_S_OFF, G_S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, BN, BK)
             h = _act(g.to(X_DT).to(tl.float32), ACT).to(X_DT).to(tl.float32) * acc
+        elif EPI == PLAIN:
+            h = acc
         else:
             h = _act(acc, ACT)
         tl.store(out + a * OUT_STRIDE + n, h.to(X_DT), mask=n < N)

@@ -22,7 +22,7 @@ class TritonExperts:
     def __init__(self, manifest, kind: str, act: str, device: torch.device):
         if act not in ACTS:
             raise NotImplementedError(f"Triton expert kernels support activations {sorted(ACTS)}, not {act!r}")
-        self.layouts = proj_layouts(manifest)
+        self.layouts = proj_layouts(manifest.formats, manifest.slots)
         self.kind = kind
         self.act = ACTS[act]
         self.device = device

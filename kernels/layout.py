@@ -31,10 +31,11 @@ class ProjLayout:
     start: int  # first byte of this projection's tensors in the block
 
 
-def proj_layouts(manifest) -> dict[str, ProjLayout]:
+def proj_layouts(formats: dict, slots_all) -> dict[str, ProjLayout]:
+    """proj -> layout, from a store manifest's `formats` and `slots` (or any block laid out by plan_layout)."""
     out = {}
-    for proj, fmt in manifest.formats.items():
-        slots = {s.suffix: s for s in manifest.slots if s.proj == proj}
+    for proj, fmt in formats.items():
+        slots = {s.suffix: s for s in slots_all if s.proj == proj}
         w = slots[fmt.weight]
         n, k = w.shape
         if fmt.kind == "nvfp4":

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.decode import EPILOGUES, SWIGLU, TL_DTYPES, WEIGHTED, _act
+from sluice.kernels.decode import EPILOGUES, PLAIN, SWIGLU, TL_DTYPES, WEIGHTED, _act
 from sluice.kernels.dequant import DENSE, FP8_BLOCK, FP8_ROW, NVFP4, e2m1_to_f32, load_nvfp4_tile, load_tile, tensor_scale
 from sluice.kernels.layout import ProjLayout
 
@@ -114,6 +114,8 @@ def _grouped_gemm_kernel(
             g = _tile_dot(g, base, G_W_OFF, G_S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, KMAJOR, DOT_DT, IEEE, BK)
             g = g * tensor_scale(base, G_S_OFF, G_S2_OFF, FMT, S2_INV)
             h = _act(g.to(X_DT).to(tl.float32), ACT).to(X_DT).to(tl.float32) * acc
+        elif EPI == PLAIN:
+            h = acc
         else:
             h = _act(acc, ACT)
         tl.store(out + j.to(tl.int64)[:, None] * OUT_STRIDE + n[None, :], h.to(X_DT), mask=omask)

@@ -22,6 +22,9 @@ import torch
 from torch import nn
 
 from sluice.errors import CheckpointError
+from sluice.kernels.formats import detect_format
+from sluice.kernels.linear import QuantLinear
+from sluice.storage.safetensors_io import TORCH_TO_ST
 
 ExpertKind = str  # "relu2": down(act(up x)); "swiglu": down(act(gate x) * up x)
 
@@ -167,16 +170,18 @@ def build_hf_model(
 
     if dtype is None:
         dtype = _config_dtype(hf_config)
+    state = {arch.module_name(k): v for k, v in tensors.items()}
+    quantized = _pop_quantized(state)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
     strip(model)
+    linears = {name: _swap(model, name, nn.Identity()) for name in quantized}  # no dense copy is ever allocated
     keep_fp32 = [re.compile(p) for p in model._get_dtype_plan(dtype)]
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if any(k.search(name) for k in keep_fp32) and p.dtype != torch.float32:
             p.data = p.data.to(torch.float32)
     model.to_empty(device=device)
 
-    state = {arch.module_name(k): v for k, v in tensors.items()}
     expected = set(model.state_dict().keys())
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
@@ -190,10 +195,40 @@ def build_hf_model(
             raise CheckpointError(f"tensor {name!r}: checkpoint shape {list(value.shape)} != model shape {list(target.shape)}")
         with torch.no_grad():
             target.copy_(value)
+    for name, parts in quantized.items():
+        old = linears[name]
+        if not isinstance(old, nn.Linear):
+            raise CheckpointError(f"{name}: quantised weights for a {type(old).__name__}, only nn.Linear can be quantised")
+        bias = parts.pop("bias", None)
+        where = f"resident {name}"
+        fmt = detect_format({sfx: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for sfx, t in parts.items()}, where)
+        _swap(model, name, QuantLinear(fmt, parts, bias, old.out_features, old.in_features).to(device))
     _init_non_persistent_buffers(model)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "weight_packed", "weight_global_scale",
+                  "input_scale", "input_global_scale")
+
+
+def _pop_quantized(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Take the tensors of quantised linears out of `state`: module name -> suffix -> tensor (bias included)."""
+    groups: dict[str, dict[str, str]] = {}
+    for key in state:
+        module, _, suffix = key.rpartition(".")
+        groups.setdefault(module, {})[suffix] = key
+    quantized = [m for m, g in groups.items() if any(s in QUANT_SUFFIXES for s in g)]
+    return {m: {sfx: state.pop(key) for sfx, key in groups[m].items()} for m in quantized}
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    parent, _, attr = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, attr)
+    setattr(owner, attr, new)
+    return old
 
 
 def _is_param(model: nn.Module, name: str) -> bool:
@@ -207,7 +242,7 @@ def _is_param(model: nn.Module, name: str) -> bool:
 def _init_non_persistent_buffers(model: nn.Module) -> None:
     """Recompute buffers not stored in checkpoints (rotary inv_freq) with transformers' own init."""
     for mod_name, module in model.named_modules():
-        if not getattr(module, "_non_persistent_buffers_set", None):
+        if not getattr(module, "_non_persistent_buffers_set", None) or isinstance(module, QuantLinear):
             continue
         if "RotaryEmbedding" not in type(module).__name__:
             raise CheckpointError(f"module {mod_name} ({type(module).__name__}) has non-persistent buffers Sluice cannot initialise")

@@ -90,7 +90,7 @@ class Runtime:
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
         self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device)) if cuda else None
         self.stats = IOStats()
-        self.layouts = proj_layouts(store.manifest)
+        self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
         # zero-copy down: h2d copies only up, compute reads down from the pinned RAM slot
         self.down_in_ram = down_in_ram and "down" in self.layouts
 

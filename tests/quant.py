@@ -98,3 +98,49 @@ def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale
     offsets = torch.arange(A, dtype=torch.int64) * block_bytes
     dense = [{p: WeightFormat.dequant_ref(formats[p], q[p]) for p in projs} for q in quantized]
     return bank, offsets, manifest, dense
+
+
+def quantize_checkpoint(src, dst, ref, fmt: str, resident: bool = False):
+    """Quantise a tiny checkpoint's routed experts (and, with `resident`, its other linears) into `fmt`.
+
+    Writes the quantised checkpoint to `dst` (checkpoint names, hf_quant_config.json for ModelOpt
+    formats) and, to `ref`, the same model with every quantised weight replaced by its
+    dequantisation through code we did not write where there is one (modelopt for NVFP4): the
+    reference transformers runs on."""
+    import json
+    import re
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst, ref = Path(src), Path(dst), Path(ref)
+    tensors = load_file(src / "model.safetensors")
+    expert = re.compile(r"\.experts\.\d+\.\w+_proj\.weight$")
+    resident_linear = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj|gate_proj|fc1_latent_proj|fc2_latent_proj)\.weight$")
+    out, deq, quantized = {}, {}, []
+    for name, w in tensors.items():
+        if expert.search(name) or (resident and resident_linear.search(name) and ".experts." not in name):
+            q = quantize(w.float(), fmt)
+            module = name[: -len(".weight")]
+            out.update({f"{module}.{sfx}": t for sfx, t in q.items()})
+            if fmt.startswith("nvfp4"):
+                deq[name] = modelopt_dequant(q)
+            else:
+                deq[name] = detect_format({s: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for s, t in q.items()}, name).dequant_ref(q)
+            quantized.append(module)
+        else:
+            out[name] = w
+            deq[name] = w
+    for d in (dst, ref):
+        d.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, d / f.name)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    save_file(deq, ref / "model.safetensors", metadata={"format": "pt"})
+    if fmt in ("nvfp4", "fp8"):
+        algo = {"nvfp4": "NVFP4", "fp8": "FP8"}[fmt]
+        (dst / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt"}, "quantization": {"quant_algo": algo, "group_size": 16, "exclude_modules": ["lm_head"]}}))
+    return dst, ref

@@ -55,7 +55,7 @@ def _to(*ts):
 def test_relu2_decode(fmt, A, Dx, I):
     bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=A + Dx)
     bank, offs = _to(bank, offs)
-    lay = proj_layouts(manifest)
+    lay = proj_layouts(manifest.formats, manifest.slots)
     x = torch.randn(Dx, device=DEVICE)
     h = torch.empty(A, I, device=DEVICE)
     matvec(bank, offs, x, lay["up"], "relu2", torch.float32, h)
@@ -73,7 +73,7 @@ def test_zero_skip_reads_only_live_groups_and_changes_nothing(fmt):
     A, Dx, I = 2, 64, 96
     bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=3)
     bank, offs = _to(bank, offs)
-    lay = proj_layouts(manifest)["down"]
+    lay = proj_layouts(manifest.formats, manifest.slots)["down"]
     h = torch.relu(torch.randn(A, I, device=DEVICE)) ** 2
     h.view(A, -1, 16)[:, ::2] = 0  # every other 16-neuron group dead
     h[0, 16 + 3] = 0.5  # ... except one neuron that revives a group
@@ -91,7 +91,7 @@ def test_swiglu_decode(fmt, A, Dx, I):
 
     bank, offs, manifest, dense = make_bank("swiglu", fmt, A, Dx, I, seed=A * 7)
     bank, offs = _to(bank, offs)
-    lay = proj_layouts(manifest)
+    lay = proj_layouts(manifest.formats, manifest.slots)
     x = torch.randn(Dx, device=DEVICE)
     h = torch.empty(A, I, device=DEVICE)
     matvec(bank, offs, x, lay["up"], "swiglu", torch.float32, h, gate=lay["gate"], act=1)
@@ -110,7 +110,7 @@ def test_swiglu_decode(fmt, A, Dx, I):
 def test_kernel_fails_on_swapped_nibbles():
     A, Dx, I = 2, 64, 32
     bank, offs, manifest, dense = make_bank("relu2", "nvfp4", A, Dx, I, seed=9)
-    lay = proj_layouts(manifest)
+    lay = proj_layouts(manifest.formats, manifest.slots)
     up = lay["up"]
     bad = bank.clone()
     for a in range(A):
@@ -143,7 +143,7 @@ def test_prefill_grouped_gemm(fmt, kind):
     counts = [5, 17, 1]  # one expert spans two row tiles
     bank, offs, manifest, dense = make_bank(kind, fmt, A, Dx, I, seed=11)
     bank, offs = _to(bank, offs)
-    lay = proj_layouts(manifest)
+    lay = proj_layouts(manifest.formats, manifest.slots)
     x = torch.randn(T, Dx, device=DEVICE)
     xrows, flat = _rows(counts, T, K)
     items = torch.tensor(tile_items(counts, bm), dtype=torch.int32, device=DEVICE)
