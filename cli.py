@@ -1,4 +1,4 @@
-"""`sluice` command line: repack | verify | generate | chat.
+"""`sluice` command line: repack | verify | generate | chat | bench kernels.
 
 With no --model, commands use the bundled default model (made on first use).
 """
@@ -49,6 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks (on a GPU)")
+    bsub = b.add_subparsers(metavar="WHAT")
+    bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
+    bk.add_argument("--shape", nargs="*", default=None, help="model shapes (default: all)")
+    bk.add_argument("--format", nargs="*", default=None, help="nvfp4 fp8 bf16 (default: all)")
+    bk.add_argument("--live", type=float, default=0.25, help="fraction of live 16-neuron groups for zero-copy down")
+    bk.add_argument("--json", type=Path, help="also write the rows as JSON")
+    bk.set_defaults(func=cmd_bench_kernels)
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (the conversation state is kept between turns)")
     _engine_args(c)
@@ -163,6 +172,23 @@ def cmd_generate(args) -> int:
         else:
             ids = tok(args.prompt)["input_ids"]
         _stream_text(engine, tok, list(ids), args)
+    return 0
+
+
+def cmd_bench_kernels(args) -> int:
+    import json
+
+    import torch
+
+    from sluice.kernels.bench import FORMATS, SHAPES, bench, format_table
+
+    if not torch.cuda.is_available():
+        raise SluiceError("bench kernels needs a CUDA GPU")
+    ceil, rows = bench(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), args.live)
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
+    print(format_table(ceil, rows))
+    if args.json:
+        args.json.write_text(json.dumps({"ceilings": ceil, "rows": [r.__dict__ for r in rows]}, indent=1))
     return 0
 
 

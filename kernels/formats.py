@@ -110,3 +110,38 @@ def detect_format(suffixes: dict[str, tuple[str, tuple[int, ...]]], where: str) 
         return WeightFormat("fp8_block", "weight", "weight_scale_inv", block=block)
     found = ", ".join(f"{k}:{v[0]}{list(v[1])}" for k, v in sorted(suffixes.items()))
     raise CheckpointError(f"{where}: unsupported weight format ({found})")
+
+
+def random_weight(shape: tuple[int, int], kind: str, device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+                  dense_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random but valid checkpoint tensors (by suffix) of a [out, in] weight in `kind`, without quantising anything.
+
+    For benchmarks and synthetic checkpoints: every NVFP4 nibble value, finite E4M3 codes, scales of
+    a plausible size. kind: bf16 | fp16 | fp32 | fp8 | fp8_block | nvfp4."""
+    out, inp = shape
+    g = generator
+
+    def randint(*size, high=256):
+        return torch.randint(0, high, size, dtype=torch.uint8, generator=g, device=device)
+
+    def e4m3(*size, lo=0.25, hi=2.0):
+        return (torch.rand(*size, generator=g, device=device) * (hi - lo) + lo).to(torch.float8_e4m3fn)
+
+    def fp8_weights():
+        b = randint(out, inp) & 0x7E  # no NaN codes (0x7F / 0xFF), both signs via the xor below
+        return (b ^ (randint(out, inp) & 0x80)).view(torch.float8_e4m3fn)
+
+    if kind in ("bf16", "fp16", "fp32"):
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind]
+        return {"weight": (torch.randn(out, inp, generator=g, device=device) * 0.02).to(dt)}
+    if kind == "fp8":
+        return {"weight": fp8_weights(), "weight_scale": torch.full((), 1e-3, device=device)}
+    if kind == "fp8_block":
+        so, si = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
+        return {"weight": fp8_weights(), "weight_scale_inv": torch.rand(so, si, generator=g, device=device) * 1e-3 + 1e-4}
+    if kind == "nvfp4":
+        if inp % NVFP4_GROUP:
+            raise ValueError(f"NVFP4 needs in_features divisible by {NVFP4_GROUP}, got {inp}")
+        return {"weight": randint(out, inp // 2), "weight_scale": e4m3(out, inp // NVFP4_GROUP),
+                "weight_scale_2": torch.full((), 1e-2, device=device), "input_scale": torch.ones((), device=device)}
+    raise ValueError(f"unknown weight kind {kind!r}")

@@ -17,7 +17,7 @@ from torch import nn
 from sluice.kernels.formats import WeightFormat
 from sluice.kernels.layout import proj_layouts
 from sluice.storage.safetensors_io import TORCH_TO_ST
-from sluice.storage.store import plan_layout
+from sluice.storage.store import pack_block, plan_layout
 
 BM = 16
 
@@ -31,10 +31,7 @@ class QuantLinear(nn.Module):
         self.layout = proj_layouts({"w": fmt}, slots)["w"]
         if (self.layout.n, self.layout.k) != (out_features, in_features):
             raise ValueError(f"quantised weight is {self.layout.n}x{self.layout.k}, the module expects {out_features}x{in_features}")
-        packed = torch.zeros(nbytes, dtype=torch.uint8)
-        for s in slots:
-            t = tensors[s.suffix].contiguous().reshape(-1)
-            packed[s.offset : s.offset + s.nbytes] = t.view(torch.uint8)
+        packed = pack_block(slots, {f"w.{sfx}": t for sfx, t in tensors.items()}, torch.zeros(nbytes, dtype=torch.uint8))
         self._tensors = tensors  # checkpoint tensors (CPU), for the reference path
         self.register_buffer("packed", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)

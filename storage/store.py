@@ -76,6 +76,18 @@ def plan_layout(entries: list[tuple[str, str, tuple[int, ...], str, int, bool]])
     return tuple(slots), round_up(max(offset, 1), PAGE)
 
 
+def pack_block(slots: tuple[TensorSlot, ...], tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Write tensors (slot name -> tensor in checkpoint orientation) into a block buffer (uint8 [block_bytes]).
+
+    The torch twin of `relay`: re-laid slots are written transposed. Works on any device."""
+    for slot in slots:
+        t = tensors[slot.name]
+        if slot.relaid:
+            t = t.t()
+        out[slot.offset : slot.offset + slot.nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
+    return out
+
+
 def relay(data: bytes, slot: TensorSlot) -> bytes:
     """Checkpoint bytes -> stored bytes (transpose when re-laid). A byte permutation: same size."""
     if not slot.relaid:

@@ -12,7 +12,7 @@ import torch
 
 from sluice.kernels.formats import WeightFormat, detect_format
 from sluice.storage.safetensors_io import TORCH_TO_ST
-from sluice.storage.store import Manifest, plan_layout, relay
+from sluice.storage.store import Manifest, pack_block, plan_layout
 
 FORMATS = ("bf16", "fp32", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct")
 
@@ -87,14 +87,9 @@ def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale
     slots, block_bytes = plan_layout(entries)
     manifest = Manifest("test", kind, A, 1, block_bytes, slots, formats, (), {})
     bank = torch.zeros(A * block_bytes, dtype=torch.uint8)
-    by = {(s.proj, s.suffix): s for s in slots}
     for a, q in enumerate(quantized):
-        for p, tensors in q.items():
-            for sfx, t in tensors.items():
-                slot = by[(p, sfx)]
-                data = relay(t.contiguous().view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes(), slot)
-                start = a * block_bytes + slot.offset
-                bank[start : start + slot.nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        named = {f"{p}.{sfx}": t for p, tensors in q.items() for sfx, t in tensors.items()}
+        pack_block(slots, named, bank[a * block_bytes : (a + 1) * block_bytes])
     offsets = torch.arange(A, dtype=torch.int64) * block_bytes
     dense = [{p: WeightFormat.dequant_ref(formats[p], q[p]) for p in projs} for q in quantized]
     return bank, offsets, manifest, dense

@@ -1,0 +1,150 @@
+"""`sluice bench kernels`: achieved bandwidth of each expert kernel against ceilings measured in the same run.
+
+Ceilings: HBM (a large device-to-device copy, bytes read + written) and pinned host-to-device
+(a large copy). Each kernel moves the bytes of the blocks it reads; those over its median time
+(triton.testing.do_bench) is its achieved GB/s. Banks rotate through more memory than the L2 holds,
+so repeated launches do not measure the cache. Zero-copy down reads live 16-neuron groups from
+pinned host memory; its bytes are the live groups' bytes, compared with the host-to-device ceiling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sluice.kernels.formats import WeightFormat, detect_format, random_weight
+from sluice.kernels.layout import proj_layouts
+from sluice.storage.safetensors_io import TORCH_TO_ST
+from sluice.storage.store import pack_block, plan_layout
+
+# model shapes: expert kind, Dx (expert input), I (intermediate), A (experts per token)
+SHAPES = {
+    "super": ("relu2", 1024, 2688, 22),  # Nemotron-3.5-Super: latent 1024, 512 experts top-22
+    "nano": ("relu2", 2688, 1856, 6),  # NVIDIA-Nemotron-3-Nano-30B-A3B
+    "qwen3-30b": ("swiglu", 2048, 768, 8),  # Qwen3-30B-A3B
+}
+FORMATS = ("nvfp4", "fp8", "bf16")
+L2_BYTES = 64 << 20
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    fmt: str
+    mbytes: float
+    us: float
+    gbps: float
+    ceiling: str
+    pct: float
+
+
+def expert_layout(kind: str, fmt: str, Dx: int, I: int, device):
+    """One expert's random tensors (slot name -> tensor) and the store's block layout for them."""
+    projs = ("up", "down") if kind == "relu2" else ("gate", "up", "down")
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors, entries, formats = {}, [], {}
+    for p in projs:
+        shape = (Dx, I) if p == "down" else (I, Dx)
+        t = random_weight(shape, fmt, device, g)
+        formats[p] = detect_format({s: (TORCH_TO_ST[v.dtype], tuple(v.shape)) for s, v in t.items()}, p)
+        for sfx, v in t.items():
+            tensors[f"{p}.{sfx}"] = v
+            entries.append((p, sfx, tuple(v.shape), TORCH_TO_ST[v.dtype], v.numel() * v.element_size(), p == "down" and kind == "relu2" and v.dim() == 2))
+    slots, block_bytes = plan_layout(entries)
+    return tensors, slots, formats, block_bytes
+
+
+def make_banks(kind, fmt, Dx, I, A, device, pin=False, min_bytes=3 * L2_BYTES):
+    tensors, slots, formats, block_bytes = expert_layout(kind, fmt, Dx, I, device)
+    block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8, device=device))
+    copies = max(2, math.ceil(min_bytes / (A * block_bytes)))
+    banks = []
+    for _ in range(copies):
+        b = block.repeat(A)
+        banks.append(b.cpu().pin_memory() if pin else b)
+    return banks, proj_layouts(formats, slots), block_bytes
+
+
+def ceilings(device) -> dict[str, float]:
+    from triton.testing import do_bench
+
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    hbm = 2 * n / (do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3) / 1e9
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    h2d = n / (do_bench(lambda: b.copy_(host, non_blocking=True), return_mode="median") * 1e-3) / 1e9
+    del a, b, host
+    return {"hbm": hbm, "h2d": h2d}
+
+
+def _time(fns) -> float:
+    """Median microseconds of one call, rotating through fns (one per bank)."""
+    from triton.testing import do_bench
+
+    i = [0]
+
+    def step():
+        fns[i[0] % len(fns)]()
+        i[0] += 1
+
+    return do_bench(step, return_mode="median") * 1000
+
+
+def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cuda") -> tuple[dict, list[Row]]:
+    from sluice.kernels.decode import down_relaid, matvec
+
+    device = torch.device(device)
+    ceil = ceilings(device)
+    rows: list[Row] = []
+
+    def add(kernel, shape, fmt, nbytes, us, ceiling):
+        gbps = nbytes / (us * 1e-6) / 1e9
+        rows.append(Row(kernel, shape, fmt, nbytes / 1e6, us, gbps, ceiling, 100 * gbps / ceil[ceiling]))
+
+    for shape in shapes:
+        kind, Dx, I, A = SHAPES[shape]
+        for fmt in formats:
+            banks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device)
+            offs = torch.arange(A, dtype=torch.int64, device=device) * block_bytes
+            x = torch.randn(Dx, device=device, dtype=torch.bfloat16)
+            h = torch.empty(A, I, device=device, dtype=torch.bfloat16)
+            up_bytes = A * (L["up"].nbytes + (L["gate"].nbytes if "gate" in L else 0))
+            if kind == "relu2":
+                us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
+                add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")
+                hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
+                us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
+                add("decode down (re-laid)", shape, fmt, A * L["down"].nbytes, us, "hbm")
+            else:
+                us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1) for b in banks])
+                add("decode gate+up (swiglu)", shape, fmt, up_bytes, us, "hbm")
+                y = torch.empty(A, Dx, device=device, dtype=torch.float32)
+                rws = torch.arange(A, device=device)
+                wts = torch.rand(A, device=device)
+                us = _time([lambda b=b: matvec(b, offs, h, L["down"], "weighted", torch.bfloat16, y, rows=rws, wts=wts) for b in banks])
+                add("decode down (swiglu)", shape, fmt, A * L["down"].nbytes, us, "hbm")
+            del banks
+            if kind == "relu2":
+                hbanks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device, pin=True)
+                groups = I // 16
+                live = torch.rand(A, groups, device=device) < live_fraction
+                hz = (torch.relu(torch.randn(A, groups, 16, device=device)) + 0.1) * live[..., None]
+                hz = hz.reshape(A, I).to(torch.bfloat16)
+                n_live = int(live.sum())
+                group_bytes = L["down"].nbytes / groups
+                us = _time([lambda b=b: down_relaid(b, offs, hz, L["down"], skip=True) for b in hbanks])
+                add(f"zero-copy down, {live_fraction:.0%} live", shape, fmt, n_live * group_bytes, us, "h2d")
+                del hbanks
+    return ceil, rows
+
+
+def format_table(ceil: dict, rows: list[Row]) -> str:
+    out = [f"ceilings: HBM {ceil['hbm']:.0f} GB/s (device copy, read+write), pinned H2D {ceil['h2d']:.1f} GB/s",
+           f"{'kernel':30} {'shape':10} {'fmt':6} {'MB':>8} {'us':>8} {'GB/s':>8} {'% of':>10}"]
+    for r in rows:
+        out.append(f"{r.kernel:30} {r.shape:10} {r.fmt:6} {r.mbytes:8.2f} {r.us:8.1f} {r.gbps:8.0f} {r.pct:6.0f}% {r.ceiling}")
+    return "\n".join(out)
