@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--format", nargs="*", default=None, help="nvfp4 fp8 bf16 (default: all)")
     bk.add_argument("--live", type=float, default=0.25, help="fraction of live 16-neuron groups for zero-copy down")
     bk.add_argument("--json", type=Path, help="also write the rows as JSON")
+    bk.add_argument("--sweep", action="store_true", help="time each kernel over tile configurations instead")
     bk.set_defaults(func=cmd_bench_kernels)
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (the conversation state is kept between turns)")
@@ -180,10 +181,14 @@ def cmd_bench_kernels(args) -> int:
 
     import torch
 
-    from sluice.kernels.bench import FORMATS, SHAPES, bench, format_table
+    from sluice.kernels.bench import FORMATS, SHAPES, bench, format_table, sweep
 
     if not torch.cuda.is_available():
         raise SluiceError("bench kernels needs a CUDA GPU")
+    if args.sweep:
+        for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS)):
+            print(line, flush=True)
+        return 0
     ceil, rows = bench(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), args.live)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
     print(format_table(ceil, rows))

@@ -142,6 +142,59 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
     return ceil, rows
 
 
+MATVEC_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4), (32, 128, 4)]  # (bn, bk, warps)
+DOWN_CONFIGS = [(512, 16, 4), (1024, 8, 4), (1024, 16, 8), (256, 16, 4), (512, 32, 4), (1024, 32, 8)]  # (bd, splits, warps)
+PREFILL_CONFIGS = [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (32, 128, 128, 8)]  # (bm, bn, bk, warps)
+
+
+def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32, prefill_experts=64) -> list[str]:
+    """Time each kernel over tile configurations; lines 'kernel shape fmt config us GB/s'."""
+    from sluice.kernels.decode import down_relaid, matvec
+    from sluice.kernels.prefill import grouped_gemm, tile_items
+
+    device = torch.device(device)
+    lines = []
+    for shape in shapes:
+        kind, Dx, I, A = SHAPES[shape]
+        for fmt in formats:
+            banks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device)
+            offs = torch.arange(A, dtype=torch.int64, device=device) * block_bytes
+            x = torch.randn(Dx, device=device, dtype=torch.bfloat16)
+            h = torch.empty(A, I, device=device, dtype=torch.bfloat16)
+            up_bytes = A * (L["up"].nbytes + (L["gate"].nbytes if "gate" in L else 0))
+            epi, gate, act = ("relu2", None, 0) if kind == "relu2" else ("swiglu", L["gate"], 1)
+            for bn, bk, nw in MATVEC_CONFIGS:
+                try:
+                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk, num_warps=nw) for b in banks])
+                    lines.append(f"matvec-up {shape} {fmt} bn={bn} bk={bk} w={nw} {us:.1f}us {up_bytes / us / 1e3:.0f}GB/s")
+                except Exception as e:  # a config the compiler rejects (registers, shared memory) is skipped
+                    lines.append(f"matvec-up {shape} {fmt} bn={bn} bk={bk} w={nw} failed: {type(e).__name__}")
+            if kind == "relu2":
+                hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
+                for bd, sp, nw in DOWN_CONFIGS:
+                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, splits=sp, bd=bd, num_warps=nw) for b in banks])
+                    lines.append(f"down-relaid {shape} {fmt} bd={bd} splits={sp} w={nw} {us:.1f}us {A * L['down'].nbytes / us / 1e3:.0f}GB/s")
+            del banks
+            E = prefill_experts
+            banks, L, block_bytes = make_banks(kind, fmt, Dx, I, E, device)
+            offs = torch.arange(E, dtype=torch.int64, device=device) * block_bytes
+            T = E * prefill_rows
+            xs = torch.randn(T, Dx, device=device, dtype=torch.bfloat16)
+            hs = torch.empty(T, I, device=device, dtype=torch.bfloat16)
+            rows = torch.arange(T, device=device)
+            for bm, bn, bk, nw in PREFILL_CONFIGS:
+                items = torch.tensor(tile_items([prefill_rows] * E, bm), dtype=torch.int32, device=device)
+                try:
+                    us = _time([lambda b=b: grouped_gemm(b, offs, xs, rows, items, L["up"], epi, torch.bfloat16, hs, gate=gate, act=act, bm=bm, bn=bn, bk=bk, num_warps=nw) for b in banks])
+                    flops = 2 * T * Dx * I * (2 if gate is not None else 1)
+                    wb = E * (L["up"].nbytes + (L["gate"].nbytes if gate is not None else 0))
+                    lines.append(f"prefill-up {shape} {fmt} rows/expert={prefill_rows} bm={bm} bn={bn} bk={bk} w={nw} {us:.1f}us {wb / us / 1e3:.0f}GB/s {flops / us / 1e6:.1f}TFLOP/s")
+                except Exception as e:
+                    lines.append(f"prefill-up {shape} {fmt} bm={bm} bn={bn} bk={bk} w={nw} failed: {type(e).__name__}")
+            del banks
+    return lines
+
+
 def format_table(ceil: dict, rows: list[Row]) -> str:
     out = [f"ceilings: HBM {ceil['hbm']:.0f} GB/s (device copy, read+write), pinned H2D {ceil['h2d']:.1f} GB/s",
            f"{'kernel':30} {'shape':10} {'fmt':6} {'MB':>8} {'us':>8} {'GB/s':>8} {'% of':>10}"]

@@ -23,15 +23,24 @@ NVFP4 = tl.constexpr(4)
 FORMAT_CODES = {"dense": 0, "fp8": 1, "fp8_row": 2, "fp8_block": 3, "nvfp4": 4}
 
 
+E2M1_UNSCALE = tl.constexpr(16384.0)  # e2m1_scaled returns values / 2**14
+
+
+@triton.jit
+def e2m1_scaled(nib):
+    """4-bit E2M1 codes (int32, 0..15) -> fp32 value * 2**-14, in five integer ops.
+
+    E2M1 bits s.ee.m placed at fp16's sign, low exponent and top mantissa bits give an fp16 equal
+    to the E2M1 value times 2**-14 (normals and the subnormal 0.5 alike, since both formats'
+    biases differ by 14): multiply by E2M1_UNSCALE, or fold it into the group scale."""
+    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
 @triton.jit
 def e2m1_to_f32(nib):
     """4-bit E2M1 codes (int32, 0..15) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
-    m = nib & 7
-    e = m >> 1
-    f = m & 1
-    bits = tl.where(m == 0, 0, tl.where(e == 0, 126 << 23, ((e + 126) << 23) | (f << 22)))
-    bits = bits | ((nib >> 3) << 31)
-    return bits.to(tl.float32, bitcast=True)
+    return e2m1_scaled(nib) * E2M1_UNSCALE
 
 
 @triton.jit

@@ -134,7 +134,7 @@ def tile_items(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
 def grouped_gemm(bank: torch.Tensor, offs: torch.Tensor, x: torch.Tensor, xrows: torch.Tensor, items: torch.Tensor,
                  layout: ProjLayout, epilogue: str, x_dtype: torch.dtype, out: torch.Tensor, gate: ProjLayout | None = None,
                  act: int = 0, orows: torch.Tensor | None = None, wts: torch.Tensor | None = None,
-                 bm: int = 16, bn: int = 64, bk: int = 64) -> torch.Tensor:
+                 bm: int = 16, bn: int = 64, bk: int = 64, num_warps: int = 4) -> torch.Tensor:
     """Launch over `items` (int32 [n, 3], device) built by `tile_items` with the same bm."""
     g = gate or layout
     dot_dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
@@ -146,6 +146,6 @@ def grouped_gemm(bank: torch.Tensor, offs: torch.Tensor, x: torch.Tensor, xrows:
         layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, g.w_off, g.s_off, g.s2_off,
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, KMAJOR=layout.relaid,
         EPI=EPILOGUES[epilogue], ACT=act, X_DT=TL_DTYPES[x_dtype], DOT_DT=TL_DTYPES[dot_dt], IEEE=dot_dt == torch.float32,
-        BM=bm, BN=bn, BK=bk,
+        BM=bm, BN=bn, BK=bk, num_warps=num_warps,
     )
     return out
