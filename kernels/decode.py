@@ -168,9 +168,13 @@ def _down_relaid_kernel(
 
 def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: ProjLayout, epilogue: str, x_dtype: torch.dtype,
            out: torch.Tensor, gate: ProjLayout | None = None, act: int = 0, rows: torch.Tensor | None = None,
-           wts: torch.Tensor | None = None, bn: int = 16, bk: int = 256, num_warps: int = 4) -> torch.Tensor:
-    """Launch `_matvec_kernel` for A = len(offs) experts. v [K] shared or [A, K]; out [A, N] or y [rows, N]."""
+           wts: torch.Tensor | None = None, bn: int = 0, bk: int = 256, num_warps: int = 4) -> torch.Tensor:
+    """Launch `_matvec_kernel` for A = len(offs) experts. v [K] shared or [A, K]; out [A, N] or y [rows, N].
+
+    Tiles (bn rows x bk inputs, 4 warps) were picked by `sluice bench kernels --sweep` on an H200
+    (BENCHMARKS.md): 8 rows for NVFP4 / FP8, 16 for dense weights."""
     A = offs.numel()
+    bn = bn or (16 if layout.fmt == 0 else 8)
     bk = min(bk, max(16, triton.next_power_of_2(layout.k)))
     if layout.block:  # FP8 blocks: a step must not straddle two scale blocks
         bk = min(bk, layout.block)
@@ -190,12 +194,14 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
 
 def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout: ProjLayout, skip: bool,
                 splits: int = 0, bd: int = 512, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReLU^2 down for A experts from re-laid blocks: h [A, I] -> (partials [A, S, Dx] fp32, live groups [A, S] int32)."""
+    """ReLU^2 down for A experts from re-laid blocks: h [A, I] -> (partials [A, S, Dx] fp32, live groups [A, S] int32).
+
+    Default split of the groups: 32 for NVFP4, 16 otherwise (from the H200 sweep in BENCHMARKS.md)."""
     A, I = h.shape
     Dx = layout.n
     assert layout.relaid and I == layout.k and I % 16 == 0, (layout, h.shape)
     groups = I // 16
-    splits = splits or max(1, min(groups, 16))
+    splits = splits or max(1, min(groups, 32 if layout.fmt == 4 else 16))
     gps = triton.cdiv(groups, splits)
     splits = triton.cdiv(groups, gps)
     part = torch.empty(A, splits, Dx, dtype=torch.float32, device=h.device)

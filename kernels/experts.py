@@ -15,7 +15,7 @@ from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
 
 ACTS = {"relu2": 0, "silu": 1}
-BM = 16
+BM = 64  # prefill row tile: the H200 sweep's best for FP8 / BF16 at ~32 rows per expert (BENCHMARKS.md)
 
 
 class TritonExperts:
@@ -51,11 +51,12 @@ class TritonExperts:
                 matvec(bank, offs, xe[0], L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act)
                 matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, y, rows=flat_rows, wts=wts)
             return
-        items = torch.tensor(tile_items(counts, BM), dtype=torch.int32).to(xe.device, non_blocking=True)
+        bm = BM if max(counts) > 16 else 16  # short prompts: do not pad every expert to 64 rows
+        items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)
         xrows = flat_rows // K
         if self.kind == "relu2":
-            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "relu2", x_dtype, h, act=self.act, bm=BM)
+            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "relu2", x_dtype, h, act=self.act, bm=bm)
         else:
-            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, bm=BM)
+            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, bm=bm)
         hrows = torch.arange(R, device=xe.device)
-        grouped_gemm(down_bank, down_offs, h, hrows, items, L["down"], "weighted", x_dtype, y, orows=flat_rows, wts=wts, bm=BM)
+        grouped_gemm(down_bank, down_offs, h, hrows, items, L["down"], "weighted", x_dtype, y, orows=flat_rows, wts=wts, bm=bm)
