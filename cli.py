@@ -1,4 +1,4 @@
-"""`sluice` command line: repack | verify | generate | chat | bench kernels.
+"""`sluice` command line: repack | verify | generate | chat | serve | bench kernels.
 
 With no --model, commands use the bundled default model (made on first use).
 """
@@ -49,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and conversation snapshots")
+    _engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--model-id", help="the id clients use (default: the model folder's name)")
+    sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots (LRU)")
+    sv.add_argument("--context", type=int, help="context length limit (default: the model's max_position_embeddings)")
+    sv.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per engine step (fairness between requests)")
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (on a GPU)")
     bsub = b.add_subparsers(metavar="WHAT")
@@ -173,6 +183,24 @@ def cmd_generate(args) -> int:
         else:
             ids = tok(args.prompt)["input_ids"]
         _stream_text(engine, tok, list(ids), args)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from sluice.api.app import create_app
+    from sluice.pipeline.config import parse_size
+
+    engine = _open_engine(args)
+    model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
+    app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=parse_size(args.snapshot_ram, "--snapshot-ram"),
+                     context=args.context, prefill_chunk=args.prefill_chunk)
+    print(f"serving {model_id} on http://{args.host}:{args.port} (OpenAI base URL: http://{args.host}:{args.port}/v1)", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
     return 0
 
 

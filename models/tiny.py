@@ -21,6 +21,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
+VOCAB_SIZE = len(SPECIALS) + len(CHARS)  # 99
 
 
 def tiny_config(arch: str, **overrides):
@@ -29,7 +31,7 @@ def tiny_config(arch: str, **overrides):
         from transformers import NemotronHConfig
 
         base = dict(
-            vocab_size=320, hidden_size=64, hybrid_override_pattern="ME*EME", n_routed_experts=16, num_experts_per_tok=4,
+            vocab_size=VOCAB_SIZE, hidden_size=64, hybrid_override_pattern="ME*EME", n_routed_experts=16, num_experts_per_tok=4,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=None, n_group=1, topk_group=1,
             routed_scaling_factor=2.5, norm_topk_prob=True, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
             n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -40,7 +42,7 @@ def tiny_config(arch: str, **overrides):
         from transformers import Qwen3MoeConfig
 
         base = dict(
-            vocab_size=320, hidden_size=64, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+            vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
             intermediate_size=96, mlp_only_layers=[2], decoder_sparse_step=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, norm_topk_prob=True, max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0,
         )
@@ -67,22 +69,22 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "nemotron_h", seed: int =
                 elif name.endswith("e_score_correction_bias"):
                     p.copy_(torch.randn_like(p) * 0.05)
     model.to(dtype).save_pretrained(path)
-    save_byte_tokenizer(path)
+    save_char_tokenizer(path)
     return path
 
 
-def save_byte_tokenizer(path: Path) -> None:
-    """A byte-level tokenizer (256 byte tokens + chat specials) with a ChatML-style template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def save_char_tokenizer(path: Path) -> None:
+    """A character tokenizer (newline + printable ASCII + chat specials; VOCAB_SIZE ids) with a
+    ChatML-style template. Every id decodes to text that encodes back to the same ids, so a
+    conversation's history re-tokenises exactly (what snapshot reuse needs)."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {s: i for i, s in enumerate(SPECIALS)}
-    for ch in sorted(byte_chars):
+    for ch in CHARS:
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],

@@ -25,6 +25,7 @@ from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
+from sluice.pipeline.snapshot import Snapshot, restore, take
 from sluice.stages.types import LayerInput
 from sluice.storage.store import ExpertStore
 
@@ -77,6 +78,14 @@ class Engine:
 
     def new_sequence(self) -> Sequence:
         return Sequence(self.model.new_cache(), [])
+
+    def snapshot(self, seq: Sequence, device: str = "cpu") -> "Snapshot":
+        """A copy of seq's state in host RAM (or `device`), restorable with `restore`."""
+        return take(seq.tokens, seq.cache, device)
+
+    def restore(self, snap: "Snapshot") -> Sequence:
+        """A new sequence continuing exactly from a snapshot."""
+        return Sequence(restore(snap, self.device), list(snap.tokens))
 
     def forward(self, input_ids: list[int]) -> torch.Tensor:
         """Logits [T, V] (fp32, CPU) for a fresh sequence of input_ids."""
@@ -166,7 +175,14 @@ def resolve_store(path: str | Path, progress: bool = True) -> Path:
     ckpt = Checkpoint.open(path)
     digest = hashlib.sha256(ckpt.fingerprint()["sha256"].encode() + str(path.resolve()).encode()).hexdigest()[:12]
     target = sluice_home() / "stores" / f"{path.resolve().name}-{digest}"
-    if not (target / "manifest.json").is_file():
+    stale = False
+    if (target / "manifest.json").is_file():
+        try:
+            ExpertStore.open(target)
+        except StoreError as e:  # our own cache, written by an older Sluice: rebuild it
+            log.info("the cached expert store cannot be used; repacking", store=str(target), reason=str(e))
+            stale = True
+    else:
         log.info("repacking checkpoint into an expert store (once)", checkpoint=str(path), store=str(target))
-    repack(path, target, progress=progress)
+    repack(path, target, force=stale, progress=progress)
     return target

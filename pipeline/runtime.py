@@ -52,10 +52,21 @@ class IOStats:
             self.predicted_right += len(set(guesses) & set(experts))
             self.routed_predicted += len(experts)
 
-    def snapshot(self) -> dict:
-        """Counters as plain numbers (reading the kernels' live-group counters syncs the GPU)."""
+    def counters(self) -> dict:
+        """The host-side counters as plain numbers (cheap: no GPU sync)."""
         d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "kernels"}
         d["blocks"] = dict(self.blocks)
+        return d
+
+    def counters_since(self, before: dict) -> dict:
+        now = self.counters()
+        d = {k: now[k] - before[k] for k in now if k != "blocks"}
+        d["blocks"] = {t: now["blocks"][t] - before["blocks"][t] for t in TIERS}
+        return d
+
+    def snapshot(self) -> dict:
+        """All counters, with the kernels' live-group counts (reading those syncs the GPU)."""
+        d = self.counters()
         d["live_groups"] = sum(int(k.live_groups) for k in self.kernels)
         d["total_groups"] = sum(k.total_groups for k in self.kernels)
         return d

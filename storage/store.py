@@ -25,7 +25,7 @@ from sluice.kernels.formats import WeightFormat
 from sluice.storage.safetensors_io import DTYPES
 
 FORMAT = "sluice-expert-store"
-VERSION = 1
+VERSION = 2  # 2: per-projection weight formats in the manifest
 PAGE = 4096
 TENSOR_ALIGN = 256
 

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API: starlette routes, SSE streaming, the engine worker, conversation snapshots."""

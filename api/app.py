@@ -1,0 +1,280 @@
+"""The OpenAI-compatible app: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /.
+
+Handlers parse and validate (api/protocol.py), render the chat template, submit a job to the engine
+worker (api/worker.py) and turn its token events into text: streamed as server-sent events, or
+collected into one response. Every error is OpenAI-style JSON with a 4xx/5xx status, and the
+server keeps serving. A client that goes away cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from sluice.api.metrics import Metrics
+from sluice.api.protocol import APIError, Params, parse_chat, parse_completion
+from sluice.api.snapshots import SnapshotStore
+from sluice.api.text import THINK_OPEN, Detokenizer, ReasoningSplitter, StopMatcher
+from sluice.api.worker import EngineWorker, Job
+from sluice.pipeline.sampling import Sampler
+
+PAGE = Path(__file__).resolve().parent / "static" / "index.html"
+
+
+@dataclass
+class Served:
+    engine: Any
+    tokenizer: Any
+    model_id: str
+    models: dict[str, bool]  # id -> reasoning mode
+    context: int
+    worker: EngineWorker
+    metrics: Metrics
+    snapshots: SnapshotStore
+
+
+def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, context: int | None = None,
+               prefill_chunk: int = 512) -> Starlette:
+    metrics = Metrics()
+    snapshots = SnapshotStore(snapshot_bytes)
+    worker = EngineWorker(engine, snapshots, metrics, prefill_chunk)
+    models = {model_id: False}
+    if "enable_thinking" in (tokenizer.chat_template or ""):
+        models[f"{model_id}-think"] = True
+    context = context or getattr(engine.model.config, "max_position_embeddings", None) or 4096
+    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    async def page(request):
+        return HTMLResponse(PAGE.read_text())
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "model": model_id})
+
+    async def metrics_route(request):
+        return _metrics(s)
+
+    async def models_route(request):
+        return _models(s)
+
+    async def chat(request):
+        return await _chat(s, request)
+
+    async def completions(request):
+        return await _completions(s, request)
+
+    routes = [
+        Route("/", page, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+        Route("/v1/models", models_route, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    handlers = {APIError: lambda r, e: e.response(), HTTPException: _http_error, Exception: _server_error}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code)).response()
+
+
+def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").response()
+
+
+def _metrics(s: Served) -> Response:
+    s.metrics.snapshots.set(len(s.snapshots))
+    s.metrics.snapshot_bytes.set(s.snapshots.bytes)
+    s.metrics.active.set(s.worker.active)
+    return Response(s.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _models(s: Served) -> JSONResponse:
+    now = int(time.time())
+    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "sluice"} for m in s.models]})
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _render_chat(s: Served, messages, think: bool) -> list[int]:
+    kwargs = {"enable_thinking": think} if len(s.models) > 1 else {}
+    try:
+        out = s.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)
+    except Exception as e:  # templates raise on, e.g., roles out of order
+        raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from None
+    return list(out["input_ids"])
+
+
+async def _chat(s: Served, request: Request) -> Response:
+    req = parse_chat(await _json(request), s.models)
+    ids = _render_chat(s, req.messages, req.think)
+    thinking = s.tokenizer.decode(ids[-32:]).rstrip().endswith(THINK_OPEN)  # the template opened a think block
+    return await _generate(s, request, ids, req.params, req.model, chat=True, thinking=thinking)
+
+
+async def _completions(s: Served, request: Request) -> Response:
+    req = parse_completion(await _json(request), s.models)
+    ids = list(s.tokenizer(req.prompt)["input_ids"])
+    return await _generate(s, request, ids, req.params, req.model, chat=False, thinking=False)
+
+
+async def _generate(s: Served, request: Request, ids: list[int], p: Params, model: str, chat: bool, thinking: bool) -> Response:
+    if not ids:
+        raise APIError(400, "the prompt is empty after tokenisation", "messages" if chat else "prompt")
+    if len(ids) >= s.context:
+        raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {s.context}", "messages" if chat else "prompt",
+                       "context_length_exceeded")
+    max_tokens = p.max_tokens or s.context - len(ids)
+    if len(ids) + max_tokens > s.context:
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {s.context}",
+                       "max_tokens", "context_length_exceeded")
+    try:
+        sampler = Sampler(p.temperature, p.top_p, p.seed)
+    except Exception as e:
+        raise APIError(400, str(e)) from None
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    eos = {i for i in (s.tokenizer.eos_token_id, getattr(s.engine.model.config, "eos_token_id", None)) if isinstance(i, int)}
+    job = Job(ids, max_tokens, sampler, frozenset(eos), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    s.worker.submit(job)
+    text = _TextStream(s.tokenizer, p.stop, thinking if chat else None)
+    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model}
+    if p.stream:
+        return EventSourceResponse(_sse(job, events, text, meta, chat, p.include_usage), ping=15)
+    return await _collect(request, job, events, text, meta, chat)
+
+
+class _TextStream:
+    """Token ids -> [(kind, text)] with kind content | reasoning; notices stop strings."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], thinking: bool | None):
+        self.detok = Detokenizer(tokenizer)
+        self.stop = StopMatcher(stops)
+        self.split = ReasoningSplitter(thinking) if thinking is not None else None
+
+    def push(self, token: int) -> list[tuple[str, str]]:
+        return self._route(self.stop.push(self.detok.push(token)))
+
+    def flush(self) -> list[tuple[str, str]]:
+        out = self._route(self.stop.flush())
+        return out + (self.split.flush() if self.split else [])
+
+    def _route(self, text: str) -> list[tuple[str, str]]:
+        if self.split is None:
+            return [("content", text)] if text else []
+        return self.split.push(text)
+
+
+async def _events(job: Job, events: asyncio.Queue, text: _TextStream) -> AsyncIterator[tuple[str, Any]]:
+    """("text", pieces) per token, then ("done", (finish_reason, usage)) or ("error", message)."""
+    finish = None
+    while True:
+        ev = await events.get()
+        if ev[0] == "token":
+            if finish is None:
+                pieces = text.push(ev[1])
+                if text.stop.stopped:
+                    finish = "stop"
+                    job.cancel()  # the worker drops it at its next turn and reports its usage
+                if pieces:
+                    yield "text", pieces
+        elif ev[0] == "done":
+            pieces = text.flush()
+            if pieces:
+                yield "text", pieces
+            yield "done", (finish or ev[1], ev[2])
+            return
+        else:
+            yield "error", ev[1]
+            return
+
+
+def _chunk(meta: dict, chat: bool, pieces: list[tuple[str, str]] | None, finish: str | None = None, role: bool = False) -> dict:
+    if chat:
+        delta: dict = {"role": "assistant", "content": ""} if role else {}
+        for kind, t in pieces or []:
+            key = "reasoning_content" if kind == "reasoning" else "content"
+            delta[key] = delta.get(key, "") + t
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+    t = "".join(x for _, x in pieces or [])
+    return {**meta, "object": "text_completion", "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": finish}]}
+
+
+async def _sse(job, events, text, meta, chat: bool, include_usage: bool):
+    try:
+        if chat:
+            yield {"data": json.dumps(_chunk(meta, chat, None, role=True))}
+        async for kind, payload in _events(job, events, text):
+            if kind == "text":
+                yield {"data": json.dumps(_chunk(meta, chat, payload))}
+            elif kind == "error":
+                yield {"data": json.dumps({"error": {"message": payload, "type": "server_error", "param": None, "code": None}})}
+            else:
+                finish, usage = payload
+                yield {"data": json.dumps(_chunk(meta, chat, None, finish=finish))}
+                if include_usage:
+                    yield {"data": json.dumps({**meta, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [], "usage": usage})}
+        yield {"data": "[DONE]"}
+    finally:
+        job.cancel()  # a client that left: drop the job and free its state
+
+
+async def _collect(request: Request, job, events, text, meta, chat: bool) -> JSONResponse:
+    async def watch():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+        job.cancel()
+
+    watcher = asyncio.create_task(watch())
+    content: dict[str, list[str]] = {"content": [], "reasoning": []}
+    try:
+        async for kind, payload in _events(job, events, text):
+            if kind == "text":
+                for k, t in payload:
+                    content[k].append(t)
+            elif kind == "error":
+                raise APIError(500, payload, kind="server_error")
+            else:
+                finish, usage = payload
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        job.cancel()
+    body = "".join(content["content"])
+    if chat:
+        message = {"role": "assistant", "content": body}
+        if content["reasoning"]:
+            message["reasoning_content"] = "".join(content["reasoning"])
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+        return JSONResponse({**meta, "object": "chat.completion", "choices": [choice], "usage": usage})
+    choice = {"index": 0, "text": body, "logprobs": None, "finish_reason": finish}
+    return JSONResponse({**meta, "object": "text_completion", "choices": [choice], "usage": usage})

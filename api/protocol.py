@@ -1,0 +1,153 @@
+"""Request parsing for the OpenAI-compatible routes; every bad input becomes an OpenAI-style error.
+
+Unknown fields are ignored (clients such as Open WebUI send extras); known fields are checked for
+type and range, and the error names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
+
+@dataclass(frozen=True)
+class Params:
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[dict, ...]  # {"role": str, "content": str}
+    params: Params
+    think: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str
+    params: Params
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _field(body: dict, name: str, types: tuple, default=None, check=None, why: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        raise APIError(400, f"'{name}' must be {why or ' or '.join(t.__name__ for t in types)}, got {type(value).__name__}", name)
+    if check is not None and not check(value):
+        raise APIError(400, f"'{name}' is out of range: {why} (got {value!r})", name)
+    return value
+
+
+def _params(body: dict) -> Params:
+    max_tokens = _field(body, "max_completion_tokens", (int,), None, lambda v: v >= 1, "an integer >= 1")
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", (int,), None, lambda v: v >= 1, "an integer >= 1")
+    temperature = float(_field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]"))
+    top_p = float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    seed = _field(body, "seed", (int,), None)
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+        stop = tuple(s for s in stop if s)
+    else:
+        raise APIError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
+    stream = _field(body, "stream", (bool,), False)
+    opts = _field(body, "stream_options", (dict,), {}) or {}
+    include_usage = bool(opts.get("include_usage", False))
+    n = _field(body, "n", (int,), 1)
+    if n != 1:
+        raise APIError(400, "only n=1 is supported", "n")
+    return Params(max_tokens, temperature, top_p, seed, stop, stream, include_usage)
+
+
+def _body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _model(body: dict, models: dict[str, bool]) -> tuple[str, bool]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' is required (a string)", "model")
+    if model not in models:
+        raise APIError(404, f"the model '{model}' does not exist; available: {', '.join(models)}", "model", "model_not_found")
+    return model, models[model]
+
+
+def _content(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or "type" not in part:
+                raise APIError(400, f"{where}: content parts must be objects with a 'type'", "messages")
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}: a text part needs a string 'text'", "messages")
+                texts.append(part["text"])
+            else:
+                raise APIError(400, f"{where}: content part type '{part['type']}' is not supported by this model", "messages")
+        return "".join(texts)
+    raise APIError(400, f"{where}: 'content' must be a string or a list of content parts", "messages")
+
+
+def parse_chat(body: Any, models: dict[str, bool]) -> ChatRequest:
+    """models: served model id -> whether it is the reasoning (-think) id."""
+    body = _body(body)
+    model, think = _model(body, models)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(400, f"{where} must be an object", "messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"{where}: 'role' must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
+    return ChatRequest(model, tuple(out), _params(body), think)
+
+
+def parse_completion(body: Any, models: dict[str, bool]) -> CompletionRequest:
+    body = _body(body)
+    model, _ = _model(body, models)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "'prompt' must be a non-empty string", "prompt")
+    return CompletionRequest(model, prompt, _params(body))

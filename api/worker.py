@@ -1,0 +1,168 @@
+"""The engine worker: one thread that owns the engine and serves every request fairly.
+
+Requests (jobs) arrive on a queue; the worker takes them in turns, one step each: a prefill chunk
+or one decode token. So a long prompt does not hold back the others' tokens, and N requests at
+once produce exactly what they would one at a time (each job's steps are the same, only
+interleaved). Events go back to the server's event loop through a callback. A cancelled job
+(client gone, stop string seen) is dropped at its next turn and its state freed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sluice.api.snapshots import SnapshotStore
+from sluice.pipeline.runtime import TIERS
+from sluice.pipeline.sampling import Sampler
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    emit: Callable[[tuple], None]  # ("token", id) | ("done", finish_reason, usage) | ("error", message)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # worker-owned
+    seq: Any = None
+    pending: list[int] = field(default_factory=list)
+    logits: Any = None
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0
+    io: dict = field(default_factory=dict)
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class EngineWorker:
+    def __init__(self, engine, snapshots: SnapshotStore, metrics, prefill_chunk: int = 512):
+        self.engine = engine
+        self.snapshots = snapshots
+        self.metrics = metrics
+        self.prefill_chunk = prefill_chunk
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self.active = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        self._inbox.put(job)
+
+    def _run(self) -> None:
+        jobs: deque[Job] = deque()
+        while not self._stop.is_set():
+            try:
+                while True:  # take everything that arrived; block only when idle
+                    job = self._inbox.get(block=not jobs)
+                    if job is None:
+                        return
+                    jobs.append(job)
+            except queue.Empty:
+                pass
+            self.active = len(jobs)
+            job = jobs.popleft()
+            if job.cancelled.is_set():
+                self._close(job, None)
+            else:
+                try:
+                    finished = self._turn(job)
+                except Exception as e:  # the job fails; the server keeps serving
+                    self.metrics.requests.labels(status="error").inc()
+                    job.emit(("error", f"{type(e).__name__}: {e}"))
+                else:
+                    if finished is None:
+                        jobs.append(job)
+                    else:
+                        self._close(job, finished)
+            self.active = len(jobs)
+
+    def _turn(self, job: Job) -> str | None:
+        """One step of a job. Returns its finish reason when it is done, else None."""
+        engine = self.engine
+        if job.seq is None:
+            snap = self.snapshots.longest_prefix(job.prompt)
+            job.seq = engine.restore(snap) if snap is not None else engine.new_sequence()
+            job.cached = len(job.seq.tokens)
+            job.pending = job.prompt[job.cached :]
+        before = engine.rt.stats.counters()
+        try:
+            if job.pending:
+                chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
+                job.logits = engine.extend(job.seq, chunk)[-1]
+                if job.pending:
+                    return None
+            else:
+                job.logits = engine.extend(job.seq, [job.generated[-1]])[-1]
+            token = job.sampler(job.logits)
+        finally:
+            _add(job.io, engine.rt.stats.counters_since(before))
+        job.generated.append(token)
+        if job.t_first is None:
+            job.t_first = time.perf_counter()
+            self.metrics.ttft.observe(job.t_first - job.t_submit)
+        self.metrics.tokens.inc()
+        job.emit(("token", token))
+        if token in job.stop_ids:
+            return "stop"
+        if len(job.generated) >= job.max_tokens:
+            return "length"
+        return None
+
+    def _close(self, job: Job, finish: str | None) -> None:
+        """Finish or drop a job; a finished reply's state is kept as a snapshot."""
+        if finish is not None and job.seq is not None and not job.seq.broken:
+            self.snapshots.put(self.engine.snapshot(job.seq))
+        if job.io:
+            self.metrics.observe_io(job.io, self.engine.store.block_bytes)
+        if finish is None:
+            self.metrics.requests.labels(status="cancelled").inc()
+            job.emit(("done", "cancelled", self._usage(job)))
+        else:
+            self.metrics.requests.labels(status="ok").inc()
+            elapsed = time.perf_counter() - (job.t_first or job.t_submit)
+            if len(job.generated) > 1 and elapsed > 0:
+                self.metrics.decode_rate.set((len(job.generated) - 1) / elapsed)
+            job.emit(("done", finish, self._usage(job)))
+        job.seq = None  # free the state now
+
+    def _usage(self, job: Job) -> dict:
+        io, n = job.io, self.engine.store.block_bytes
+        blocks = io.get("blocks", dict.fromkeys(TIERS, 0))
+        total = sum(blocks.values())
+        return {
+            "prompt_tokens": len(job.prompt),
+            "completion_tokens": len(job.generated),
+            "total_tokens": len(job.prompt) + len(job.generated),
+            "prompt_tokens_details": {"cached_tokens": job.cached},
+            "sluice": {  # expert I/O of this request; OpenAI clients ignore unknown fields
+                "expert_bytes": {t: blocks[t] * n for t in TIERS},
+                "hit_rate": round((total - blocks["disk"]) / total, 4) if total else None,
+                "prefetch_accuracy": round(io["predicted_right"] / io["predicted"], 4) if io.get("predicted") else None,
+                "stall_s": round(io.get("stall_s", 0.0), 4),
+            },
+        }
+
+
+def _add(acc: dict, delta: dict) -> None:
+    for k, v in delta.items():
+        if isinstance(v, dict):
+            _add(acc.setdefault(k, {}), v)
+        else:
+            acc[k] = acc.get(k, 0) + v

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible server, through the official `openai` client against a live uvicorn server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from transformers import AutoTokenizer
+
+import sluice
+from sluice.api.app import create_app
+from tests.common import DEVICE
+
+MODEL = "tiny"
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+class LiveServer:
+    def __init__(self, store, snapshot_bytes=1 << 30, context=None, template=None):
+        self.engine = sluice.load(store, device=DEVICE)
+        tok = AutoTokenizer.from_pretrained(store)
+        if template:
+            tok.chat_template = template
+        app = create_app(self.engine, tok, MODEL, snapshot_bytes=snapshot_bytes, context=context, prefill_chunk=8)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.close()
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(stores):
+    s = LiveServer(stores["nemotron_h_latent"], context=512)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def fresh_server(stores):
+    """The same model with no snapshots: every request starts from scratch."""
+    s = LiveServer(stores["nemotron_h_latent"], snapshot_bytes=0, context=512)
+    yield s
+    s.close()
+
+
+def chat(s, messages, stream=False, **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    if not stream:
+        r = s.client.chat.completions.create(model=MODEL, messages=messages, **kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    text, finish, usage = [], None, None
+    for chunk in s.client.chat.completions.create(model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    return "".join(text), finish, usage
+
+
+def test_stream_and_non_stream_give_the_same_greedy_text(server):
+    msgs = [{"role": "user", "content": "Tell me about rivers."}]
+    a, fa, ua = chat(server, msgs)
+    b, fb, ub = chat(server, msgs, stream=True)
+    assert a == b and fa == fb and ua.completion_tokens == ub.completion_tokens > 0
+    assert ua.prompt_tokens > 0 and ua.total_tokens == ua.prompt_tokens + ua.completion_tokens
+    extra = ua.model_extra["sluice"]
+    assert sum(extra["expert_bytes"].values()) > 0 and 0 <= extra["hit_rate"] <= 1
+
+
+def test_concurrent_requests_match_one_at_a_time(server):
+    prompts = [[{"role": "user", "content": f"Question number {i}: {'why ' * i}?"}] for i in range(5)]
+    one_by_one = [chat(server, p, max_tokens=10)[0] for p in prompts]
+    with ThreadPoolExecutor(5) as pool:
+        together = list(pool.map(lambda p: chat(server, p, stream=True, max_tokens=10)[0], prompts))
+    assert together == one_by_one
+
+
+def test_snapshot_follow_up_equals_a_fresh_run(server, fresh_server):
+    first = [{"role": "user", "content": "Hello there."}]
+    reply, _, _ = chat(server, first, max_tokens=16)
+    follow = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    warm, _, usage = chat(server, follow, max_tokens=16)
+    cold, _, cold_usage = chat(fresh_server, follow, max_tokens=16)
+    assert usage.prompt_tokens_details.cached_tokens > 0 and cold_usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    assert warm == cold
+    assert server.metric("sluice_snapshots") >= 1
+
+
+def test_disconnect_mid_stream_cancels_and_frees(server):
+    before = server.metric('sluice_requests_total{status="cancelled"}')
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on forever."}], "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data:")
+            if lines >= 3:
+                break  # leave mid-stream
+    deadline = time.time() + 30
+    while server.metric('sluice_requests_total{status="cancelled"}') <= before:
+        assert time.time() < deadline, "the server did not notice the disconnect"
+        time.sleep(0.1)
+    assert server.metric("sluice_active_requests") == 0
+    assert chat(server, [{"role": "user", "content": "still there?"}], max_tokens=3)[1] == "length"
+
+
+def test_stop_sequences_and_finish_reasons(server):
+    text, finish, _ = chat(server, [{"role": "user", "content": "List things."}], max_tokens=20)
+    assert finish == "length" and len(text) > 3
+    stop = text[2:4]
+    cut, finish, _ = chat(server, [{"role": "user", "content": "List things."}], max_tokens=20, stop=[stop])
+    assert finish == "stop" and cut == text[: text.find(stop)]
+
+
+def test_completions_and_models(server):
+    r = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert r.choices[0].text == streamed and r.usage.completion_tokens == 8
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("sluice_generated_tokens_total", "sluice_time_to_first_token_seconds_bucket", "sluice_expert_hit_rate",
+                 'sluice_expert_bytes_total{tier="disk"}', "sluice_stall_seconds_per_token", "sluice_decode_tokens_per_second"):
+        assert name in metrics, name
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "'gpt-9' does not exist"),
+        ({"model": MODEL}, 400, "'messages' must be a non-empty list"),
+        ({"model": MODEL, "messages": []}, 400, "'messages' must be a non-empty list"),
+        ({"model": MODEL, "messages": "hi"}, 400, "'messages' must be a non-empty list"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "'role' must be one of"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "'content' must be a string"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "'temperature' must be"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "'max_tokens' is out of range"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "'top_p' is out of range"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]}, 400, "context"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}, 400, "exceeds the context"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "not supported"),
+        ({"model": MODEL, "prompt": ""}, 400, "'prompt' must be a non-empty string"),
+    ],
+)
+def test_bad_input_gets_openai_errors(server, body, status, needle):
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, headers={"content-type": "application/json"}, timeout=30, **kw)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert httpx.get(server.url + "/health").status_code == 200  # still serving
+
+
+def test_openai_client_raises_on_bad_input(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 700}])
+
+
+def test_reasoning_model_id_splits_thinking(stores):
+    s = LiveServer(stores["nemotron_h_latent"], template=THINK_TEMPLATE, context=512)
+    try:
+        assert [m.id for m in s.client.models.list().data] == [MODEL, MODEL + "-think"]
+        r = s.client.chat.completions.create(model=MODEL + "-think", messages=[{"role": "user", "content": "hm"}], max_tokens=10, temperature=0)
+        msg = r.choices[0].message
+        assert msg.model_extra.get("reasoning_content")  # the template opened <think>: the text so far is reasoning
+        plain = s.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hm"}], max_tokens=10, temperature=0)
+        assert plain.choices[0].message.content and not plain.choices[0].message.model_extra.get("reasoning_content")
+        chunks = s.client.chat.completions.create(model=MODEL + "-think", messages=[{"role": "user", "content": "hm"}], max_tokens=10, temperature=0, stream=True)
+        streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+        assert streamed == msg.model_extra["reasoning_content"]
+    finally:
+        s.close()
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_chat_page_streams_in_headless_chromium(server, tmp_path):
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000"]
+    url = server.url + "/?q=Hello%20page"
+    dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert "Hello page" in dom and "cached) +" in dom  # the user's message and the usage line after the streamed reply
+    shot = tmp_path / "page.png"
+    subprocess.run(["chromium", *flags, "--window-size=900,700", f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
