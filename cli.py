@@ -1,4 +1,4 @@
-"""`sluice` command line: repack | verify | generate | chat | serve | bench kernels.
+"""`sluice` command line: repack | verify | generate | chat | serve | simulate | plan | bench kernels.
 
 With no --model, commands use the bundled default model (made on first use).
 """
@@ -50,6 +50,25 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
+    sm = sub.add_parser("simulate", help="replay a routing trace through tier caches (size caches on paper)")
+    sm.add_argument("trace", type=Path)
+    sm.add_argument("--ram-cache", help="RAM cache size, e.g. 20GiB (default: the recorded run's)")
+    sm.add_argument("--vram-slots", type=int, help="VRAM expert slots (default: the recorded run's)")
+    sm.add_argument("--policy", default="lru", help="lru | lfu | fifo | belady")
+    sm.add_argument("--no-prefetch", action="store_true", help="replay without the recorded guesses' prefetch")
+    sm.add_argument("--sweep", type=Path, metavar="PREFIX", help="hit rate vs RAM size: write PREFIX.csv and PREFIX.png")
+    sm.set_defaults(func=cmd_simulate)
+
+    pl = sub.add_parser("plan", help="memory and speed plan from config.json and file headers, without loading weights")
+    pl.add_argument("path", type=Path)
+    pl.add_argument("--vram", default="8GiB")
+    pl.add_argument("--ram", default="32GiB")
+    pl.add_argument("--pcie-gbps", type=float, default=28.0)
+    pl.add_argument("--disk-gbps", type=float, default=7.0)
+    pl.add_argument("--context", type=int, default=4096)
+    pl.add_argument("--trace", type=Path, help="a routing trace: hit rates simulated from it")
+    pl.set_defaults(func=cmd_plan)
+
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and conversation snapshots")
     _engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
@@ -86,6 +105,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
     p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
+    p.add_argument("--record-routing", metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -102,7 +122,7 @@ def _open_engine(args):
     model = args.model or default_model_path()
     return sluice.load(
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, schedule=args.schedule,
-        dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace,
+        dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
     )
 
 
@@ -183,6 +203,45 @@ def cmd_generate(args) -> int:
         else:
             ids = tok(args.prompt)["input_ids"]
         _stream_text(engine, tok, list(ids), args)
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from sluice.pipeline.config import format_bytes, parse_size
+    from sluice.storage.simulate import simulate, sweep, write_sweep
+    from sluice.storage.trace import read_trace
+
+    trace = read_trace(args.trace)
+    h = trace.header
+    block = h["block_bytes"]
+    ram = parse_size(args.ram_cache, "--ram-cache") // block if args.ram_cache else h["ram_blocks"]
+    vram = args.vram_slots if args.vram_slots is not None else h.get("vram_blocks", 0)
+    prefetch = False if args.no_prefetch else None
+    if args.sweep:
+        total = h["num_experts"] * len(h["moe_layers"])
+        sizes = sorted({max(1, round(total * f)) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)})
+        results = sweep(trace, sizes, vram, args.policy, prefetch)
+        write_sweep(results, block, args.sweep.with_suffix(".csv"), args.sweep.with_suffix(".png"))
+        for r in results:
+            print(f"{r.ram_blocks:7d} blocks {format_bytes(r.ram_blocks * block):>12}  hit {r.hit_rate:6.1%}  disk reads/token {r.disk_per_token:7.2f}")
+        print(f"wrote {args.sweep.with_suffix('.csv')} and {args.sweep.with_suffix('.png')}")
+        return 0
+    r = simulate(trace, ram, vram, args.policy, prefetch)
+    print(f"{trace.tokens} tokens in {trace.steps} steps; RAM {ram} blocks ({format_bytes(ram * block)}), VRAM {vram} slots, policy {args.policy}")
+    for tier, n in r.per_token().items():
+        print(f"  {tier:5} {n:8.2f} blocks/token  {n * block / 1e6:9.2f} MB/token")
+    print(f"  hit rate {r.hit_rate:.1%}; disk reads per token {r.disk_per_token:.2f}; prefetch reads {r.prefetch_reads}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from sluice.pipeline.config import parse_size
+    from sluice.storage.plan import format_plan, plan
+    from sluice.storage.trace import read_trace
+
+    trace = read_trace(args.trace) if args.trace else None
+    p = plan(args.path, parse_size(args.vram, "--vram"), parse_size(args.ram, "--ram"), args.pcie_gbps, args.disk_gbps, args.context, trace)
+    print(format_plan(p))
     return 0
 
 

@@ -138,6 +138,14 @@ class Architecture(ABC):
     @abstractmethod
     def build(self, hf_config: Any, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype | None) -> ResidentModel: ...
 
+    def kv_bytes_per_token(self, hf_config: Any, dtype_bytes: int) -> int:
+        """Attention KV cache bytes per token of context (attention layers only)."""
+        return 0
+
+    def recurrent_bytes(self, hf_config: Any, dtype_bytes: int) -> int:
+        """Recurrent state bytes per sequence (Mamba / DeltaNet conv and SSM states)."""
+        return 0
+
     def module_name(self, checkpoint_name: str) -> str:
         for pattern, repl in self.renames:
             checkpoint_name = re.sub(pattern, repl, checkpoint_name)
@@ -247,6 +255,11 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
         if "RotaryEmbedding" not in type(module).__name__:
             raise CheckpointError(f"module {mod_name} ({type(module).__name__}) has non-persistent buffers Sluice cannot initialise")
         model._init_weights(module)
+
+
+def attention_kv_bytes(n_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of every attention layer for one token."""
+    return n_layers * 2 * kv_heads * head_dim * dtype_bytes
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype:

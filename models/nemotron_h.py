@@ -21,6 +21,7 @@ from sluice.models.base import (
     MoEBlock,
     ResidentModel,
     StreamedExperts,
+    attention_kv_bytes,
     build_hf_model,
     cache_kw,
     default_expert_pattern,
@@ -40,6 +41,20 @@ class NemotronH(Architecture):
             num_experts=config.n_routed_experts,
             top_k=config.num_experts_per_tok,
         )
+
+    def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:
+        n = sum(t == "full_attention" for t in config.layers_block_type)
+        head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        return attention_kv_bytes(n, config.num_key_value_heads, head_dim, dtype_bytes)
+
+    def recurrent_bytes(self, config, dtype_bytes: int) -> int:
+        """Per Mamba-2 layer: the SSM state (heads x head_dim x state, in mamba_ssm_cache_dtype) and the
+        conv state (conv_dim x conv_kernel, in the model dtype), as transformers' cache holds them."""
+        n = sum(t == "linear_attention" for t in config.layers_block_type)
+        ssm_bytes = 4 if str(getattr(config, "mamba_ssm_cache_dtype", "float32")) in ("float32", "torch.float32") else 2
+        ssm = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * ssm_bytes
+        conv_dim = config.mamba_num_heads * config.mamba_head_dim + 2 * config.n_groups * config.ssm_state_size
+        return n * (ssm + conv_dim * config.conv_kernel * dtype_bytes)
 
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
         def strip(model: nn.Module) -> None:

@@ -19,6 +19,7 @@ from sluice.models.base import (
     MoEBlock,
     ResidentModel,
     StreamedExperts,
+    attention_kv_bytes,
     build_hf_model,
     cache_kw,
     default_expert_pattern,
@@ -37,6 +38,10 @@ class Qwen3Moe(Architecture):
             num_experts=config.num_experts,
             top_k=config.num_experts_per_tok,
         )
+
+    def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return attention_kv_bytes(config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype_bytes)
 
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
         def strip(model: nn.Module) -> None:

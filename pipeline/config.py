@@ -61,6 +61,7 @@ class EngineConfig:
     verify_checksums: bool = True
     direct_io: bool = True
     trace: str | None = None  # path for Chrome trace JSON (+ .jsonl stage lines)
+    record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -28,6 +28,7 @@ from sluice.pipeline.schedule import load_schedule
 from sluice.pipeline.snapshot import Snapshot, restore, take
 from sluice.stages.types import LayerInput
 from sluice.storage.store import ExpertStore
+from sluice.storage.trace import RoutingRecorder
 
 log = get_logger()
 
@@ -70,8 +71,16 @@ class Engine:
         ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
+        recorder = None
+        if config.record_routing:
+            m = store.manifest
+            recorder = RoutingRecorder(config.record_routing, {
+                "architecture": m.architecture, "moe_layers": list(store.moe_layers), "num_experts": m.num_experts,
+                "top_k": m.top_k, "block_bytes": m.block_bytes, "ram_blocks": ram_blocks,
+                "vram_blocks": vram_blocks if device.type == "cuda" else 0, "prefetch": fetch.knobs.prefetch and schedule.stage("predict") is not None,
+                "schedule": schedule.name})
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
-                     down_in_ram=schedule.stage("h2d").knobs.copy == "up")
+                     down_in_ram=schedule.stage("h2d").knobs.copy == "up", record_routing=recorder)
         return cls(store, model, rt, Coordinator(schedule, rt), config)
 
     # -- public, synchronous API ------------------------------------------------------------
@@ -138,7 +147,9 @@ class Engine:
 
     async def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
         """Embed ids, run every layer (MoE layers through the stage graph), return logits [T, V]."""
-        model = self.model
+        model, recorder = self.model, self.rt.recorder
+        if recorder is not None:
+            recorder.begin_step(len(ids))
         with torch.inference_mode():
             h, ctx = model.begin(torch.tensor([ids], device=self.device), seq.cache, len(seq.tokens))
             for layer in model.layers:
@@ -149,6 +160,8 @@ class Engine:
                 h = (await self.coordinator.run_layer(LayerInput(layer.moe, self._next[layer.moe.index], x, residual))).h
             logits = model.head(h)
         seq.tokens.extend(ids)
+        if recorder is not None:
+            recorder.end_step()
         self.rt.stats.steps += 1
         self.rt.stats.tokens += len(ids)
         self.rt.tracer.flush()

@@ -18,6 +18,7 @@ from sluice.pipeline.trace import Tracer
 from sluice.storage.cache import BlockCache, CacheEntry
 from sluice.storage.reader import BlockReader, HostArena
 from sluice.storage.store import ExpertStore
+from sluice.storage.trace import RoutingRecorder
 
 TIERS = ("vram", "ram", "disk")
 
@@ -45,12 +46,14 @@ class IOStats:
     def observe_prediction(self, layer: int, guesses: tuple[int, ...]) -> None:
         self._guesses[layer] = guesses
 
-    def observe_routing(self, layer: int, experts: tuple[int, ...]) -> None:
+    def observe_routing(self, layer: int, experts: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Score the guesses made for this layer against what it routed to; returns them."""
         guesses = self._guesses.pop(layer, None)
         if guesses is not None:
             self.predicted += len(guesses)
             self.predicted_right += len(set(guesses) & set(experts))
             self.routed_predicted += len(experts)
+        return guesses
 
     def counters(self) -> dict:
         """The host-side counters as plain numbers (cheap: no GPU sync)."""
@@ -91,6 +94,7 @@ class Runtime:
         direct_io: bool,
         trace: str | None = None,
         down_in_ram: bool = False,
+        record_routing: RoutingRecorder | None = None,
     ):
         self.store = store
         self.device = device
@@ -101,6 +105,7 @@ class Runtime:
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
         self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device)) if cuda else None
         self.stats = IOStats()
+        self.recorder = record_routing
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
         # zero-copy down: h2d copies only up, compute reads down from the pinned RAM slot
         self.down_in_ram = down_in_ram and "down" in self.layouts
@@ -137,6 +142,8 @@ class Runtime:
     def close(self) -> None:
         self.reader.close()
         self.tracer.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 class _DeviceArena:

@@ -41,12 +41,14 @@ class Fetch(Stage):
         layer = (await io.value("layer")).block.layer
         rt = self.rt
         pending: dict[asyncio.Future, HostBlock] = {}
+        tiers = []
         for expert in routing.experts:
             key = (layer, expert)
             v = rt.vram.lookup(key) if rt.vram is not None else None
             if v is not None:
                 rt.vram.pin(v)
                 rt.stats.tier("vram")
+                tiers.append("vram")
                 if not rt.down_in_ram:
                     io.emit(HostBlock(expert, "vram", None, v))
                     continue
@@ -55,6 +57,7 @@ class Fetch(Stage):
                 rt.ram.pin(entry)
                 if v is None:
                     rt.stats.tier("ram", prefetched=entry.prefetched)
+                    tiers.append("ram")
                 entry.prefetched = False
                 if entry.loading:
                     pending[entry.ready] = HostBlock(expert, "ram", entry, v)
@@ -63,6 +66,7 @@ class Fetch(Stage):
                 continue
             if v is None:
                 rt.stats.tier("disk")
+                tiers.append("disk")
             entry = rt.ram.try_reserve(key)
             if entry is None:
                 await self._drain(io, pending)
@@ -72,6 +76,8 @@ class Fetch(Stage):
             pending[entry.ready] = HostBlock(expert, "disk", entry, v)
         await self._drain(io, pending)
         io.end_wave()
+        if rt.recorder is not None:
+            rt.recorder.layer(layer, routing.ids.flatten().tolist(), routing.experts, tiers, routing.predicted)
         if self.knobs.prefetch and io.has("prediction"):
             self._prefetch(await io.value("prediction"))
 

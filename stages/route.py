@@ -27,8 +27,8 @@ class Route(Stage):
             xe = block.expert_input(li.x)
         ids_cpu = ids.to("cpu", torch.int64)
         experts, rows = group_by_expert(ids_cpu, li.x.device)
-        self.rt.stats.observe_routing(block.layer, experts)
-        return Routing(weights, ids_cpu, xe, experts, rows)
+        predicted = self.rt.stats.observe_routing(block.layer, experts)
+        return Routing(weights, ids_cpu, xe, experts, rows, predicted)
 
 
 def group_by_expert(ids: torch.Tensor, device: torch.device) -> tuple[tuple[int, ...], dict[int, torch.Tensor]]:

@@ -35,6 +35,7 @@ class Routing:
     xe: torch.Tensor  # [T, Dx] expert input, model dtype, device, compute stream
     experts: tuple[int, ...]  # distinct experts used, ascending
     rows: dict[int, torch.Tensor]  # expert -> flat (token * K + k) positions it serves, int64, device
+    predicted: tuple[int, ...] | None  # the guesses the predict stage made for this layer, if any
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ class Checkpoint:
     shards: tuple[Path, ...]
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path, headers_only: bool = False) -> "Checkpoint":
+        """Read config.json and every shard's header. headers_only: shards may be truncated after their header."""
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory")
@@ -50,7 +51,7 @@ class Checkpoint:
         shards = _shard_files(path)
         tensors: dict[str, TensorInfo] = {}
         for shard in shards:
-            found, _ = read_header(shard)
+            found, _ = read_header(shard, headers_only)
             for name, info in found.items():
                 if name in tensors:
                     raise CheckpointError(f"{shard}: tensor {name!r} also appears in {tensors[name].file}")

@@ -60,8 +60,11 @@ class TensorInfo:
         return DTYPES[self.dtype]
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate one safetensors header. Returns (tensors by name, __metadata__)."""
+def read_header(path: Path, headers_only: bool = False) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one safetensors header. Returns (tensors by name, __metadata__).
+
+    headers_only: the file may hold just its header (planning without the weights); byte ranges
+    are then not checked against the file size."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -91,7 +94,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             count *= d
         if end - begin != count * dtype_size(dtype) or begin < 0:
             raise CheckpointError(f"{path}: tensor {name!r} byte range {begin}..{end} does not match {dtype}{list(shape)}")
-        if base + end > size:
+        if base + end > size and not headers_only:
             raise CheckpointError(f"{path}: tensor {name!r} ends at byte {base + end}, past the end of the file ({size}); truncated?")
         tensors[name] = TensorInfo(name, path, dtype, shape, base + begin, end - begin)
     return tensors, meta
@@ -132,6 +135,22 @@ class RawTensor:
     @property
     def nbytes(self) -> int:
         return self.source.nbytes if self.source is not None else len(self.data or b"")
+
+
+def write_header_only(path: Path, tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> None:
+    """A safetensors file holding only the header of (name, dtype, shape) tensors: what `plan` needs."""
+    header, offset = {}, 0
+    for name, dtype, shape in sorted(tensors):
+        n = dtype_size(dtype)
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
 
 
 def write_file(path: Path, tensors: Iterable[RawTensor], metadata: dict[str, str] | None = None) -> None:

@@ -1,0 +1,226 @@
+"""`sluice simulate`: replay a routing trace through tier caches offline, to size them on paper.
+
+The replay follows the fetch stage: per MoE layer, each distinct routed expert in ascending order
+looks in the VRAM slots (if any), then the RAM cache, else it is read from disk into RAM; a block
+that reaches the GPU takes a VRAM slot. After the layer's demand, the guesses recorded for the
+next layer are read into RAM ahead (when the trace's schedule prefetched), evicting only blocks
+the layer is not still using, and stopping at the first guess with no room, as the engine does. Policies decide what
+to evict: lru (the engine's), lfu, fifo, and belady (evict the block used furthest in the future:
+the optimum no online policy beats).
+
+Checked against live runs (tests/test_plan.py): with the recorded cache size the replay gives the
+live disk reads per token. It models pins only at prefetch time, so a cache smaller than one
+layer's distinct experts (which the engine passes through in waves) is replayed less exactly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import heapq
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sluice.errors import SluiceError
+from sluice.storage.trace import Trace
+
+POLICIES = ("lru", "lfu", "fifo", "belady")
+Key = tuple[int, int]
+
+
+class _Cache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: OrderedDict[Key, None] = OrderedDict()
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.keys
+
+    def access(self, key: Key, now: int) -> bool:
+        """A demand use: True on a hit; a miss inserts the key."""
+        if key in self.keys:
+            self.touch(key, now)
+            return True
+        self.insert(key, now)
+        return False
+
+    def touch(self, key: Key, now: int) -> None:
+        self.keys.move_to_end(key)
+
+    def insert(self, key: Key, now: int, protect: frozenset = frozenset()) -> bool:
+        """Bring key in, evicting a block not in `protect` (blocks the engine holds pinned). False: no room."""
+        if self.capacity <= 0 or key in self.keys:
+            return False
+        if len(self.keys) >= self.capacity:
+            victim = self.victim(now, protect)
+            if victim is None:
+                return False
+            del self.keys[victim]
+        self.keys[key] = None
+        self.inserted(key, now)
+        return True
+
+    def inserted(self, key: Key, now: int) -> None:
+        pass
+
+    def victim(self, now: int, protect: frozenset) -> Key | None:
+        return next((k for k in self.keys if k not in protect), None)  # least recently used first
+
+
+class _FIFO(_Cache):
+    def touch(self, key, now):
+        pass
+
+
+class _LFU(_Cache):
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.count: dict[Key, int] = defaultdict(int)
+
+    def touch(self, key, now):
+        self.count[key] += 1
+        super().touch(key, now)
+
+    def inserted(self, key, now):
+        self.count[key] += 1
+
+    def victim(self, now, protect):
+        keys = [k for k in self.keys if k not in protect]  # ties: least recently used (first in order)
+        return min(keys, key=lambda k: self.count[k]) if keys else None
+
+
+class _Belady(_Cache):
+    """Evicts the resident block whose next demand is furthest away (never: first)."""
+
+    def __init__(self, capacity, uses: dict[Key, list[int]]):
+        super().__init__(capacity)
+        self.uses = uses
+        self.heap: list[tuple[int, Key]] = []
+
+    def _next(self, key: Key, now: int) -> int:
+        times = self.uses.get(key, ())
+        i = bisect.bisect_right(times, now)
+        return times[i] if i < len(times) else 1 << 62
+
+    def touch(self, key, now):
+        heapq.heappush(self.heap, (-self._next(key, now), key))
+
+    def inserted(self, key, now):
+        heapq.heappush(self.heap, (-self._next(key, now), key))
+
+    def victim(self, now, protect):
+        skipped, found = [], None
+        while self.heap:
+            neg, key = heapq.heappop(self.heap)
+            if key in self.keys and -neg == self._next(key, now):
+                if key in protect:
+                    skipped.append((neg, key))
+                    continue
+                found = key
+                break
+        for item in skipped:
+            heapq.heappush(self.heap, item)
+        return found if found is not None else next((k for k in self.keys if k not in protect), None)
+
+
+def _make(policy: str, capacity: int, uses) -> _Cache:
+    if policy not in POLICIES:
+        raise SluiceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    return {"lru": lambda: _Cache(capacity), "fifo": lambda: _FIFO(capacity), "lfu": lambda: _LFU(capacity),
+            "belady": lambda: _Belady(capacity, uses)}[policy]()
+
+
+@dataclass
+class SimResult:
+    ram_blocks: int
+    vram_blocks: int
+    policy: str
+    tokens: int
+    blocks: dict[str, int] = field(default_factory=lambda: {"vram": 0, "ram": 0, "disk": 0})
+    prefetch_reads: int = 0
+
+    @property
+    def disk_per_token(self) -> float:
+        return self.blocks["disk"] / max(self.tokens, 1)
+
+    @property
+    def hit_rate(self) -> float:
+        total = sum(self.blocks.values())
+        return 1 - self.blocks["disk"] / total if total else 0.0
+
+    def per_token(self) -> dict[str, float]:
+        return {t: n / max(self.tokens, 1) for t, n in self.blocks.items()}
+
+
+def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None,
+             decode_only: bool = False) -> SimResult:
+    """Replay `trace` with the given tier sizes (in blocks). decode_only counts only one-token steps."""
+    prefetch = trace.header.get("prefetch", False) if prefetch is None else prefetch
+    records = trace.records
+    uses: dict[Key, list[int]] = defaultdict(list)
+    t = 0
+    for r in records:
+        for e in r.experts:
+            uses[(r.layer, e)].append(t)
+            t += 1
+    ram, vram = _make(policy, ram_blocks, uses), _make(policy, vram_blocks, uses)
+    res = SimResult(ram_blocks, vram_blocks, policy, 0)
+    counted_steps = set()
+    now = 0
+    for i, r in enumerate(records):
+        count = not decode_only or r.tokens == 1
+        if count and r.step not in counted_steps:
+            counted_steps.add(r.step)
+            res.tokens += r.tokens
+        for e in r.experts:
+            key = (r.layer, e)
+            if vram_blocks and vram.access(key, now):
+                tier = "vram"
+            else:
+                tier = "ram" if ram.access(key, now) else "disk"
+            if count:
+                res.blocks[tier] += 1
+            now += 1
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        if prefetch and nxt is not None and nxt.predicted:
+            pinned = frozenset((r.layer, e) for e in r.experts)  # still held by copies and compute
+            for e in nxt.predicted:
+                key = (nxt.layer, e)
+                if key not in ram and key not in vram:
+                    if not ram.insert(key, now, pinned):
+                        break  # like the engine: no free or evictable slot ends the prefetch
+                    res.prefetch_reads += 1
+    return res
+
+
+def sweep(trace: Trace, sizes: list[int], vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None) -> list[SimResult]:
+    return [simulate(trace, n, vram_blocks, policy, prefetch) for n in sizes]
+
+
+def write_sweep(results: list[SimResult], block_bytes: int, csv_path: Path, png_path: Path | None) -> None:
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["ram_blocks", "ram_gib", "vram_blocks", "policy", "hit_rate", "disk_reads_per_token", "prefetch_reads"])
+        for r in results:
+            w.writerow([r.ram_blocks, f"{r.ram_blocks * block_bytes / 2**30:.4f}", r.vram_blocks, r.policy,
+                        f"{r.hit_rate:.4f}", f"{r.disk_per_token:.3f}", r.prefetch_reads])
+    if png_path is None:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SluiceError("the PNG needs matplotlib (pip install matplotlib); the CSV was written") from None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    gib = [r.ram_blocks * block_bytes / 2**30 for r in results]
+    ax.plot(gib, [100 * r.hit_rate for r in results], marker="o")
+    ax.set_xlabel("RAM cache (GiB)")
+    ax.set_ylabel("expert block hit rate (%)")
+    ax.set_title(f"Routing replay, {results[0].policy}" + (f", {results[0].vram_blocks} VRAM slots" if results[0].vram_blocks else ""))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)

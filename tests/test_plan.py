@@ -1,0 +1,143 @@
+"""Routing traces, the offline cache simulator and the planner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import sluice
+from sluice.storage.plan import plan
+from sluice.storage.safetensors_io import write_header_only
+from sluice.storage.simulate import simulate, write_sweep
+from sluice.storage.trace import Trace, TraceRecord, read_trace
+from tests.common import DEVICE, PROMPT
+
+MiB, GiB = 2**20, 2**30
+NANO = dict(  # NVIDIA-Nemotron-3-Nano-30B-A3B (REFERENCE.md)
+    hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", hidden_size=2688,
+    moe_intermediate_size=1856, n_routed_experts=128, num_experts_per_tok=6, moe_shared_expert_intermediate_size=3712,
+    routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, mamba_num_heads=64, mamba_head_dim=64,
+    ssm_state_size=128, n_groups=8, conv_kernel=4, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+    vocab_size=131072, dtype="bfloat16",
+)
+
+
+def nano_headers(tmp_path):
+    """config.json and a header-only safetensors file: NVFP4 routed experts, BF16 embeddings and head."""
+    from transformers import NemotronHConfig
+
+    NemotronHConfig(**NANO).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    moe = [i for i, t in enumerate(cfg["layers_block_type"]) if t == "moe"]
+    tensors = [("backbone.embeddings.weight", "BF16", (131072, 2688)), ("lm_head.weight", "BF16", (131072, 2688))]
+    for layer in moe:
+        for e in range(128):
+            for proj, (o, i) in (("up_proj", (1856, 2688)), ("down_proj", (2688, 1856))):
+                p = f"backbone.layers.{layer}.mixer.experts.{e}.{proj}"
+                tensors += [(f"{p}.weight", "U8", (o, i // 2)), (f"{p}.weight_scale", "F8_E4M3", (o, i // 16)),
+                            (f"{p}.weight_scale_2", "F32", ()), (f"{p}.input_scale", "F32", ())]
+    write_header_only(tmp_path / "model.safetensors", tensors)
+    return tmp_path
+
+
+def test_plan_nemotron_nano_from_headers(tmp_path):
+    p = plan(nano_headers(tmp_path), vram=8 * GiB, ram=8 * GiB, pcie_gbps=28, disk_gbps=7, context=8192)
+    assert p.moe_layers == 23 and p.top_k == 6
+    assert p.kv_bytes_per_token == 6 * 1024  # 6 attention layers x (K, V) x 2 KV heads x 128 x 2 bytes
+    ssm = 23 * 64 * 64 * 128 * 4  # 23 Mamba layers, fp32 SSM state: exactly 46 MiB
+    conv = 23 * (64 * 64 + 2 * 8 * 128) * 4 * 2  # conv state: conv_dim x kernel, bf16
+    assert ssm == 46 * MiB and p.recurrent_bytes == ssm + conv
+    expert = (1856 * 2688 // 2 + 1856 * 2688 // 16) * 2  # up + down: nibbles + one E4M3 scale per 16
+    assert expert < p.block_bytes < expert + 4096 + 4 * 256  # the 4 KiB-rounded block with aligned scalars
+    assert abs(p.expert_bytes_per_token - 6 * 23 * expert) / (6 * 23 * expert) < 0.002  # ~0.77 GB per token
+    assert 0.77e9 < p.expert_bytes_per_token < 0.78e9
+    assert p.resident_bytes == 2 * 131072 * 2688 * 2 == p.tiers["bf16"]
+    assert p.tiers["nvfp4"] == 23 * 128 * (expert + 4 * 4)  # + the four fp32 scalars of each expert
+    assert p.fits_vram
+    cache_blocks = (8 * GiB - p.resident_bytes) // p.block_bytes  # fewer than all 2944 blocks
+    assert p.ram_blocks == cache_blocks and p.ram_hit_rate == pytest.approx(cache_blocks * p.block_bytes / p.expert_bytes_total)
+    expected_ms = 1000 * p.expert_bytes_per_token * (1 / 28e9 + (1 - p.ram_hit_rate) / 7e9)
+    assert p.ms_per_token == pytest.approx(expected_ms)
+    small = plan(tmp_path, vram=1 * GiB, ram=32 * GiB)
+    assert not small.fits_vram
+
+
+def test_plan_reads_gguf_through_the_gguf_package(tmp_path):
+    import gguf
+    import numpy as np
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(hidden_size=256, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000).save_pretrained(tmp_path)
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen3moe")
+    q4k = gguf.GGMLQuantizationType.Q4_K
+    block, size = gguf.GGML_QUANT_SIZES[q4k]
+    per_expert = 256 * 256 // block * size  # one 256x256 matrix in Q4_K
+    for layer in range(2):
+        for proj in ("gate", "up", "down"):
+            w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.zeros((8, 256, 256 // block * size), dtype=np.uint8), raw_dtype=q4k)
+    w.add_tensor("token_embd.weight", np.zeros((1000, 256), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    p = plan(tmp_path, vram=GiB, ram=GiB)
+    assert p.block_bytes == 3 * per_expert // 4096 * 4096 + 4096 * (3 * per_expert % 4096 > 0)
+    assert p.expert_bytes_per_token == 2 * 2 * p.block_bytes and p.tiers["q4_k"] == 2 * 3 * 8 * per_expert
+    assert p.resident_bytes == 1000 * 256 * 2 and p.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2
+
+
+def rec(step, layer, experts, predicted=None):
+    return TraceRecord(step, 1, layer, tuple(experts), tuple(sorted(set(experts))), "D" * len(set(experts)), predicted)
+
+
+def test_policies_on_hand_made_traces():
+    # one MoE layer; accesses A B A C B A (experts 1 2 1 3 2 1), capacity 2
+    t = Trace({"prefetch": False}, tuple(rec(s, 0, [e]) for s, e in enumerate([1, 2, 1, 3, 2, 1])))
+    assert simulate(t, 2, policy="lru").blocks["disk"] == 5  # 1 2 . 3(evicts 2) 2(evicts 1) 1(evicts 3)
+    assert simulate(t, 2, policy="fifo").blocks["disk"] == 4  # 1 2 . 3(evicts 1) . 1(evicts 2)
+    assert simulate(t, 2, policy="belady").blocks["disk"] == 4  # 1 2 . 3(evicts 1, used last) . 1
+    assert simulate(t, 3, policy="lru").blocks["disk"] == 3  # only the cold misses
+    # LFU keeps the frequently used expert 1 through a scan of one-off experts
+    scan = [1, 1, 1, 2, 3, 4, 1]
+    t2 = Trace({"prefetch": False}, tuple(rec(s, 0, [e]) for s, e in enumerate(scan)))
+    assert simulate(t2, 2, policy="lfu").blocks["disk"] == 4 < simulate(t2, 2, policy="lru").blocks["disk"] == 5
+    scan = [1, 1, 1, 2, 3, 1]
+    t3 = Trace({"prefetch": False}, tuple(rec(s, 0, [e]) for s, e in enumerate(scan)))
+    assert simulate(t3, 2, policy="lfu").blocks["disk"] == 3 < simulate(t3, 2, policy="fifo").blocks["disk"] == 4
+    # prefetch of the recorded guesses turns the next layer's miss into a hit
+    t4 = Trace({"prefetch": True}, (rec(0, 0, [1]), rec(0, 1, [5], predicted=(5,))))
+    assert simulate(t4, 4).blocks == {"vram": 0, "ram": 1, "disk": 1} and simulate(t4, 4, prefetch=False).blocks["disk"] == 2
+    # a VRAM tier in front of RAM
+    t5 = Trace({"prefetch": False}, tuple(rec(s, 0, [e]) for s, e in enumerate([1, 2, 1, 2])))
+    assert simulate(t5, 8, vram_blocks=2).blocks == {"vram": 2, "ram": 0, "disk": 2}
+
+
+@pytest.mark.parametrize("ram_blocks", [10, 24])  # caches below one prefill layer's experts are out of scope
+def test_simulated_misses_match_the_live_run(stores, tmp_path, ram_blocks):
+    from sluice.storage.store import ExpertStore
+
+    store = stores["nemotron_h_latent"]
+    path = tmp_path / "routing.jsonl.gz"
+    n = ExpertStore.open(store).block_bytes
+    with sluice.load(store, device=DEVICE, ram_cache=ram_blocks * n, record_routing=str(path)) as engine:
+        engine.generate(PROMPT, 32)
+        engine.generate(PROMPT[:5] + [9, 9], 16)
+        live = engine.rt.stats.snapshot()
+        ram = engine.rt.ram.capacity
+        block = engine.store.block_bytes
+    trace = read_trace(path)
+    assert trace.header["ram_blocks"] == ram and trace.header["block_bytes"] == block
+    assert trace.tokens == live["tokens"] and len(trace.records) == live["steps"] * 3
+    sim = simulate(trace, ram, trace.header["vram_blocks"])
+    live_disk = live["blocks"]["disk"] / live["tokens"]
+    assert abs(sim.disk_per_token - live_disk) <= 0.5, (sim.disk_per_token, live_disk)
+    assert sum(sim.blocks.values()) == sum(live["blocks"].values())
+    results = [simulate(trace, n) for n in (2, 8, 32, 48)]
+    write_sweep(results, block, tmp_path / "sweep.csv", tmp_path / "sweep.png")
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert rows[0].startswith("ram_blocks,") and len(rows) == 5
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rates = [r.hit_rate for r in results]
+    assert rates == sorted(rates)  # LRU: more RAM never hurts
