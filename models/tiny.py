@@ -93,8 +93,20 @@ def save_char_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default"
+
+
 def default_model_path() -> Path:
-    """The bundled default model: a deterministic tiny random NemotronH made on first use."""
+    """The bundled default model: the small trained NemotronH in models/default (train/train.py).
+
+    Where it is missing (a checkout without it), a deterministic tiny random NemotronH made on first use."""
+    if (DEFAULT_MODEL / "config.json").is_file():
+        return DEFAULT_MODEL
+    return random_model_path()
+
+
+def random_model_path() -> Path:
+    """A deterministic tiny random NemotronH made on first use under SLUICE_HOME."""
     from sluice.log import get_logger
     from sluice.pipeline.config import sluice_home
 

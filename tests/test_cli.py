@@ -15,8 +15,16 @@ def test_generate_default_model_from_a_fresh_home(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert "RANDOM weights" in r.stderr and "6 new tokens" in r.stderr
-    assert (tmp_path / "models" / "tiny-random-nemotron_h" / "config.json").exists()
+    assert "6 new tokens" in r.stderr and r.stdout.strip()  # the trained default model, repacked once
+    assert list((tmp_path / "stores").glob("default-*/manifest.json"))
+
+
+def test_random_fallback_model(tmp_path, monkeypatch):
+    from sluice.models.tiny import random_model_path
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    path = random_model_path()
+    assert (path / "config.json").exists() and random_model_path() == path
 
 
 def test_repack_and_verify_commands(checkpoints, tmp_path, capsys):
