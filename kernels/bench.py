@@ -81,6 +81,31 @@ def ceilings(device) -> dict[str, float]:
     return {"hbm": hbm, "h2d": h2d}
 
 
+@dataclass
+class _Setup:
+    """What a decode benchmark of one shape and format needs."""
+
+    banks: list
+    L: dict
+    offs: torch.Tensor
+    x: torch.Tensor  # [Dx] bf16 token
+    h: torch.Tensor  # [A, I] bf16 activations (output of up)
+    up_bytes: int  # bytes of up (and gate) for all A experts
+    epi: str
+    gate: object
+    act: int
+
+
+def _decode_setup(kind: str, fmt: str, Dx: int, I: int, A: int, device) -> _Setup:
+    banks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device)
+    offs = torch.arange(A, dtype=torch.int64, device=device) * block_bytes
+    x = torch.randn(Dx, device=device, dtype=torch.bfloat16)
+    h = torch.empty(A, I, device=device, dtype=torch.bfloat16)
+    up_bytes = A * (L["up"].nbytes + (L["gate"].nbytes if "gate" in L else 0))
+    epi, gate, act = ("relu2", None, 0) if kind == "relu2" else ("swiglu", L["gate"], 1)
+    return _Setup(banks, L, offs, x, h, up_bytes, epi, gate, act)
+
+
 def _time(fns) -> float:
     """Median microseconds of one call, rotating through fns (one per bank)."""
     from triton.testing import do_bench
@@ -108,11 +133,8 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
     for shape in shapes:
         kind, Dx, I, A = SHAPES[shape]
         for fmt in formats:
-            banks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device)
-            offs = torch.arange(A, dtype=torch.int64, device=device) * block_bytes
-            x = torch.randn(Dx, device=device, dtype=torch.bfloat16)
-            h = torch.empty(A, I, device=device, dtype=torch.bfloat16)
-            up_bytes = A * (L["up"].nbytes + (L["gate"].nbytes if "gate" in L else 0))
+            su = _decode_setup(kind, fmt, Dx, I, A, device)
+            banks, L, offs, x, h, up_bytes = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes
             if kind == "relu2":
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
                 add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")
@@ -157,12 +179,8 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
     for shape in shapes:
         kind, Dx, I, A = SHAPES[shape]
         for fmt in formats:
-            banks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device)
-            offs = torch.arange(A, dtype=torch.int64, device=device) * block_bytes
-            x = torch.randn(Dx, device=device, dtype=torch.bfloat16)
-            h = torch.empty(A, I, device=device, dtype=torch.bfloat16)
-            up_bytes = A * (L["up"].nbytes + (L["gate"].nbytes if "gate" in L else 0))
-            epi, gate, act = ("relu2", None, 0) if kind == "relu2" else ("swiglu", L["gate"], 1)
+            su = _decode_setup(kind, fmt, Dx, I, A, device)
+            banks, L, offs, x, h, up_bytes, epi, gate, act = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes, su.epi, su.gate, su.act
             for bn, bk, nw in MATVEC_CONFIGS:
                 try:
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk, num_warps=nw) for b in banks])

@@ -62,10 +62,7 @@ class IOStats:
         return d
 
     def counters_since(self, before: dict) -> dict:
-        now = self.counters()
-        d = {k: now[k] - before[k] for k in now if k != "blocks"}
-        d["blocks"] = {t: now["blocks"][t] - before["blocks"][t] for t in TIERS}
-        return d
+        return _diff(self.counters(), before)
 
     def snapshot(self) -> dict:
         """All counters, with the kernels' live-group counts (reading those syncs the GPU)."""
@@ -76,10 +73,13 @@ class IOStats:
 
     def since(self, before: dict) -> dict:
         """Counters accumulated since `before` (an earlier snapshot)."""
-        now = self.snapshot()
-        d = {k: now[k] - before[k] for k in now if k != "blocks"}
-        d["blocks"] = {t: now["blocks"][t] - before["blocks"][t] for t in TIERS}
-        return d
+        return _diff(self.snapshot(), before)
+
+
+def _diff(now: dict, before: dict) -> dict:
+    d = {k: now[k] - before[k] for k in now if k != "blocks"}
+    d["blocks"] = {t: now["blocks"][t] - before["blocks"][t] for t in TIERS}
+    return d
 
 
 class Runtime:
