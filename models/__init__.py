@@ -2,10 +2,13 @@
 
 from sluice.errors import CheckpointError
 from sluice.models.base import Architecture, ExpertSpec, Layer, MoEBlock, ResidentModel
+from sluice.models.deepseek_v3 import DeepseekV3
+from sluice.models.mixtral import Mixtral
 from sluice.models.nemotron_h import NemotronH
 from sluice.models.qwen3_moe import Qwen3Moe
+from sluice.models.qwen3_next import Qwen3Next
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (NemotronH(), Qwen3Moe())}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (NemotronH(), Qwen3Moe(), Qwen3Next(), Mixtral(), DeepseekV3())}
 
 
 def get_architecture(model_type: str) -> Architecture:

@@ -26,6 +26,7 @@ from sluice.kernels.formats import detect_format
 from sluice.kernels.linear import QuantLinear
 from sluice.storage.safetensors_io import TORCH_TO_ST
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 ExpertKind = str  # "relu2": down(act(up x)); "swiglu": down(act(gate x) * up x)
 
 
@@ -73,12 +74,11 @@ class MoEBlock:
     kind: ExpertKind
     top_k: int
     num_experts: int
-    router: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [T,D] -> (weights [T,K] f32|act, ids [T,K] i64)
+    router: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [T,D] -> (weights [T,K] as the router makes them, ids [T,K] i64)
     expert_input: Callable[[torch.Tensor], torch.Tensor]  # x [T,D] -> xe [T,Dx]
     finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (routed [T,Dx], x [T,D]) -> out [T,D], before the residual
     act: Callable[[torch.Tensor], torch.Tensor]
     act_name: str  # the activation's name in transformers' ACT2FN (kernels implement relu2 and silu)
-    weight_dtype: torch.dtype | None  # routing weights cast to this before weighting (None: keep fp32)
     combine_dtype: torch.dtype  # dtype in which weighted expert outputs are summed
 
 
@@ -145,6 +145,21 @@ class Architecture(ABC):
     def recurrent_bytes(self, hf_config: Any, dtype_bytes: int) -> int:
         """Recurrent state bytes per sequence (Mamba / DeltaNet conv and SSM states)."""
         return 0
+
+    def ignored(self, hf_config: Any) -> Callable[[str], bool]:
+        """Which checkpoint tensors are not part of the LM: layers past num_hidden_layers (multi-token
+        prediction heads) and what transformers' model class ignores on load (e.g. NemotronH's mtp.*)."""
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+        patterns = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
+        n_layers = hf_config.num_hidden_layers
+
+        def ignore(name: str) -> bool:
+            m = _LAYER.search(name)
+            return (m is not None and int(m[1]) >= n_layers) or any(p.search(name) for p in patterns)
+
+        return ignore
 
     def module_name(self, checkpoint_name: str) -> str:
         for pattern, repl in self.renames:

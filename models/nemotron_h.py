@@ -103,7 +103,6 @@ class _MoELayer(Layer):
             finish=lambda routed, x: mixer.fc2_latent_proj(routed) + mixer.shared_experts(x),
             act=ACT2FN[config.mlp_hidden_act],
             act_name=config.mlp_hidden_act,
-            weight_dtype=None,
             combine_dtype=torch.float32,
         )
 

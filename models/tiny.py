@@ -10,12 +10,14 @@ the NemotronH router a non-zero correction bias so that path is exercised.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+ROUTER = re.compile(r"\.(mlp|mixer|block_sparse_moe)\.gate\.weight$")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -26,7 +28,7 @@ VOCAB_SIZE = len(SPECIALS) + len(CHARS)  # 99
 
 
 def tiny_config(arch: str, **overrides):
-    """A small config of `arch` (nemotron_h | qwen3_moe); keyword overrides win."""
+    """A small config of `arch` (nemotron_h | qwen3_moe | mixtral | deepseek_v3 | qwen3_next); keyword overrides win."""
     if arch == "nemotron_h":
         from transformers import NemotronHConfig
 
@@ -47,6 +49,31 @@ def tiny_config(arch: str, **overrides):
             head_dim=16, norm_topk_prob=True, max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0,
         )
         return Qwen3MoeConfig(**{**base, **overrides})
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, max_position_embeddings=1024,
+                  bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        base = dict(common, intermediate_size=32, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=8, num_experts_per_tok=2)
+        return MixtralConfig(**{**base, **overrides})
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        base = dict(common, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+                    n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2,
+                    routed_scaling_factor=2.5, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                    qk_rope_head_dim=8, v_head_dim=16, head_dim=8, num_nextn_predict_layers=0)
+        return DeepseekV3Config(**{**base, **overrides})
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        base = dict(common, num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96, decoder_sparse_step=1,
+                    mlp_only_layers=[])
+        return Qwen3NextConfig(**{**base, **overrides})
     raise ValueError(f"no tiny config for {arch!r}")
 
 
@@ -64,7 +91,7 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "nemotron_h", seed: int =
             for name, p in list(model.named_parameters()) + list(model.named_buffers()):
                 if ".experts." in name:
                     p.mul_(expert_scale)
-                elif name.endswith("gate.weight"):
+                elif ROUTER.search(name):
                     p.mul_(router_scale)
                 elif name.endswith("e_score_correction_bias"):
                     p.copy_(torch.randn_like(p) * 0.05)

@@ -22,8 +22,6 @@ class Route(Stage):
         block = li.block
         with self.rt.streams.use(self.stream):
             weights, ids = block.router(li.x)
-            if block.weight_dtype is not None:
-                weights = weights.to(block.weight_dtype)
             xe = block.expert_input(li.x)
         ids_cpu = ids.to("cpu", torch.int64)
         experts, rows = group_by_expert(ids_cpu, li.x.device)

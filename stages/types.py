@@ -30,7 +30,7 @@ class LayerInput:
 class Routing:
     """route -> fetch, compute, combine."""
 
-    weights: torch.Tensor  # [T, K] routing weights (MoEBlock.weight_dtype or fp32), device, compute stream
+    weights: torch.Tensor  # [T, K] routing weights in the dtype the router makes them, device, compute stream
     ids: torch.Tensor  # [T, K] int64 expert ids, CPU (the one host sync of the layer)
     xe: torch.Tensor  # [T, Dx] expert input, model dtype, device, compute stream
     experts: tuple[int, ...]  # distinct experts used, ascending

@@ -43,12 +43,16 @@ class ExpertTensors:
     block_bytes: int
 
 
-def classify(ckpt: Checkpoint, spec: ExpertSpec) -> ExpertTensors:
-    """Split tensors into routed experts and resident ones; check every expert is complete and alike."""
+def classify(ckpt: Checkpoint, spec: ExpertSpec, ignore=lambda name: False) -> ExpertTensors:
+    """Split tensors into routed experts and resident ones; check every expert is complete and alike.
+
+    Tensors `ignore` names (not part of the LM) are left out of both."""
     blocks: dict[tuple[int, int], dict[str, TensorInfo]] = {}
     resident = {}
     moe = set(spec.moe_layers)
     for name, info in ckpt.tensors.items():
+        if ignore(name):
+            continue
         m = spec.pattern.match(name)
         if m is None:
             resident[name] = info
@@ -101,8 +105,9 @@ def build_block(tensors: dict[str, TensorInfo], slots: tuple[TensorSlot, ...], b
 def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, progress: bool = True) -> ExpertStore:
     ckpt = Checkpoint.open(ckpt_path)
     arch = get_architecture(ckpt.model_type)
-    spec = arch.expert_spec(ckpt.hf_config())
-    ex = classify(ckpt, spec)
+    hf = ckpt.hf_config()
+    spec = arch.expert_spec(hf)
+    ex = classify(ckpt, spec, arch.ignored(hf))
     source = ckpt.fingerprint()
     store_path = Path(store_path)
 

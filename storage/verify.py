@@ -27,7 +27,8 @@ def verify(store_path: str | Path, source: str | Path | None = None, progress: b
     if not src_path.is_dir():
         raise StoreError(f"source checkpoint {src_path} is not available; pass --source PATH")
     ckpt = Checkpoint.open(src_path)
-    ex = classify(ckpt, get_architecture(m.architecture).expert_spec(ckpt.hf_config()))
+    arch, hf = get_architecture(m.architecture), ckpt.hf_config()
+    ex = classify(ckpt, arch.expert_spec(hf), arch.ignored(hf))
     problems: list[str] = []
     if ex.slots != m.slots or ex.block_bytes != m.block_bytes:
         problems.append("block layout differs from what the source checkpoint gives")

@@ -8,6 +8,9 @@ VARIANTS = {
     "nemotron_h_latent": ("nemotron_h", {"moe_latent_size": 32}),
     "nemotron_h_groups": ("nemotron_h", {"n_group": 4, "topk_group": 2, "moe_latent_size": 48}),
     "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_next": ("qwen3_next", {}),
+    "mixtral": ("mixtral", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
 }
 PROMPT = [5, 17, 42, 98, 3, 25, 77, 8, 61, 13, 12, 20]  # ids < VOCAB_SIZE (99) of the tiny tokenizer
 # The engine's device in tests: CPU in CI; SLUICE_TEST_DEVICE=cuda runs the same tests on a GPU.

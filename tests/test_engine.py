@@ -87,7 +87,7 @@ def test_trace_files(stores, tmp_path):
 
 def test_snapshot_restores_exactly(stores):
     """A restored snapshot continues bit-identically to the sequence it was taken from."""
-    for variant in ("nemotron_h_latent", "qwen3_moe"):
+    for variant in ("nemotron_h_latent", "qwen3_moe", "qwen3_next", "deepseek_v3"):  # Mamba, KV, DeltaNet, MLA states
         with sluice.load(stores[variant], device=DEVICE) as engine:
             seq = engine.new_sequence()
             engine.extend(seq, PROMPT)

@@ -141,3 +141,15 @@ def test_simulated_misses_match_the_live_run(stores, tmp_path, ram_blocks):
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rates = [r.hit_rate for r in results]
     assert rates == sorted(rates)  # LRU: more RAM never hurts
+
+
+def test_plan_each_family(checkpoints):
+    """Every architecture plans from its checkpoint; KV and recurrent state follow its mixers."""
+    figures = {name: plan(path, vram=GiB, ram=GiB) for name, path in checkpoints.items()}
+    for name, p in figures.items():
+        assert p.expert_bytes_per_token == p.top_k * p.moe_layers * p.block_bytes > 0, name
+    assert figures["qwen3_moe"].recurrent_bytes == 0 and figures["qwen3_moe"].kv_bytes_per_token == 4 * 2 * 2 * 16 * 4
+    assert figures["qwen3_next"].recurrent_bytes > 0 and figures["qwen3_next"].kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert figures["deepseek_v3"].kv_bytes_per_token == 3 * (16 + 8) * 4  # MLA: the compressed latent + RoPE key per layer
+    assert figures["mixtral"].kv_bytes_per_token == 3 * 2 * 2 * 16 * 4
+    assert figures["nemotron_h"].recurrent_bytes > 0

@@ -161,3 +161,21 @@ def test_truncated_store_is_named(stores, tmp_path):
     f.write_bytes(f.read_bytes()[:-PAGE])
     with pytest.raises(StoreError, match=r"layer_\d+\.bin.*truncated"):
         ExpertStore.open(bad)
+
+
+def test_multi_token_prediction_layers_are_left_out(checkpoints, tmp_path):
+    """DeepSeek-V3 checkpoints carry MTP layers past num_hidden_layers; they are not part of the LM."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "mtp"
+    shutil.copytree(checkpoints["deepseek_v3"], d)
+    tensors = load_file(d / "model.safetensors")
+    n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.randn(64, 128)
+    tensors[f"model.layers.{n}.mlp.experts.0.gate_proj.weight"] = torch.randn(32, 64)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    store = repack(d, tmp_path / "s", progress=False)
+    from sluice.storage.safetensors_io import read_header
+
+    resident, _ = read_header(store.path / "resident.safetensors")
+    assert not any(f"layers.{n}." in k for k in resident) and n not in store.moe_layers

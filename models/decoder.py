@@ -1,0 +1,131 @@
+"""The common shape of transformers' decoder LMs: model.embed_tokens -> model.layers -> model.norm -> lm_head.
+
+Architectures of this shape (Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-Next) differ in their token
+mixers, which layers are sparse and what surrounds the routed experts; those live in their own
+files. Every layer, dense or sparse, runs as transformers' own decoder layer: in a sparse layer the
+MoE module is swapped for `MoECapture`, which records the MoE input and returns zeros, so the
+layer returns residual + mixer output and the stage graph supplies the MoE output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sluice.models.base import Layer, MoEBlock, ResidentModel, cache_kw
+
+
+class MoECapture(nn.Module):
+    """Stands in a decoder layer where its MoE module was: keeps the input, adds nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.x = x
+        return torch.zeros_like(x)
+
+
+class Ctx:
+    __slots__ = ("cache", "position_ids", "masks", "position_embeddings")
+
+    def __init__(self, cache, position_ids, masks, position_embeddings):
+        self.cache, self.position_ids, self.masks, self.position_embeddings = cache, position_ids, masks, position_embeddings
+
+
+class DecoderLayer(Layer):
+    """A decoder layer called as transformers calls it; sparse layers carry their MoEBlock."""
+
+    def __init__(self, layer: nn.Module, layer_type: str, moe: MoEBlock | None = None, capture: MoECapture | None = None):
+        self.layer, self.layer_type, self.moe, self.capture = layer, layer_type, moe, capture
+
+    def forward(self, h, ctx: Ctx):
+        kwargs = dict(attention_mask=ctx.masks[self.layer_type], position_ids=ctx.position_ids, use_cache=True, **cache_kw(ctx.cache))
+        if ctx.position_embeddings is not None:
+            kwargs["position_embeddings"] = ctx.position_embeddings
+        out = self.layer(h, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def moe_input(self, h, ctx: Ctx):
+        residual = self.forward(h, ctx)  # = h + mixer(h): the captured MoE added zeros
+        x = self.capture.x
+        self.capture.x = None
+        return x.reshape(-1, x.shape[-1]), residual
+
+
+def swap_moe(layer: nn.Module, attr: str) -> tuple[nn.Module, MoECapture]:
+    """Put a MoECapture where layer.<attr> (the MoE module) was; return the MoE module and the capture."""
+    moe = getattr(layer, attr)
+    capture = MoECapture()
+    setattr(layer, attr, capture)
+    return moe, capture
+
+
+class DecoderResident(ResidentModel):
+    """Resident part of a model.embed_tokens / model.layers / model.norm / lm_head decoder.
+
+    `sparse(i)` says whether layer i has routed experts; `make_block(moe_module, i, moe_index)`
+    builds its MoEBlock from the (stripped) transformers MoE module."""
+
+    def __init__(self, hf_model, sparse: Callable[[int], bool], make_block: Callable[[nn.Module, int, int], MoEBlock],
+                 moe_attr: str = "mlp"):
+        super().__init__(hf_model)
+        types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
+        self.layer_types = list(types)
+        self.layers: list[Layer] = []
+        moe_index = 0
+        for i, layer in enumerate(hf_model.model.layers):
+            if sparse(i):
+                moe, capture = swap_moe(layer, moe_attr)
+                self.layers.append(DecoderLayer(layer, types[i], make_block(moe, i, moe_index), capture))
+                moe_index += 1
+            else:
+                self.layers.append(DecoderLayer(layer, types[i]))
+
+    def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
+        from transformers import masking_utils as mu
+
+        model = self.hf.model
+        h = model.embed_tokens(ids)
+        position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
+        kw = dict(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
+        masks = {}
+        for t in set(self.layer_types):
+            if t == "linear_attention":
+                masks[t] = mu.create_recurrent_attention_mask(**kw)
+            elif t == "sliding_attention" or getattr(self.config, "sliding_window", None) is not None:
+                masks[t] = mu.create_sliding_window_causal_mask(**kw)  # as Qwen3-MoE and Mixtral choose
+            else:
+                masks[t] = mu.create_causal_mask(**kw)
+        rotary = getattr(model, "rotary_emb", None)
+        pos_emb = rotary(h, position_ids=position_ids) if rotary is not None else None
+        return h, Ctx(cache, position_ids, masks, pos_emb)
+
+    def head(self, h):
+        return self.hf.lm_head(self.hf.model.norm(h)[0]).float()
+
+
+def swiglu_block(moe: nn.Module, layer_idx: int, moe_index: int, config, dtype: torch.dtype, finish=None) -> MoEBlock:
+    """The MoEBlock of a SwiGLU MoE whose router is `moe.gate` returning (logits, weights, ids) and whose
+    routed outputs are summed in the activation dtype, as transformers' *Experts modules do."""
+    from transformers.activations import ACT2FN
+
+    gate = moe.gate
+    return MoEBlock(
+        layer=layer_idx, index=moe_index, kind="swiglu", top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config), router=lambda x: gate(x)[1:], expert_input=lambda x: x,
+        finish=finish or (lambda routed, x: routed), act=ACT2FN[config.hidden_act], act_name=config.hidden_act,
+        combine_dtype=dtype,
+    )
+
+
+def _num_experts(config) -> int:
+    for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+        n = getattr(config, name, None)
+        if n:
+            return n
+    raise ValueError("config names no routed expert count")
+
