@@ -70,8 +70,10 @@ def triton_schedule(tmp_path, base: str, **compute) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("base", ["overlap", "zero-skip"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+TRITON_CASES = [(v, "zero-skip" if arch == "nemotron_h" else "overlap") for v, (arch, _) in VARIANTS.items()] + [("nemotron_h_latent", "overlap")]
+
+
+@pytest.mark.parametrize("variant, base", TRITON_CASES)  # zero-skip applies to ReLU^2 experts; interpreted Triton is slow
 def test_triton_kernels_match_transformers(variant, base, stores, refs, tmp_path):
     """The same golden check through the Triton expert kernels (interpreted on a CPU)."""
     schedule = triton_schedule(tmp_path, base, backend="triton")
