@@ -1,4 +1,4 @@
-"""`sluice` command line: repack | verify | generate | chat | serve | simulate | plan | bench kernels.
+"""`sluice` command line: repack | verify | generate | chat | serve | synth | simulate | plan | bench kernels.
 
 With no --model, commands use the bundled default model (made on first use).
 """
@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    sy = sub.add_parser("synth", help="a random-weight checkpoint with the exact tensor shapes of a real model")
+    sy.add_argument("out", type=Path)
+    sy.add_argument("--shape", required=True, help="nemotron-3.5-super | nemotron-3-nano-30b-a3b | qwen3-30b-a3b | qwen3-next-80b-a3b | deepseek-v3")
+    sy.add_argument("--format", default="nvfp4", help="routed experts in nvfp4 | fp8 (128x128 blocks) | bf16")
+    sy.add_argument("--moe-layers", type=int, help="keep the layers up to the N-th MoE layer (a slice that fits the disk)")
+    sy.add_argument("--headers-only", action="store_true", help="write only the shards' headers (for `sluice plan`)")
+    sy.set_defaults(func=cmd_synth)
 
     sm = sub.add_parser("simulate", help="replay a routing trace through tier caches (size caches on paper)")
     sm.add_argument("trace", type=Path)
@@ -203,6 +211,14 @@ def cmd_generate(args) -> int:
         else:
             ids = tok(args.prompt)["input_ids"]
         _stream_text(engine, tok, list(ids), args)
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from sluice.storage.synth import synth
+
+    out = synth(args.shape, args.format, args.out, args.moe_layers, args.headers_only)
+    print(f"wrote {out}")
     return 0
 
 

@@ -36,11 +36,13 @@ class ExpertSpec:
 
     `pattern` matches a full checkpoint tensor name and captures `layer`, `expert`, `proj` (the
     checkpoint's projection name) and `suffix` (weight, weight_scale, ...). `proj_names` maps the
-    checkpoint's projection names to block names (up, gate, down).
+    checkpoint's projection names to block names (up, gate, down). `template` writes a name back
+    (synthetic checkpoints), with the first checkpoint name `proj_names` gives each projection.
     """
 
     kind: ExpertKind
     pattern: re.Pattern
+    template: str  # "...layers.{layer}....experts.{expert}.{proj}.{suffix}"
     proj_names: dict[str, str]
     moe_layers: tuple[int, ...]
     num_experts: int
@@ -55,14 +57,10 @@ class ExpertSpec:
         """Projections whose bytes the store re-lays: ReLU^2 `down`, so live 16-neuron groups are contiguous."""
         return frozenset({"down"}) if self.kind == "relu2" else frozenset()
 
-    def match(self, name: str) -> tuple[int, int, str, str] | None:
-        m = self.pattern.match(name)
-        if m is None:
-            return None
-        proj = self.proj_names.get(m["proj"])
-        if proj is None:
-            return None
-        return int(m["layer"]), int(m["expert"]), proj, m["suffix"]
+    def name(self, layer: int, expert: int, proj: str, suffix: str = "weight") -> str:
+        """The checkpoint name of block projection `proj` (up, gate, down) of one expert."""
+        ckpt_proj = next(k for k, v in self.proj_names.items() if v == proj)
+        return self.template.format(layer=layer, expert=expert, proj=ckpt_proj, suffix=suffix)
 
 
 @dataclass(frozen=True)
@@ -131,6 +129,7 @@ class Architecture(ABC):
 
     model_type: str
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint name -> transformers module name (regex, repl)
+    reverse_renames: tuple[tuple[str, str], ...] = ()  # transformers module name -> checkpoint name
 
     @abstractmethod
     def expert_spec(self, hf_config: Any) -> ExpertSpec: ...
@@ -165,6 +164,11 @@ class Architecture(ABC):
         for pattern, repl in self.renames:
             checkpoint_name = re.sub(pattern, repl, checkpoint_name)
         return checkpoint_name
+
+    def checkpoint_name(self, module_name: str) -> str:
+        for pattern, repl in self.reverse_renames:
+            module_name = re.sub(pattern, repl, module_name)
+        return module_name
 
 
 class StreamedExperts(nn.Module):
@@ -300,8 +304,10 @@ def _cache_keyword() -> str:
 _CACHE_KW = _cache_keyword()
 
 
-def default_expert_pattern(prefix: str, experts_path: str) -> re.Pattern:
-    """Regex for per-expert tensors: {prefix}layers.L.{experts_path}.E.PROJ.SUFFIX."""
-    return re.compile(
-        rf"^{re.escape(prefix)}layers\.(?P<layer>\d+)\.{re.escape(experts_path)}\.(?P<expert>\d+)\.(?P<proj>\w+?)\.(?P<suffix>weight\w*|input_\w+)$"
+def expert_names(prefix: str, experts_path: str) -> dict:
+    """pattern and template of per-expert tensors named {prefix}layers.L.{experts_path}.E.PROJ.SUFFIX."""
+    return dict(
+        pattern=re.compile(rf"^{re.escape(prefix)}layers\.(?P<layer>\d+)\.{re.escape(experts_path)}\.(?P<expert>\d+)\."
+                           rf"(?P<proj>\w+?)\.(?P<suffix>weight\w*|input_\w+)$"),
+        template=f"{prefix}layers.{{layer}}.{experts_path}.{{expert}}.{{proj}}.{{suffix}}",
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, StreamedExperts, build_hf_model, default_expert_pattern
+from sluice.models.base import Architecture, ExpertSpec, ResidentModel, StreamedExperts, build_hf_model, expert_names
 from sluice.models.decoder import DecoderResident, swiglu_block
 
 
@@ -20,7 +20,7 @@ class DeepseekV3(Architecture):
     def expert_spec(self, config) -> ExpertSpec:
         return ExpertSpec(
             kind="swiglu",
-            pattern=default_expert_pattern("model.", "mlp.experts"),
+            **expert_names("model.", "mlp.experts"),
             proj_names={"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
             moe_layers=tuple(range(config.first_k_dense_replace, config.num_hidden_layers)),
             num_experts=config.n_routed_experts,

@@ -24,6 +24,7 @@ class Mixtral(Architecture):
             kind="swiglu",
             pattern=re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
                                r"(?P<proj>\w+?)\.(?P<suffix>weight\w*|input_\w+)$"),
+            template="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.{suffix}",
             proj_names={"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
             moe_layers=tuple(range(config.num_hidden_layers)),
             num_experts=config.num_local_experts,

@@ -24,18 +24,19 @@ from sluice.models.base import (
     attention_kv_bytes,
     build_hf_model,
     cache_kw,
-    default_expert_pattern,
+    expert_names,
 )
 
 
 class NemotronH(Architecture):
     model_type = "nemotron_h"
     renames = ((r"^backbone\.", "model."),)
+    reverse_renames = ((r"^model\.", "backbone."),)
 
     def expert_spec(self, config) -> ExpertSpec:
         return ExpertSpec(
             kind="relu2",
-            pattern=default_expert_pattern("backbone.", "mixer.experts"),
+            **expert_names("backbone.", "mixer.experts"),
             proj_names={"up_proj": "up", "down_proj": "down"},
             moe_layers=tuple(i for i, t in enumerate(config.layers_block_type) if t == "moe"),
             num_experts=config.n_routed_experts,

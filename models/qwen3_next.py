@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, StreamedExperts, attention_kv_bytes, build_hf_model, default_expert_pattern
+from sluice.models.base import Architecture, ExpertSpec, ResidentModel, StreamedExperts, attention_kv_bytes, build_hf_model, expert_names
 from sluice.models.decoder import DecoderResident, swiglu_block
 from sluice.models.qwen3_moe import is_sparse
 
@@ -21,7 +21,7 @@ class Qwen3Next(Architecture):
     def expert_spec(self, config) -> ExpertSpec:
         return ExpertSpec(
             kind="swiglu",
-            pattern=default_expert_pattern("model.", "mlp.experts"),
+            **expert_names("model.", "mlp.experts"),
             proj_names={"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
             moe_layers=tuple(i for i in range(config.num_hidden_layers) if is_sparse(config, i)),
             num_experts=config.num_experts,

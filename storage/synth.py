@@ -1,0 +1,201 @@
+"""`sluice synth`: random-weight HF checkpoints with the exact tensor shapes of real models.
+
+    sluice synth --shape nemotron-3.5-super --moe-layers 4 --format nvfp4 OUT
+
+The model is built on the meta device from a transformers config (no memory), its parameter
+names and shapes become checkpoint tensors: resident ones in BF16 (router correction biases in
+FP32), routed experts split per expert under the architecture's checkpoint names, in NVFP4, FP8
+(128x128 blocks) or BF16. Values are random but valid (kernels/formats.py: random_weight); one
+random pool is tiled, so tens of GB are written at disk speed. `--moe-layers N` keeps the layers
+up to the N-th MoE layer so a slice fits the disk. `--headers-only` writes shards that hold only
+their headers: enough for `sluice plan`, and instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sluice.errors import ConfigError
+from sluice.kernels.formats import random_weight
+from sluice.storage.safetensors_io import TORCH_TO_ST, dtype_size
+
+NEMOTRON_COMMON = dict(mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, num_key_value_heads=2, head_dim=128,
+                       vocab_size=131072, routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1)
+
+
+def _nemotron_pattern(moe: int, mamba: int, attention: int) -> str:
+    """M/E pairs with `attention` '*' layers spread evenly (counts as the real layer mix)."""
+    pairs = ["ME"] * min(moe, mamba) + ["E"] * (moe - min(moe, mamba)) + ["M"] * (mamba - min(moe, mamba))
+    step = max(1, len(pairs) // attention)
+    out = []
+    for i, p in enumerate(pairs):
+        out.append(p)
+        if attention and (i + 1) % step == 0 and out.count("*") < attention:
+            out.append("*")
+    return "".join(out) + "*" * (attention - "".join(out).count("*"))
+
+
+SHAPES = {
+    # Nemotron-3.5-Super: 88 layers (40 Mamba-2, 40 MoE, 8 attention), hidden 4096, latent 1024,
+    # 512 experts top-22, expert up 2688x1024 + down 1024x2688 (NVFP4 block 3,096,576 bytes before scalars)
+    "nemotron-3.5-super": ("nemotron_h", dict(NEMOTRON_COMMON, hybrid_override_pattern=_nemotron_pattern(40, 40, 8), hidden_size=4096,
+                                              moe_latent_size=1024, n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+                                              moe_shared_expert_intermediate_size=5376, mamba_num_heads=128, num_attention_heads=32)),
+    "nemotron-3-nano-30b-a3b": ("nemotron_h", dict(NEMOTRON_COMMON, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                                                   hidden_size=2688, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+                                                   moe_shared_expert_intermediate_size=3712, mamba_num_heads=64, num_attention_heads=32)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                        intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                        norm_topk_prob=True)),
+    "qwen3-next-80b-a3b": ("qwen3_next", dict(hidden_size=2048, num_hidden_layers=48, num_experts=512, num_experts_per_tok=10,
+                                              moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120,
+                                              num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                                              linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                                              full_attention_interval=4, vocab_size=151936)),
+    "deepseek-v3": ("deepseek_v3", dict(num_nextn_predict_layers=0)),  # transformers' defaults are DeepSeek-V3's (61 layers, 3 dense)
+}
+FORMAT_KIND = {"nvfp4": "nvfp4", "fp8": "fp8_block", "bf16": "bf16"}
+SHARD = 4 << 30
+POOL = 64 << 20
+
+
+def _config(shape: str, moe_layers: int | None):
+    from transformers import AutoConfig
+
+    if shape not in SHAPES:
+        raise ConfigError(f"--shape: unknown {shape!r} (known: {', '.join(SHAPES)})")
+    model_type, kw = SHAPES[shape]
+    kw = dict(kw, dtype="bfloat16")
+    cfg = AutoConfig.for_model(model_type, **kw)
+    if moe_layers:
+        from sluice.models import get_architecture
+
+        moe = get_architecture(model_type).expert_spec(cfg).moe_layers
+        if moe_layers > len(moe):
+            raise ConfigError(f"--moe-layers: {shape} has {len(moe)} MoE layers, not {moe_layers}")
+        keep = moe[moe_layers - 1] + 1
+        if model_type == "nemotron_h":
+            kw["hybrid_override_pattern"] = kw["hybrid_override_pattern"][:keep]
+        else:
+            kw["num_hidden_layers"] = keep
+            if model_type == "qwen3_next":
+                kw["layer_types"] = list(cfg.layer_types[:keep])
+        cfg = AutoConfig.for_model(model_type, **kw)
+    return model_type, cfg
+
+
+def tensor_plan(shape: str, fmt: str, moe_layers: int | None = None):
+    """(config, [(name, safetensors dtype, shape, maker)]) of a synthetic checkpoint; makers give tensors on demand."""
+    from transformers import AutoModelForCausalLM
+
+    from sluice.models import get_architecture
+
+    if fmt not in FORMAT_KIND:
+        raise ConfigError(f"--format: {fmt!r} is not nvfp4, fp8 or bf16")
+    model_type, cfg = _config(shape, moe_layers)
+    arch = get_architecture(model_type)
+    spec = arch.expert_spec(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    plan, expert_shapes = [], {}
+    pool = _Pool()
+    for key, t in model.state_dict().items():
+        leaf = key.rsplit(".", 1)[-1]
+        if ".experts." in key and leaf in ("up_proj", "down_proj", "gate_up_proj"):  # fused routed experts
+            E, out, inp = t.shape
+            if leaf == "gate_up_proj":
+                expert_shapes["gate"] = expert_shapes["up"] = (out // 2, inp)
+            else:
+                expert_shapes[leaf.split("_")[0]] = (out, inp)
+            continue
+        dtype = "F32" if "e_score_correction_bias" in key else "BF16"
+        plan.append((arch.checkpoint_name(key), dtype, tuple(t.shape), pool.maker(tuple(t.shape), dtype)))
+    kind = FORMAT_KIND[fmt]
+    one = {p: random_weight(expert_shapes[p], kind, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(spec.projs)}
+    for layer in spec.moe_layers:
+        for e in range(spec.num_experts):
+            for proj in spec.projs:
+                for suffix, t in one[proj].items():
+                    plan.append((spec.name(layer, e, proj, suffix), TORCH_TO_ST[t.dtype], tuple(t.shape), lambda t=t: t))
+    return cfg, plan
+
+
+class _Pool:
+    """Tiles one random pool: valid BF16 (normal, std 0.02) or FP32 (small) values at memory speed."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.bf16 = (torch.randn(POOL // 2, generator=g) * 0.02).to(torch.bfloat16)
+        self.f32 = torch.randn(1 << 16, generator=g) * 0.01
+
+    def maker(self, shape, dtype):
+        n = 1
+        for d in shape:
+            n *= d
+        src = self.bf16 if dtype == "BF16" else self.f32
+
+        def make():
+            reps = -(-n // src.numel())
+            return src.repeat(reps)[:n].reshape(shape) if n else torch.empty(shape, dtype=src.dtype)
+
+        return make
+
+
+def synth(shape: str, fmt: str, out: str | Path, moe_layers: int | None = None, headers_only: bool = False, progress: bool = True) -> Path:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty")
+    cfg, plan = tensor_plan(shape, fmt, moe_layers)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, current, size = [], [], 0
+    for item in plan:
+        n = dtype_size(item[1])
+        for d in item[2]:
+            n *= d
+        if current and size + n > SHARD:
+            shards.append(current)
+            current, size = [], 0
+        current.append((*item, n))
+        size += n
+    shards.append(current)
+    weight_map = {}
+    total = sum(n for s in shards for *_, n in s)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"synth {shape}", disable=not progress or headers_only)
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_shard(out / name, shard, headers_only, bar)
+        weight_map.update({t[0]: name for t in shard})
+    bar.close()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    cfg.save_pretrained(out)
+    if fmt in ("nvfp4", "fp8"):
+        algo = {"nvfp4": "NVFP4", "fp8": "FP8"}[fmt]
+        (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "sluice synth"},
+                                                              "quantization": {"quant_algo": algo, "group_size": 16}}))
+    return out
+
+
+def _write_shard(path: Path, tensors, headers_only: bool, bar) -> None:
+    header, offset = {}, 0
+    for name, dtype, shape, _, n in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        if headers_only:
+            return
+        for _, _, _, make, n in tensors:
+            t = make().contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes())
+            bar.update(n)
+        f.flush()
+        os.fsync(f.fileno())
