@@ -1,4 +1,4 @@
-"""`sluice` command line: repack | verify | generate | chat | serve | synth | simulate | plan | bench kernels.
+"""`sluice` command line: repack | verify | generate | chat | serve | synth | simulate | plan | bench model | bench kernels.
 
 With no --model, commands use the bundled default model (made on first use).
 """
@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (on a GPU)")
     bsub = b.add_subparsers(metavar="WHAT")
+    bm = bsub.add_parser("model", help="decode and prefill speed of a model, with its expert I/O and the PCIe roofline")
+    _engine_args(bm)
+    bm.add_argument("--prompt-lengths", default="32,512", help="comma-separated prefill lengths")
+    bm.add_argument("--decode-tokens", type=int, default=32)
+    bm.add_argument("--cold", action="store_true", help="do not warm the RAM cache before timing decode")
+    bm.add_argument("--json", type=Path, help="also write the results as JSON")
+    bm.set_defaults(func=cmd_bench_model)
     bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
     bk.add_argument("--shape", nargs="*", default=None, help="model shapes (default: all)")
     bk.add_argument("--format", nargs="*", default=None, help="nvfp4 fp8 bf16 (default: all)")
@@ -276,6 +283,22 @@ def cmd_serve(args) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         engine.close()
+    return 0
+
+
+def cmd_bench_model(args) -> int:
+    import json
+
+    from sluice.pipeline.bench import bench_model, format_bench
+
+    lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
+    with _open_engine(args) as engine:
+        r = bench_model(engine, lengths, args.decode_tokens, warm=not args.cold)
+        print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name} | "
+              f"RAM {engine.rt.ram.capacity} blocks | block {engine.store.block_bytes:,} bytes")
+        print(format_bench(r, engine.store.block_bytes))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=1))
     return 0
 
 

@@ -98,3 +98,15 @@ def test_snapshot_restores_exactly(stores):
             assert torch.equal(engine.extend(again, [7, 8, 9]).cpu(), live)
             other = engine.restore(snap)  # the snapshot is reusable after a restore ran on
             assert torch.equal(engine.extend(other, [7, 8, 9]).cpu(), live)
+
+
+def test_bench_model_reports_io(stores):
+    from sluice.pipeline.bench import bench_model, format_bench
+
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
+        r = bench_model(engine, prompt_lengths=(8,), decode_tokens=4)
+        text = format_bench(r, engine.store.block_bytes)
+    d = r["decode"]
+    assert r["prefill"][8]["tok_s"] > 0 and d["tokens"] == 4 and d["tok_s"] > 0
+    assert sum(d["blocks_per_token"].values()) == 3 * 4  # 3 MoE layers x top-4, every decode step
+    assert "decode:" in text and "hit rate" in text

@@ -1,0 +1,94 @@
+"""`sluice bench model`: decode and prefill speed of a whole model through the engine, with the I/O behind it.
+
+Prefill: a fresh sequence per prompt length (random token ids), timed end to end. Decode: a
+32-token prompt, then `decode_tokens` greedy steps, each timed (the sampled id reaching the host
+is the step's sync). With `warm`, one untimed decode pass first fills the RAM cache. Reported per
+decode token: blocks and bytes per tier, hit rate, prefetch recall, fetch stall; and, on CUDA,
+the roofline: bytes that crossed PCIe over the pinned host-to-device bandwidth measured in the
+same run (the time a perfect pipeline would need for the expert I/O alone).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sluice.pipeline.runtime import TIERS
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Pinned host-to-device copy rate in bytes/s (median of a few copies)."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return nbytes / sorted(times)[len(times) // 2]
+
+
+def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm: bool = True, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    out: dict = {"prefill": {}, "decode": {}}
+    sync = engine.rt.streams.synchronize
+    for n in prompt_lengths:
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        before = engine.rt.stats.snapshot()
+        t = time.perf_counter()
+        engine.forward(ids)
+        sync()
+        dt = time.perf_counter() - t
+        io = engine.rt.stats.since(before)
+        out["prefill"][n] = {"s": dt, "tok_s": n / dt, "blocks": io["blocks"]}
+    prompt = torch.randint(3, vocab, (32,), generator=g).tolist()
+    if warm:
+        engine.generate(prompt, decode_tokens)
+    seq = engine.new_sequence()
+    logits = engine.extend(seq, prompt)
+    before = engine.rt.stats.snapshot()
+    times = []
+    token = int(logits[-1].argmax())
+    for _ in range(decode_tokens):
+        t = time.perf_counter()
+        token = int(engine.extend(seq, [token])[-1].argmax())
+        times.append(time.perf_counter() - t)
+    io = engine.rt.stats.since(before)
+    n, block = decode_tokens, engine.store.block_bytes
+    per_tier = {t: io["blocks"][t] / n for t in TIERS}
+    total = sum(io["blocks"].values())
+    times.sort()
+    d = out["decode"] = {
+        "tokens": n, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
+        "tok_s": n / sum(times), "blocks_per_token": per_tier, "bytes_per_token": {t: v * block for t, v in per_tier.items()},
+        "hit_rate": 1 - io["blocks"]["disk"] / total if total else None,
+        "prefetch_recall": io["predicted_right"] / io["routed_predicted"] if io["routed_predicted"] else None,
+        "stall_ms_per_token": 1000 * io["stall_s"] / n,
+        "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
+    }
+    if engine.device.type == "cuda":
+        bw = h2d_bandwidth(engine.device)
+        moved = (per_tier["ram"] + per_tier["disk"]) * block  # blocks that crossed PCIe
+        d["h2d_gbps"] = bw / 1e9
+        d["roofline_ms_per_token"] = 1000 * moved / bw
+    return out
+
+
+def format_bench(r: dict, block_bytes: int) -> str:
+    lines = [f"{'prompt':>8} {'prefill s':>10} {'tok/s':>10}"]
+    for n, p in r["prefill"].items():
+        lines.append(f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}")
+    d = r["decode"]
+    lines.append(f"decode: {d['tok_s']:.2f} tok/s, median {d['ms_per_token_median']:.2f} ms/token over {d['tokens']} tokens")
+    lines.append("  blocks/token " + ", ".join(f"{t} {v:.2f} ({v * block_bytes / 1e6:.1f} MB)" for t, v in d["blocks_per_token"].items()))
+    hit = f"{d['hit_rate']:.1%}" if d["hit_rate"] is not None else "n/a"
+    rec = f"{d['prefetch_recall']:.1%}" if d["prefetch_recall"] is not None else "n/a"
+    lines.append(f"  hit rate {hit}, prefetch recall {rec}, fetch stall {d['stall_ms_per_token']:.2f} ms/token")
+    if "roofline_ms_per_token" in d:
+        lines.append(f"  roofline {d['roofline_ms_per_token']:.2f} ms/token (PCIe bytes / {d['h2d_gbps']:.1f} GB/s measured now): "
+                     f"{d['ms_per_token_median'] / max(d['roofline_ms_per_token'], 1e-9):.2f} x roofline")
+    return "\n".join(lines)
