@@ -130,7 +130,12 @@ class NemotronHResident(ResidentModel):
         h = self.hf.model.embeddings(ids)
         position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
         kw = dict(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
-        masks = {"full_attention": create_causal_mask(**kw), "linear_attention": create_recurrent_attention_mask(**kw)}
+        types = set(self.config.layers_block_type)  # a mask only for mixers present (a slice may lack attention)
+        masks = {}
+        if "full_attention" in types:
+            masks["full_attention"] = create_causal_mask(**kw)
+        if "linear_attention" in types:
+            masks["linear_attention"] = create_recurrent_attention_mask(**kw)
         return h, _Ctx(cache, position_ids, masks)
 
     def head(self, h):
