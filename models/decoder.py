@@ -56,6 +56,26 @@ class DecoderLayer(Layer):
         return x.reshape(-1, x.shape[-1]), residual
 
 
+def strip_routed(sparse: Callable[[int], bool], attr: str = "mlp") -> Callable[[nn.Module], None]:
+    """The `strip` for build_hf_model: routed experts of sparse layers give way to StreamedExperts."""
+    from sluice.models.base import StreamedExperts
+
+    def strip(model: nn.Module) -> None:
+        for i, layer in enumerate(model.model.layers):
+            if sparse(i):
+                getattr(layer, attr).experts = StreamedExperts()
+
+    return strip
+
+
+def attention_layers_kv(config, dtype_bytes: int, n_layers: int | None = None) -> int:
+    """KV bytes per token of `n_layers` (default: all) standard attention layers."""
+    from sluice.models.base import attention_kv_bytes
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return attention_kv_bytes(config.num_hidden_layers if n_layers is None else n_layers, config.num_key_value_heads, head_dim, dtype_bytes)
+
+
 def swap_moe(layer: nn.Module, attr: str) -> tuple[nn.Module, MoECapture]:
     """Put a MoECapture where layer.<attr> (the MoE module) was; return the MoE module and the capture."""
     moe = getattr(layer, attr)

@@ -8,10 +8,8 @@ Multi-token-prediction layers (index >= num_hidden_layers) are not part of the L
 
 from __future__ import annotations
 
-from torch import nn
-
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, StreamedExperts, build_hf_model, expert_names
-from sluice.models.decoder import DecoderResident, swiglu_block
+from sluice.models.base import Architecture, ExpertSpec, ResidentModel, build_hf_model, expert_names
+from sluice.models.decoder import DecoderResident, strip_routed, swiglu_block
 
 
 class DeepseekV3(Architecture):
@@ -34,13 +32,7 @@ class DeepseekV3(Architecture):
 
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
         sparse = lambda i: i >= hf_config.first_k_dense_replace  # noqa: E731 - transformers' DeepseekV3DecoderLayer rule
-
-        def strip(model: nn.Module) -> None:
-            for i, layer in enumerate(model.model.layers):
-                if sparse(i):
-                    layer.mlp.experts = StreamedExperts()
-
-        hf = build_hf_model(self, hf_config, tensors, strip, device, dtype)
+        hf = build_hf_model(self, hf_config, tensors, strip_routed(sparse), device, dtype)
         dt = hf.lm_head.weight.dtype
 
         def block(moe, i, k):

@@ -8,10 +8,8 @@ decoder_sparse_step grid, have a dense MLP. Everything else is transformers' own
 
 from __future__ import annotations
 
-from torch import nn
-
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, StreamedExperts, attention_kv_bytes, build_hf_model, expert_names
-from sluice.models.decoder import DecoderResident, swiglu_block
+from sluice.models.base import Architecture, ExpertSpec, ResidentModel, build_hf_model, expert_names
+from sluice.models.decoder import DecoderResident, attention_layers_kv, strip_routed, swiglu_block
 
 
 class Qwen3Moe(Architecture):
@@ -28,16 +26,10 @@ class Qwen3Moe(Architecture):
         )
 
     def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return attention_kv_bytes(config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype_bytes)
+        return attention_layers_kv(config, dtype_bytes)
 
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
-        def strip(model: nn.Module) -> None:
-            for i, layer in enumerate(model.model.layers):
-                if is_sparse(hf_config, i):
-                    layer.mlp.experts = StreamedExperts()
-
-        hf = build_hf_model(self, hf_config, tensors, strip, device, dtype)
+        hf = build_hf_model(self, hf_config, tensors, strip_routed(lambda i: is_sparse(hf_config, i)), device, dtype)
         dt = hf.lm_head.weight.dtype
         return DecoderResident(hf, lambda i: is_sparse(hf_config, i), lambda moe, i, k: swiglu_block(moe, i, k, hf_config, dt))
 

@@ -8,29 +8,19 @@ The DeltaNet layers' conv and recurrent states live in transformers' cache like 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, StreamedExperts, attention_kv_bytes, build_hf_model, expert_names
-from sluice.models.decoder import DecoderResident, swiglu_block
-from sluice.models.qwen3_moe import is_sparse
+from sluice.models.base import ResidentModel, build_hf_model
+from sluice.models.decoder import DecoderResident, attention_layers_kv, strip_routed, swiglu_block
+from sluice.models.qwen3_moe import Qwen3Moe, is_sparse
 
 
-class Qwen3Next(Architecture):
+class Qwen3Next(Qwen3Moe):
+    """Routed experts named and placed as in Qwen3-MoE (its expert_spec); mixers and the shared expert differ."""
+
     model_type = "qwen3_next"
 
-    def expert_spec(self, config) -> ExpertSpec:
-        return ExpertSpec(
-            kind="swiglu",
-            **expert_names("model.", "mlp.experts"),
-            proj_names={"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-            moe_layers=tuple(i for i in range(config.num_hidden_layers) if is_sparse(config, i)),
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-        )
-
     def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:
-        n = sum(t == "full_attention" for t in config.layer_types)
-        return attention_kv_bytes(n, config.num_key_value_heads, config.head_dim, dtype_bytes)
+        return attention_layers_kv(config, dtype_bytes, sum(t == "full_attention" for t in config.layer_types))
 
     def recurrent_bytes(self, config, dtype_bytes: int) -> int:
         """Per DeltaNet layer: the conv state over q, k, v channels (kernel wide) and the recurrent state
@@ -43,12 +33,7 @@ class Qwen3Next(Architecture):
         return n * (conv + rec)
 
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
-        def strip(model: nn.Module) -> None:
-            for i, layer in enumerate(model.model.layers):
-                if is_sparse(hf_config, i):
-                    layer.mlp.experts = StreamedExperts()
-
-        hf = build_hf_model(self, hf_config, tensors, strip, device, dtype)
+        hf = build_hf_model(self, hf_config, tensors, strip_routed(lambda i: is_sparse(hf_config, i)), device, dtype)
         dt = hf.lm_head.weight.dtype
 
         def block(moe, i, k):

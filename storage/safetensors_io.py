@@ -137,39 +137,38 @@ class RawTensor:
         return self.source.nbytes if self.source is not None else len(self.data or b"")
 
 
-def write_header_only(path: Path, tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> None:
-    """A safetensors file holding only the header of (name, dtype, shape) tensors: what `plan` needs."""
-    header, offset = {}, 0
-    for name, dtype, shape in sorted(tensors):
-        n = dtype_size(dtype)
-        for d in shape:
-            n *= d
+def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
+    n = dtype_size(dtype)
+    for d in shape:
+        n *= d
+    return n
+
+
+def encode_header(tensors: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
+    """The file's first bytes for (name, dtype, shape, nbytes) tensors stored back to back in this order."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape, n in tensors:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def write_header_only(path: Path, tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> None:
+    """A safetensors file holding only the header of (name, dtype, shape) tensors: what `plan` needs."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f.write(encode_header((name, dtype, shape, nbytes_of(dtype, shape)) for name, dtype, shape in sorted(tensors)))
 
 
 def write_file(path: Path, tensors: Iterable[RawTensor], metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file, copying each tensor's bytes from its source without decoding."""
     tensors = sorted(tensors, key=lambda t: t.name)
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = metadata
-    offset = 0
-    for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
     fds: dict[Path, int] = {}
     try:
         with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
+            f.write(encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata))
             for t in tensors:
                 f.write(read_bytes(t.source, fds) if t.source is not None else (t.data or b""))
             _fsync(f)

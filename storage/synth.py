@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from tqdm import tqdm
 
 from sluice.errors import ConfigError
 from sluice.kernels.formats import random_weight
-from sluice.storage.safetensors_io import TORCH_TO_ST, dtype_size
+from sluice.storage.safetensors_io import TORCH_TO_ST, encode_header, nbytes_of
 
 NEMOTRON_COMMON = dict(mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, num_key_value_heads=2, head_dim=128,
                        vocab_size=131072, routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1)
@@ -155,9 +154,7 @@ def synth(shape: str, fmt: str, out: str | Path, moe_layers: int | None = None, 
     out.mkdir(parents=True, exist_ok=True)
     shards, current, size = [], [], 0
     for item in plan:
-        n = dtype_size(item[1])
-        for d in item[2]:
-            n *= d
+        n = nbytes_of(item[1], item[2])
         if current and size + n > SHARD:
             shards.append(current)
             current, size = [], 0
@@ -182,15 +179,8 @@ def synth(shape: str, fmt: str, out: str | Path, moe_layers: int | None = None, 
 
 
 def _write_shard(path: Path, tensors, headers_only: bool, bar) -> None:
-    header, offset = {}, 0
-    for name, dtype, shape, _, n in tensors:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f.write(encode_header((name, dtype, shape, n) for name, dtype, shape, _, n in tensors))
         if headers_only:
             return
         for _, _, _, make, n in tensors:
