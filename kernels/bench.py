@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.kernels.formats import WeightFormat, detect_format, random_weight
+from sluice.kernels.formats import detect_format, random_weight
 from sluice.kernels.layout import proj_layouts
 from sluice.storage.safetensors_io import TORCH_TO_ST
 from sluice.storage.store import pack_block, plan_layout
@@ -77,7 +77,6 @@ def ceilings(device) -> dict[str, float]:
     hbm = 2 * n / (do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3) / 1e9
     host = torch.empty(n, dtype=torch.uint8).pin_memory()
     h2d = n / (do_bench(lambda: b.copy_(host, non_blocking=True), return_mode="median") * 1e-3) / 1e9
-    del a, b, host
     return {"hbm": hbm, "h2d": h2d}
 
 

@@ -138,7 +138,7 @@ def test_swapped_experts_diverge(variant, stores, refs, tmp_path):
     """A wrong expert permutation passes checksums but must fail the golden comparison."""
     with sluice.load(stores[variant], device=DEVICE) as engine:
         layer = engine.model.moe_blocks[0].layer
-        used = engine.forward(PROMPT)  # noqa: F841 - warm; find experts the prompt uses
+        engine.forward(PROMPT)  # fills the RAM cache with the experts the prompt uses
         routed = engine.rt.ram.entries()
     experts = sorted({e.key[1] for e in routed if e.key[0] == layer})
     bad = tmp_path / "swapped"
