@@ -13,5 +13,9 @@ VARIANTS = {
     "deepseek_v3": ("deepseek_v3", {}),
 }
 PROMPT = [5, 17, 42, 98, 3, 25, 77, 8, 61, 13, 12, 20]  # ids < VOCAB_SIZE (99) of the tiny tokenizer
+from sluice.models.tiny import VOCAB_SIZE  # noqa: E402
+
+assert all(0 <= i < VOCAB_SIZE for i in PROMPT), "PROMPT must be valid ids of the tiny tokenizer"
+
 # The engine's device in tests: CPU in CI; SLUICE_TEST_DEVICE=cuda runs the same tests on a GPU.
 DEVICE = os.environ.get("SLUICE_TEST_DEVICE", "cpu")

@@ -26,6 +26,7 @@ def modelopt_nvfp4():
 
 def quantize(w: torch.Tensor, fmt: str, block: int = 32) -> dict[str, torch.Tensor]:
     """w [out, in] fp32 -> checkpoint tensors by suffix, in `fmt`."""
+    assert w.dim() == 2, f"a weight matrix is 2-D, got {tuple(w.shape)}"
     if fmt == "bf16":
         return {"weight": w.to(torch.bfloat16)}
     if fmt == "fp32":
@@ -90,6 +91,7 @@ def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale
     for a, q in enumerate(quantized):
         named = {f"{p}.{sfx}": t for p, tensors in q.items() for sfx, t in tensors.items()}
         pack_block(slots, named, bank[a * block_bytes : (a + 1) * block_bytes])
+    assert block_bytes % 4096 == 0 and all(s.offset + s.nbytes <= block_bytes for s in slots)
     offsets = torch.arange(A, dtype=torch.int64) * block_bytes
     dense = [{p: WeightFormat.dequant_ref(formats[p], q[p]) for p in projs} for q in quantized]
     return bank, offsets, manifest, dense
