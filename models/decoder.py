@@ -56,6 +56,25 @@ class DecoderLayer(Layer):
         return x.reshape(-1, x.shape[-1]), residual
 
 
+def layer_masks(config, layer_types, h: torch.Tensor, position_ids: torch.Tensor, cache) -> dict[str, Any]:
+    """The attention mask of each layer type present (a model slice may lack a type, and transformers
+    cannot build an attention mask over a cache without attention layers)."""
+    from transformers import masking_utils as mu
+
+    kw = dict(config=config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
+    masks = {}
+    for t in set(layer_types):
+        if t == "linear_attention":
+            masks[t] = mu.create_recurrent_attention_mask(**kw)
+        elif t in ("moe", "mlp"):
+            continue  # no token mixing, no mask
+        elif t == "sliding_attention" or getattr(config, "sliding_window", None) is not None:
+            masks[t] = mu.create_sliding_window_causal_mask(**kw)  # as Qwen3-MoE and Mixtral choose
+        else:
+            masks[t] = mu.create_causal_mask(**kw)
+    return masks
+
+
 def strip_routed(sparse: Callable[[int], bool], attr: str = "mlp") -> Callable[[nn.Module], None]:
     """The `strip` for build_hf_model: routed experts of sparse layers give way to StreamedExperts."""
     from sluice.models.base import StreamedExperts
@@ -106,20 +125,10 @@ class DecoderResident(ResidentModel):
                 self.layers.append(DecoderLayer(layer, types[i]))
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
-        from transformers import masking_utils as mu
-
         model = self.hf.model
         h = model.embed_tokens(ids)
         position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
-        kw = dict(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
-        masks = {}
-        for t in set(self.layer_types):
-            if t == "linear_attention":
-                masks[t] = mu.create_recurrent_attention_mask(**kw)
-            elif t == "sliding_attention" or getattr(self.config, "sliding_window", None) is not None:
-                masks[t] = mu.create_sliding_window_causal_mask(**kw)  # as Qwen3-MoE and Mixtral choose
-            else:
-                masks[t] = mu.create_causal_mask(**kw)
+        masks = layer_masks(self.config, self.layer_types, h, position_ids, cache)
         rotary = getattr(model, "rotary_emb", None)
         pos_emb = rotary(h, position_ids=position_ids) if rotary is not None else None
         return h, Ctx(cache, position_ids, masks, pos_emb)

@@ -26,6 +26,7 @@ from sluice.models.base import (
     cache_kw,
     expert_names,
 )
+from sluice.models.decoder import Ctx, layer_masks
 
 
 class NemotronH(Architecture):
@@ -66,18 +67,11 @@ class NemotronH(Architecture):
         return NemotronHResident(build_hf_model(self, hf_config, tensors, strip, device, dtype))
 
 
-class _Ctx:
-    __slots__ = ("cache", "position_ids", "masks")
-
-    def __init__(self, cache, position_ids, masks):
-        self.cache, self.position_ids, self.masks = cache, position_ids, masks
-
-
 class _MixerLayer(Layer):
     def __init__(self, block):
         self.block = block
 
-    def forward(self, h, ctx: _Ctx):
+    def forward(self, h, ctx: Ctx):
         return self.block(
             h,
             attention_mask=ctx.masks.get(self.block.block_type),
@@ -125,18 +119,10 @@ class NemotronHResident(ResidentModel):
                 self.layers.append(_MixerLayer(block))
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
-        from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-
         h = self.hf.model.embeddings(ids)
         position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
-        kw = dict(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
-        types = set(self.config.layers_block_type)  # a mask only for mixers present (a slice may lack attention)
-        masks = {}
-        if "full_attention" in types:
-            masks["full_attention"] = create_causal_mask(**kw)
-        if "linear_attention" in types:
-            masks["linear_attention"] = create_recurrent_attention_mask(**kw)
-        return h, _Ctx(cache, position_ids, masks)
+        masks = layer_masks(self.config, self.config.layers_block_type, h, position_ids, cache)
+        return h, Ctx(cache, position_ids, masks, None)
 
     def head(self, h):
         h = self.hf.model.norm_f(h)
