@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     bm.add_argument("--decode-tokens", type=int, default=32)
     bm.add_argument("--cold", action="store_true", help="do not warm the RAM cache before timing decode")
     bm.add_argument("--json", type=Path, help="also write the results as JSON")
+    bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
     bm.set_defaults(func=cmd_bench_model)
     bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
     bk.add_argument("--shape", nargs="*", default=None, help="model shapes (default: all)")
@@ -289,7 +290,7 @@ def cmd_serve(args) -> int:
 def cmd_bench_model(args) -> int:
     import json
 
-    from sluice.pipeline.bench import bench_model, format_bench
+    from sluice.pipeline.bench import bench_model, format_bench, profile_decode
 
     lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
     with _open_engine(args) as engine:
@@ -297,6 +298,8 @@ def cmd_bench_model(args) -> int:
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name} | "
               f"RAM {engine.rt.ram.capacity} blocks | block {engine.store.block_bytes:,} bytes")
         print(format_bench(r, engine.store.block_bytes))
+        if args.profile:
+            print(profile_decode(engine))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     return 0

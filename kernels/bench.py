@@ -24,8 +24,9 @@ SHAPES = {
     "super": ("relu2", 1024, 2688, 22),  # Nemotron-3.5-Super: latent 1024, 512 experts top-22
     "nano": ("relu2", 2688, 1856, 6),  # NVIDIA-Nemotron-3-Nano-30B-A3B
     "qwen3-30b": ("swiglu", 2048, 768, 8),  # Qwen3-30B-A3B
+    "gpt-oss-120b": ("swiglu", 2880, 2880, 4),  # gpt-oss-120b: 128 experts top-4
 }
-FORMATS = ("nvfp4", "fp8", "bf16")
+FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
 L2_BYTES = 64 << 20
 
 
@@ -163,7 +164,8 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
     return ceil, rows
 
 
-MATVEC_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4), (32, 128, 4)]  # (bn, bk, warps)
+MATVEC_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4), (32, 128, 4),
+                  (4, 512, 2), (2, 1024, 2), (16, 1024, 8)]  # (bn, bk, warps)
 DOWN_CONFIGS = [(512, 16, 4), (1024, 8, 4), (1024, 16, 8), (256, 16, 4), (512, 32, 4), (1024, 32, 8)]  # (bd, splits, warps)
 PREFILL_CONFIGS = [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (32, 128, 128, 8)]  # (bm, bn, bk, warps)
 
@@ -180,12 +182,14 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
         for fmt in formats:
             su = _decode_setup(kind, fmt, Dx, I, A, device)
             banks, L, offs, x, h, up_bytes, epi, gate, act = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes, su.epi, su.gate, su.act
-            for bn, bk, nw in MATVEC_CONFIGS:
+            for (bn, bk, nw), words in [(c, w) for c in MATVEC_CONFIGS for w in ((False, True) if fmt in ("nvfp4", "mxfp4") else (False,))]:
+                name = "matvec-up-words" if words else "matvec-up"
                 try:
-                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk, num_warps=nw) for b in banks])
-                    lines.append(f"matvec-up {shape} {fmt} bn={bn} bk={bk} w={nw} {us:.1f}us {up_bytes / us / 1e3:.0f}GB/s")
+                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,
+                                                   num_warps=nw, fp4_words=words) for b in banks])
+                    lines.append(f"{name} {shape} {fmt} bn={bn} bk={bk} w={nw} {us:.1f}us {up_bytes / us / 1e3:.0f}GB/s")
                 except Exception as e:  # a config the compiler rejects (registers, shared memory) is skipped
-                    lines.append(f"matvec-up {shape} {fmt} bn={bn} bk={bk} w={nw} failed: {type(e).__name__}")
+                    lines.append(f"{name} {shape} {fmt} bn={bn} bk={bk} w={nw} failed: {type(e).__name__}")
             if kind == "relu2":
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 for bd, sp, nw in DOWN_CONFIGS:

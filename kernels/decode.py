@@ -6,8 +6,10 @@ Every expert's block lives in a bank (one uint8 tensor: the VRAM slot bank, or t
 
     matvec        out[a, n] = epilogue(W_a[n, :] . v_a)    W [N, K] in the checkpoint's orientation
                   epilogues: relu2 (ReLU^2 up), swiglu (act(gate) * up, both projections in one
-                  program), weighted (y[rows[a]] = round(out) * w[a], for SwiGLU down),
-                  plain (out[a] = round(out): quantised resident linears)
+                  program; gpt-oss's clamped GLU when ACT is GPT_OSS), weighted (y[rows[a]] =
+                  round(out) * w[a], for SwiGLU down), plain (out[a] = round(out): quantised
+                  resident linears). A projection's bias, when it has one, is added to its
+                  rounded output and the sum rounded again, as `x @ W + b` does in torch.
     down_relaid   part[a, s, :] = sum over 16-neuron groups g of split s of h[a, g] @ W_a[g]
                   W [I, Dx] re-laid neuron-major (ReLU^2 down); groups whose 16 activations are all
                   zero are skipped, so their weights are never read (zero-skip)
@@ -22,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.dequant import DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_ROW, NVFP4, e2m1_scaled, tensor_scale
+from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_ROW, MXFP4, NVFP4, SCALE_GROUPS, e2m1_scaled, group_scale,
+                                    load_bias, tensor_scale)
 from sluice.kernels.layout import ProjLayout
 
 RELU2 = tl.constexpr(0)
@@ -30,32 +33,53 @@ SWIGLU = tl.constexpr(1)
 WEIGHTED = tl.constexpr(2)
 PLAIN = tl.constexpr(3)
 EPILOGUES = {"relu2": 0, "swiglu": 1, "weighted": 2, "plain": 3}
+GPT_OSS = tl.constexpr(2)
+SILU_CLAMPED = tl.constexpr(3)
+ACTS = {"relu2": 0, "silu": 1, "gpt_oss_glu": 2, "silu_clamped": 3}  # activation name (MoEBlock.act_name) -> ACT code
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
              torch.uint8: tl.uint8, torch.float8_e4m3fn: tl.float8e4nv}
 
 
 @triton.jit
 def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
-              FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
+              WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """W[n, :] . v for rows n [BN]; fp32. Products accumulate in registers; one reduction at the end."""
     nm = n < N
-    if FMT == NVFP4:
-        G: tl.constexpr = BK // 16  # 16-element groups per step; each is 8 bytes and one E4M3 scale
-        NG = K // 16
+    if (FMT == NVFP4 or FMT == MXFP4) and WORDS:
+        # 32-bit words of 8 nibbles: word w of a row holds elements 8w..8w+7 (nibble i = element 8w+i),
+        # so every tensor stays 2-D [BN, BW] and each element costs a shift, two masks and a convert
+        BW: tl.constexpr = BK // 8
+        NW = K // 8
+        wi = tl.arange(0, BW)
+        acc = tl.zeros([BN, BW], dtype=tl.float32)
+        rows = (base + W_OFF).to(tl.pointer_type(tl.int32)) + n[:, None] * NW
+        for w0 in range(0, NW, BW):
+            w = w0 + wi
+            wm = w < NW
+            m2 = nm[:, None] & wm[None, :]
+            word = tl.load(rows + w[None, :], mask=m2, other=0)
+            t = tl.zeros([BN, BW], dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(vp + w * 8 + i, mask=wm, other=0.0).to(tl.float32)
+                t += e2m1_scaled((word >> (4 * i)) & 15) * xi[None, :]
+            acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + w[None, :] // (SG // 8), m2, FMT)
+        r = tl.sum(acc, axis=1) * E2M1_UNSCALE
+    elif FMT == NVFP4 or FMT == MXFP4:
+        G: tl.constexpr = BK // SG  # scale groups per step; each is SG/2 bytes and one scale
+        NG = K // SG
         gi = tl.arange(0, G)
-        bi = tl.arange(0, 8)
+        bi = tl.arange(0, SG // 2)
         acc = tl.zeros([BN, G], dtype=tl.float32)
         for g0 in range(0, NG, G):
             g = g0 + gi
             gm = g < NG
-            b = tl.load(base + W_OFF + n[:, None, None] * (K // 2) + g[None, :, None] * 8 + bi[None, None, :],
+            b = tl.load(base + W_OFF + n[:, None, None] * (K // 2) + g[None, :, None] * (SG // 2) + bi[None, None, :],
                         mask=nm[:, None, None] & gm[None, :, None], other=0).to(tl.int32)
-            xl = tl.load(vp + g[:, None] * 16 + 2 * bi[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-            xh = tl.load(vp + g[:, None] * 16 + 2 * bi[None, :] + 1, mask=gm[:, None], other=0.0).to(tl.float32)
+            xl = tl.load(vp + g[:, None] * SG + 2 * bi[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+            xh = tl.load(vp + g[:, None] * SG + 2 * bi[None, :] + 1, mask=gm[:, None], other=0.0).to(tl.float32)
             t = tl.sum(e2m1_scaled(b & 15) * xl[None, :, :] + e2m1_scaled(b >> 4) * xh[None, :, :], axis=2)
-            s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float8e4nv)) + n[:, None] * S_STRIDE + g[None, :],
-                        mask=nm[:, None] & gm[None, :], other=0.0).to(tl.float32)
-            acc += t * s
+            acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], nm[:, None] & gm[None, :], FMT)
         r = tl.sum(acc, axis=1) * E2M1_UNSCALE
     else:
         acc = tl.zeros([BN, BK], dtype=tl.float32)
@@ -89,27 +113,54 @@ def _act(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _glu(g, u, ACT: tl.constexpr, X_DT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """The gated unit from rounded gate and up outputs (fp32): act(g) * u; gpt-oss's
+    (clamp(u, -L, L) + 1) * min(g, L) * sigmoid(ALPHA * min(g, L)); or DeepSeek-V4's
+    silu(min(g, L)) * clamp(u, -L, L)."""
+    if ACT == GPT_OSS:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        return (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
+    elif ACT == SILU_CLAMPED:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        return _act(g, 1).to(X_DT).to(tl.float32) * u
+    else:
+        return _act(g, ACT).to(X_DT).to(tl.float32) * u
+
+
+@triton.jit
+def _biased(acc, base, B_OFF, n, N, HAS_BIAS: tl.constexpr, BDT: tl.constexpr, X_DT: tl.constexpr):
+    """acc [.., BN] (fp32, already rounded to X_DT) plus the projection's bias, rounded again."""
+    if HAS_BIAS:
+        acc = (acc + load_bias(base, B_OFF, n, N, BDT)).to(X_DT).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _matvec_kernel(
     bank, offs, v, V_STRIDE, out, OUT_STRIDE, rows, wts, N, K,
-    W_OFF, S_OFF, S2_OFF, S_STRIDE, G_W_OFF, G_S_OFF, G_S2_OFF,
-    FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr,
-    EPI: tl.constexpr, ACT: tl.constexpr, X_DT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    W_OFF, S_OFF, S2_OFF, S_STRIDE, B_OFF, G_W_OFF, G_S_OFF, G_S2_OFF, G_B_OFF,
+    FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BDT: tl.constexpr, EPI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    X_DT: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     a = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     base = bank + tl.load(offs + a)
     vp = v + a * V_STRIDE
-    acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, BN, BK)
+    acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK)
+    acc = acc.to(X_DT).to(tl.float32)  # the reference rounds each linear's output to the activation dtype
+    acc = _biased(acc, base, B_OFF, n, N, HAS_BIAS, BDT, X_DT)
     if EPI == WEIGHTED:
         row = tl.load(rows + a)
         w = tl.load(wts + a).to(tl.float32)
-        y = acc.to(X_DT).to(tl.float32) * w
-        tl.store(out + row * OUT_STRIDE + n, y.to(out.dtype.element_ty), mask=n < N)
+        tl.store(out + row * OUT_STRIDE + n, (acc * w).to(out.dtype.element_ty), mask=n < N)
     else:
-        acc = acc.to(X_DT).to(tl.float32)  # the reference rounds each linear's output to the activation dtype
         if EPI == SWIGLU:
-            g = _row_dots(base, G_W_OFF, G_S_OFF, G_S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, BN, BK)
-            h = _act(g.to(X_DT).to(tl.float32), ACT).to(X_DT).to(tl.float32) * acc
+            g = _row_dots(base, G_W_OFF, G_S_OFF, G_S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK)
+            g = _biased(g.to(X_DT).to(tl.float32), base, G_B_OFF, n, N, HAS_BIAS, BDT, X_DT)
+            h = _glu(g, acc, ACT, X_DT, ALPHA, LIMIT)
         elif EPI == PLAIN:
             h = acc
         else:
@@ -121,7 +172,7 @@ def _matvec_kernel(
 def _down_relaid_kernel(
     bank, offs, h, part, Dx, I, GROUPS_PER_SPLIT, NSPLIT, live,
     W_OFF, S_OFF, S2_OFF, S_STRIDE,
-    FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SKIP_BELOW: tl.constexpr,
+    FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr,
     R: tl.constexpr, BD: tl.constexpr,
 ):
     a = tl.program_id(0)
@@ -130,7 +181,7 @@ def _down_relaid_kernel(
     dm = d < Dx
     base = bank + tl.load(offs + a)
     hp = h + a * I
-    acc = tl.zeros([R, BD], dtype=tl.float32)  # R = rows of one group: 8 NVFP4 byte rows or 16 neurons
+    acc = tl.zeros([R, BD], dtype=tl.float32)  # R = rows of one group: 8 FP4 byte rows or 16 neurons
     g0 = sp * GROUPS_PER_SPLIT
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, I // 16)
     n_live = 0
@@ -138,10 +189,10 @@ def _down_relaid_kernel(
         hg = tl.load(hp + g * 16 + tl.arange(0, 16)).to(tl.float32)
         if tl.max(tl.abs(hg), axis=0) > SKIP_BELOW:  # -1 reads every group, 0 skips all-zero groups
             n_live += 1
-            if FMT == NVFP4:
+            if FMT == NVFP4 or FMT == MXFP4:
                 r = g * 8 + tl.arange(0, R)  # byte row r holds neurons 2r (low nibble) and 2r+1 (high)
                 b = tl.load(base + W_OFF + r[:, None] * Dx + d[None, :], mask=dm[None, :], other=0).to(tl.int32)
-                s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float8e4nv)) + g * S_STRIDE + d, mask=dm, other=0.0).to(tl.float32)
+                s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + d, dm, FMT)
                 h_lo = tl.load(hp + g * 16 + 2 * tl.arange(0, R)).to(tl.float32)
                 h_hi = tl.load(hp + g * 16 + 2 * tl.arange(0, R) + 1).to(tl.float32)
                 acc += (e2m1_scaled(b & 15) * h_lo[:, None] + e2m1_scaled(b >> 4) * h_hi[:, None]) * s[None, :]
@@ -156,7 +207,7 @@ def _down_relaid_kernel(
                     w = w * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, mask=dm, other=0.0)[None, :]
                 acc += w
     out = tl.sum(acc, axis=0)
-    if FMT == NVFP4:
+    if FMT == NVFP4 or FMT == MXFP4:
         out = out * E2M1_UNSCALE
     if FMT == FP8_ROW:
         out = out * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + d, mask=dm, other=0.0)
@@ -168,26 +219,32 @@ def _down_relaid_kernel(
 
 def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: ProjLayout, epilogue: str, x_dtype: torch.dtype,
            out: torch.Tensor, gate: ProjLayout | None = None, act: int = 0, rows: torch.Tensor | None = None,
-           wts: torch.Tensor | None = None, bn: int = 0, bk: int = 256, num_warps: int = 4) -> torch.Tensor:
+           wts: torch.Tensor | None = None, act_args: tuple[float, float] = (0.0, 0.0), bn: int = 0, bk: int = 0,
+           num_warps: int = 4, fp4_words: bool = True) -> torch.Tensor:
     """Launch `_matvec_kernel` for A = len(offs) experts. v [K] shared or [A, K]; out [A, N] or y [rows, N].
+    act_args: (alpha, limit) of gpt-oss's GLU. fp4_words: FP4 weights read as 32-bit words of eight
+    nibbles (False: as bytes in [rows, groups, bytes] tiles, the earlier formulation, kept for the sweep).
 
     Tiles (bn rows x bk inputs, 4 warps) were picked by `sluice bench kernels --sweep` on an H200
-    (BENCHMARKS.md): 8 rows for NVFP4 / FP8, 16 for dense weights."""
+    (BENCHMARKS.md): FP4 words 16 x 256 (4 x 1024 from 2048 inputs on), FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
-    bn = bn or (16 if layout.fmt == 0 else 8)
-    bk = min(bk, max(16, triton.next_power_of_2(layout.k)))
+    words = fp4_words and layout.fmt in SCALE_GROUPS
+    wide = words and layout.k >= 2048
+    bn = bn or (4 if wide else 16 if words or layout.fmt == 0 else 8)
+    bk = min(bk or (1024 if wide else 256), max(16, triton.next_power_of_2(layout.k)))
     if layout.block:  # FP8 blocks: a step must not straddle two scale blocks
         bk = min(bk, layout.block)
         assert layout.block % bk == 0, (layout.block, bk)
-    assert not layout.relaid and (gate is None or (gate.fmt, gate.wdt, gate.n, gate.k) == (layout.fmt, layout.wdt, layout.n, layout.k))
+    assert not layout.relaid and (gate is None or (gate.fmt, gate.wdt, gate.n, gate.k, gate.b_off >= 0) == (layout.fmt, layout.wdt, layout.n, layout.k, layout.b_off >= 0))
     v_stride = 0 if v.dim() == 1 else v.stride(0)
     g = gate or layout
     dummy = offs
     _matvec_kernel[(A, triton.cdiv(layout.n, bn))](
         bank, offs, v, v_stride, out, out.stride(0), rows if rows is not None else dummy, wts if wts is not None else dummy,
-        layout.n, layout.k, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, g.w_off, g.s_off, g.s2_off,
-        FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv,
-        EPI=EPILOGUES[epilogue], ACT=act, X_DT=TL_DTYPES[x_dtype], BN=bn, BK=bk, num_warps=num_warps,
+        layout.n, layout.k, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, layout.b_off, g.w_off, g.s_off, g.s2_off, g.b_off,
+        FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
+        HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0], LIMIT=act_args[1],
+        X_DT=TL_DTYPES[x_dtype], WORDS=words, BN=bn, BK=bk, num_warps=num_warps,
     )
     return out
 
@@ -199,9 +256,10 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     Default split of the groups: 32 for NVFP4, 16 otherwise (from the H200 sweep in BENCHMARKS.md)."""
     A, I = h.shape
     Dx = layout.n
-    assert layout.relaid and I == layout.k and I % 16 == 0, (layout, h.shape)
+    assert layout.relaid and I == layout.k and I % max(16, layout.sg if layout.fmt in SCALE_GROUPS else 16) == 0, (layout, h.shape)
+    assert layout.b_off < 0, "re-laid down projections with a bias are not supported"
     groups = I // 16
-    splits = splits or max(1, min(groups, 32 if layout.fmt == 4 else 16))
+    splits = splits or max(1, min(groups, 32 if layout.fmt in SCALE_GROUPS else 16))
     gps = triton.cdiv(groups, splits)
     splits = triton.cdiv(groups, gps)
     part = torch.empty(A, splits, Dx, dtype=torch.float32, device=h.device)
@@ -209,7 +267,7 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     bd = min(bd, triton.next_power_of_2(Dx))
     _down_relaid_kernel[(A, splits, triton.cdiv(Dx, bd))](
         bank, offs, h, part, Dx, I, gps, splits, live, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride,
-        FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SKIP_BELOW=0.0 if skip else -1.0,
-        R=8 if layout.fmt == 4 else 16, BD=bd, num_warps=num_warps,
+        FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
+        SKIP_BELOW=0.0 if skip else -1.0, R=8 if layout.fmt in SCALE_GROUPS else 16, BD=bd, num_warps=num_warps,
     )
     return part, live

@@ -1,9 +1,10 @@
 """Triton device functions: decode stored weights to fp32 in registers.
 
 Formats (kernels/formats.py) as constexpr codes. Weights are addressed inside a block buffer:
-`base` is the block's first byte, `*_OFF` byte offsets of its tensors. NVFP4 nibbles are decoded
-in software (the H200 has no FP4 path); E4M3 scales and FP8 weights use Triton's float8e4nv
-conversion.
+`base` is the block's first byte, `*_OFF` byte offsets of its tensors. FP4 (NVFP4, MXFP4) nibbles
+are decoded in software (the H200 has no FP4 path); E4M3 scales and FP8 weights use Triton's
+float8e4nv conversion, E8M0 scales (MXFP4) become fp32 exponent bits. `SG` is an FP4 format's
+scale group in elements: 16 for NVFP4, 32 for MXFP4.
 
 Shape legend: BN rows (output features) and BK columns (input features) of a tile, in the
 checkpoint's [out, in] orientation unless the tile loader says K-major (re-laid ReLU^2 down).
@@ -19,8 +20,10 @@ FP8 = tl.constexpr(1)  # one scale for the tensor
 FP8_ROW = tl.constexpr(2)  # one scale per output row
 FP8_BLOCK = tl.constexpr(3)  # one scale per BxB tile
 NVFP4 = tl.constexpr(4)
+MXFP4 = tl.constexpr(5)
 
-FORMAT_CODES = {"dense": 0, "fp8": 1, "fp8_row": 2, "fp8_block": 3, "nvfp4": 4}
+FORMAT_CODES = {"dense": 0, "fp8": 1, "fp8_row": 2, "fp8_block": 3, "nvfp4": 4, "mxfp4": 5}
+SCALE_GROUPS = {4: 16, 5: 32}  # FP4 format code -> elements per scale
 
 
 E2M1_UNSCALE = tl.constexpr(16384.0)  # e2m1_scaled returns values / 2**14
@@ -69,16 +72,32 @@ def load_tile(base, W_OFF, S_OFF, S_STRIDE, n, k, N, K, FMT: tl.constexpr, WDT: 
 
 
 @triton.jit
-def load_nvfp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB):
-    """NVFP4 tile: bytes W[n, kb] (kb [BKB] byte columns; byte j holds elements 2j (low) and 2j+1 (high)).
+def group_scale(sp, idx, mask, FMT: tl.constexpr):
+    """FP4 group scales at byte pointer sp + idx as fp32: E4M3 (NVFP4) or E8M0 = 2**(e - 127) (MXFP4;
+    e = 0 reads as 0 rather than 2**-127, which no weight of any size can tell apart)."""
+    if FMT == MXFP4:
+        e = tl.load(sp + idx, mask=mask, other=0).to(tl.int32)
+        return (e << 23).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(sp.to(tl.pointer_type(tl.float8e4nv)) + idx, mask=mask, other=0.0).to(tl.float32)
 
-    Returns (lo, hi) fp32 [BN, BKB], each scaled by its group's E4M3 scale (group = j // 8).
-    The second-level scale is left to the caller."""
+
+@triton.jit
+def load_fp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB, FMT: tl.constexpr, SG: tl.constexpr):
+    """FP4 tile: bytes W[n, kb] (kb [BKB] byte columns; byte j holds elements 2j (low) and 2j+1 (high)).
+
+    Returns (lo, hi) fp32 [BN, BKB], each scaled by its group's scale (group = j // (SG / 2)).
+    NVFP4's second-level scale is left to the caller."""
     mask = (n[:, None] < N) & (kb[None, :] < KB)
     b = tl.load((base + W_OFF) + n[:, None] * KB + kb[None, :], mask=mask, other=0).to(tl.int32)
-    s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float8e4nv)) + n[:, None] * S_STRIDE + kb[None, :] // 8, mask=mask, other=0.0)
-    s = s.to(tl.float32)
+    s = group_scale(base + S_OFF, n[:, None] * S_STRIDE + kb[None, :] // (SG // 2), mask, FMT)
     return e2m1_to_f32(b & 15) * s, e2m1_to_f32(b >> 4) * s
+
+
+@triton.jit
+def load_bias(base, B_OFF, n, N, BDT: tl.constexpr):
+    """Output bias [BN] as fp32."""
+    return tl.load((base + B_OFF).to(tl.pointer_type(BDT)) + n, mask=n < N, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -4,30 +4,37 @@ Shape legend: T tokens, K top-k, A experts in the batch, R rows (token, k) they 
 input size, I intermediate size. One-token steps use the matvec kernels (kernels/decode.py),
 longer ones the grouped GEMM (kernels/prefill.py); either way each projection is one launch for
 the whole batch. Outputs go to each row's own slot of y [T*K, Dx]: nothing is accumulated here.
+
+With `graphs` (CUDA), a one-token batch of A experts replays a CUDA graph of its kernels, captured
+on first use per A (and per banks, dtypes, zero-skip): the block offsets, input and weights are
+copied into the graph's static inputs, so the host pays one replay instead of each kernel launch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sluice.kernels.decode import down_relaid, matvec
+from sluice.kernels.decode import ACTS, down_relaid, matvec
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
 
-ACTS = {"relu2": 0, "silu": 1}
 BM = 64  # prefill row tile: the H200 sweep's best for FP8 / BF16 at ~32 rows per expert (BENCHMARKS.md)
 
 
 class TritonExperts:
-    def __init__(self, manifest, kind: str, act: str, device: torch.device):
+    def __init__(self, manifest, kind: str, act: str, device: torch.device, act_args: tuple[float, float] = (0.0, 0.0),
+                 graphs: bool = False):
         if act not in ACTS:
             raise NotImplementedError(f"Triton expert kernels support activations {sorted(ACTS)}, not {act!r}")
         self.layouts = proj_layouts(manifest.formats, manifest.slots)
         self.kind = kind
         self.act = ACTS[act]
+        self.act_args = act_args  # (alpha, limit) of gpt-oss's GLU
         self.device = device
         self.live_groups = torch.zeros((), dtype=torch.int64, device=device)  # ReLU^2 groups read by the down kernel
         self.total_groups = 0
+        self.graphs = graphs and device.type == "cuda"
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
 
     def run(self, bank, offs, down_bank, down_offs, counts: list[int], flat_rows: torch.Tensor, K: int,
             xe: torch.Tensor, w_flat: torch.Tensor, y: torch.Tensor, zero_skip: bool) -> None:
@@ -39,24 +46,59 @@ class TritonExperts:
         x_dtype = xe.dtype
         wts = w_flat[flat_rows]
         A, R = len(counts), flat_rows.numel()
-        h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
         if R == A and xe.shape[0] == 1:  # one token: one row per expert
             if self.kind == "relu2":
-                matvec(bank, offs, xe[0], L["up"], "relu2", x_dtype, h, act=self.act)
-                part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip)
-                self.live_groups += live.sum()
                 self.total_groups += A * (L["down"].k // 16)
-                y[flat_rows] = (part.sum(1).to(x_dtype).float() * wts.float()[:, None]).to(y.dtype)
+            if self.graphs:
+                y[flat_rows] = self._decode_graphed(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             else:
-                matvec(bank, offs, xe[0], L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act)
-                matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, y, rows=flat_rows, wts=wts)
+                y[flat_rows] = self._decode(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             return
+        h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
         bm = BM if max(counts) > 16 else 16  # short prompts: do not pad every expert to 64 rows
         items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)
         xrows = flat_rows // K
         if self.kind == "relu2":
             grouped_gemm(bank, offs, xe, xrows, items, L["up"], "relu2", x_dtype, h, act=self.act, bm=bm)
         else:
-            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, bm=bm)
+            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act,
+                         act_args=self.act_args, bm=bm)
         hrows = torch.arange(R, device=xe.device)
         grouped_gemm(down_bank, down_offs, h, hrows, items, L["down"], "weighted", x_dtype, y, orows=flat_rows, wts=wts, bm=bm)
+
+    def _decode(self, bank, offs, down_bank, down_offs, x: torch.Tensor, wts: torch.Tensor, y_dtype: torch.dtype,
+                zero_skip: bool) -> torch.Tensor:
+        """One token x [Dx] through A experts: weighted outputs [A, Dx] in y_dtype (expert a's in row a)."""
+        L, A, x_dtype = self.layouts, offs.numel(), x.dtype
+        h = torch.empty(A, L["up"].n, dtype=x_dtype, device=x.device)
+        if self.kind == "relu2":
+            matvec(bank, offs, x, L["up"], "relu2", x_dtype, h, act=self.act)
+            part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip)
+            self.live_groups += live.sum()
+            return (part.sum(1).to(x_dtype).float() * wts.float()[:, None]).to(y_dtype)
+        matvec(bank, offs, x, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, act_args=self.act_args)
+        out = torch.empty(A, L["down"].n, dtype=y_dtype, device=x.device)
+        rows = torch.arange(A, device=x.device)
+        return matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, out, rows=rows, wts=wts)
+
+    def _decode_graphed(self, bank, offs, down_bank, down_offs, x, wts, y_dtype, zero_skip) -> torch.Tensor:
+        """`_decode` through a CUDA graph. The first call per key runs eagerly (compiling any kernel), then
+        captures; the graph's output buffer is overwritten by the next replay, so callers copy it out."""
+        key = (offs.numel(), bank.data_ptr(), down_bank.data_ptr(), x.dtype, wts.dtype, y_dtype, zero_skip)
+        found = self._graphs.get(key)
+        if found is None:
+            static = {"offs": offs.clone(), "down_offs": down_offs.clone(), "x": x.clone(), "wts": wts.clone()}
+            out = self._decode(bank, static["offs"], down_bank, static["down_offs"], static["x"], static["wts"], y_dtype, zero_skip)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records, runs nothing (live_groups counts at replays only)
+                static["out"] = self._decode(bank, static["offs"], down_bank, static["down_offs"], static["x"], static["wts"],
+                                             y_dtype, zero_skip)
+            self._graphs[key] = (graph, static)
+            return out
+        graph, static = found
+        static["offs"].copy_(offs)
+        static["down_offs"].copy_(down_offs)
+        static["x"].copy_(x)
+        static["wts"].copy_(wts)
+        graph.replay()
+        return static["out"]

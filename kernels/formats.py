@@ -6,15 +6,19 @@
     nvfp4      weight U8 [out, in/2] (low nibble = even element, E2M1), weight_scale F8_E4M3
                [out, in/16], weight_scale_2 F32 scalar (ModelOpt); compressed-tensors names it
                weight_packed / weight_scale / weight_global_scale and stores the global scale inverted
+    mxfp4      weight U8 [out, in/2] (E2M1 nibbles as NVFP4), weight_scale U8 [out, in/32] (E8M0:
+               2**(s - 127)); OCP microscaling as gpt-oss ships it (its `*_blocks` / `*_scales`)
+Any of them may carry a `bias` [out] (gpt-oss experts do).
 
-W[o, i] = E2M1[nibble] * fp32(weight_scale[o, i // 16]) * weight_scale_2 for NVFP4. The `*_ref`
+W[o, i] = E2M1[nibble] * fp32(weight_scale[o, i // 16]) * weight_scale_2 for NVFP4,
+W[o, i] = E2M1[nibble] * 2**(weight_scale[o, i // 32] - 127) for MXFP4. The `*_ref`
 functions here are the plain-torch dequantisation every kernel is tested against; they in turn are
 tested against nvidia-modelopt's own NVFP4 code.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -22,6 +26,7 @@ from sluice.errors import CheckpointError
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 NVFP4_GROUP = 16
+MXFP4_GROUP = 32
 FP8_BLOCK = 128
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -30,12 +35,13 @@ FLOAT_DTYPES = ("F32", "BF16", "F16")
 class WeightFormat:
     """How one linear weight is stored: its kind and which tensor suffix holds what."""
 
-    kind: str  # dense | fp8 | fp8_block | nvfp4
+    kind: str  # dense | fp8 | fp8_block | nvfp4 | mxfp4
     weight: str = "weight"  # suffix of the (packed) weight
     scale: str | None = None  # per-group / per-row / per-block scale
     scale2: str | None = None  # NVFP4 second-level (global) scale
     scale2_inverted: bool = False  # compressed-tensors stores 1 / scale_2
     block: int = 0  # fp8_block tile edge
+    bias: str | None = None  # suffix of the output bias, when the linear has one
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -60,6 +66,8 @@ class WeightFormat:
             if self.scale2_inverted:
                 s2 = 1.0 / s2
             return nvfp4_dequant_ref(w, t[self.scale], s2).to(dtype)
+        if self.kind == "mxfp4":
+            return mxfp4_dequant_ref(w, t[self.scale]).to(dtype)
         raise ValueError(f"unknown weight format {self.kind!r}")
 
 
@@ -72,6 +80,14 @@ def nvfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, scale2: torch.T
     return vals * s
 
 
+def mxfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [out, in/2], scale E8M0 bytes (uint8 or float8_e8m0fnu) [out, in/32] -> fp32 [out, in]."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    p = packed.to(torch.int64)
+    vals = torch.stack([lut[p & 0xF], lut[p >> 4]], dim=-1).reshape(packed.shape[0], -1)
+    return torch.ldexp(vals, (scale.view(torch.uint8).to(torch.int32) - 127).repeat_interleave(MXFP4_GROUP, dim=1)[:, : vals.shape[1]].float())
+
+
 def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
     """w e4m3 [out, in], scale_inv fp32 [ceil(out/b), ceil(in/b)] -> fp32 [out, in] (edges of any size)."""
     out, inp = w.shape
@@ -81,7 +97,17 @@ def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int) 
 
 def detect_format(suffixes: dict[str, tuple[str, tuple[int, ...]]], where: str) -> WeightFormat:
     """Which format a projection is stored in, from {suffix: (safetensors dtype, shape)}."""
-    names = set(suffixes) - {"input_scale", "input_global_scale"}
+    names = set(suffixes) - {"input_scale", "input_global_scale", "bias"}
+    fmt = _weight_format(names, suffixes, where)
+    if "bias" not in suffixes:
+        return fmt
+    out = suffixes[fmt.weight][1][0]
+    if suffixes["bias"][0] not in FLOAT_DTYPES or suffixes["bias"][1] != (out,):
+        raise CheckpointError(f"{where}: bias of {suffixes['bias'][0]}{list(suffixes['bias'][1])} does not match {out} output features")
+    return replace(fmt, bias="bias")
+
+
+def _weight_format(names: set[str], suffixes: dict[str, tuple[str, tuple[int, ...]]], where: str) -> WeightFormat:
 
     def dtype(s):
         return suffixes[s][0]
@@ -92,6 +118,11 @@ def detect_format(suffixes: dict[str, tuple[str, tuple[int, ...]]], where: str) 
         return WeightFormat("nvfp4", "weight", "weight_scale", "weight_scale_2")
     if names == {"weight_packed", "weight_scale", "weight_global_scale"} and dtype("weight_scale") == "F8_E4M3":
         return WeightFormat("nvfp4", "weight_packed", "weight_scale", "weight_global_scale", scale2_inverted=True)
+    if names == {"weight", "weight_scale"} and dtype("weight") == "U8" and dtype("weight_scale") in ("U8", "F8_E8M0"):
+        (out, half), scale = suffixes["weight"][1], suffixes["weight_scale"][1]
+        if scale != (out, -(-2 * half // MXFP4_GROUP)):
+            raise CheckpointError(f"{where}: MXFP4 scales {list(scale)} do not match weight bytes {[out, half]} (one per 32 inputs)")
+        return WeightFormat("mxfp4", "weight", "weight_scale")
     if names == {"weight", "weight_scale"} and dtype("weight") == "F8_E4M3":
         out = suffixes["weight"][1][0]
         n = 1
@@ -117,7 +148,7 @@ def random_weight(shape: tuple[int, int], kind: str, device: torch.device | str 
     """Random but valid checkpoint tensors (by suffix) of a [out, in] weight in `kind`, without quantising anything.
 
     For benchmarks and synthetic checkpoints: every NVFP4 nibble value, finite E4M3 codes, scales of
-    a plausible size. kind: bf16 | fp16 | fp32 | fp8 | fp8_block | nvfp4."""
+    a plausible size. kind: bf16 | fp16 | fp32 | fp8 | fp8_block | nvfp4 | mxfp4."""
     out, inp = shape
     g = generator
 
@@ -144,4 +175,9 @@ def random_weight(shape: tuple[int, int], kind: str, device: torch.device | str 
             raise ValueError(f"NVFP4 needs in_features divisible by {NVFP4_GROUP}, got {inp}")
         return {"weight": randint(out, inp // 2), "weight_scale": e4m3(out, inp // NVFP4_GROUP),
                 "weight_scale_2": torch.full((), 1e-2, device=device), "input_scale": torch.ones((), device=device)}
+    if kind == "mxfp4":
+        if inp % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 needs in_features divisible by {MXFP4_GROUP}, got {inp}")
+        exps = torch.randint(127 - 9, 127 - 5, (out, inp // MXFP4_GROUP), generator=g, device=device).to(torch.uint8)  # 2**-9 .. 2**-6
+        return {"weight": randint(out, inp // 2), "weight_scale": exps}
     raise ValueError(f"unknown weight kind {kind!r}")

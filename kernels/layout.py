@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.kernels.dequant import FORMAT_CODES
+from sluice.kernels.dequant import FORMAT_CODES, SCALE_GROUPS
 from sluice.storage.safetensors_io import DTYPES
 
 
@@ -17,7 +17,7 @@ from sluice.storage.safetensors_io import DTYPES
 class ProjLayout:
     proj: str
     fmt: int  # kernels.dequant format code
-    wdt: torch.dtype  # stored weight dtype (uint8 for NVFP4, float8 for FP8)
+    wdt: torch.dtype  # stored weight dtype (uint8 for FP4, float8 for FP8)
     n: int  # output features (checkpoint orientation [n, k])
     k: int  # input features
     relaid: bool  # stored K-major ([k, n]; ReLU^2 down)
@@ -27,6 +27,9 @@ class ProjLayout:
     s_stride: int  # row stride, in elements, of the stored 2-D scale tensor (0 when none)
     s2_inv: bool
     block: int  # FP8 block edge (0 when unused)
+    sg: int  # FP4 scale group in elements (16 NVFP4, 32 MXFP4; 16 otherwise, unused)
+    b_off: int  # output bias offset, -1 when there is none
+    bdt: torch.dtype  # bias dtype (float32 when there is none)
     nbytes: int  # bytes this projection occupies in the block (weights and scales, with padding)
     start: int  # first byte of this projection's tensors in the block
 
@@ -38,10 +41,11 @@ def proj_layouts(formats: dict, slots_all) -> dict[str, ProjLayout]:
         slots = {s.suffix: s for s in slots_all if s.proj == proj}
         w = slots[fmt.weight]
         n, k = w.shape
-        if fmt.kind == "nvfp4":
+        if fmt.kind in ("nvfp4", "mxfp4"):
             k *= 2
         s = slots.get(fmt.scale) if fmt.scale else None
         s2 = slots.get(fmt.scale2) if fmt.scale2 else None
+        b = slots.get(fmt.bias) if fmt.bias else None
         kind = fmt.kind
         if kind == "fp8" and s is not None and _numel(s.shape) > 1:
             kind = "fp8_row"
@@ -50,7 +54,9 @@ def proj_layouts(formats: dict, slots_all) -> dict[str, ProjLayout]:
         last = max(x.offset + x.nbytes for x in slots.values())
         out[proj] = ProjLayout(
             proj, FORMAT_CODES[kind], DTYPES[w.dtype], n, k, w.relaid, w.offset, s.offset if s else 0,
-            s2.offset if s2 else 0, s_stride, fmt.scale2_inverted, fmt.block, last - first, first,
+            s2.offset if s2 else 0, s_stride, fmt.scale2_inverted, fmt.block,
+            SCALE_GROUPS.get(FORMAT_CODES[kind], 16), b.offset if b else -1, DTYPES[b.dtype] if b else torch.float32,
+            last - first, first,
         )
     return out
 

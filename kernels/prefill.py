@@ -10,7 +10,7 @@ is at `bank + offs[a]`.
     epilogues as in kernels/decode.py: relu2, swiglu (gate and up in one program), weighted
     (y[orows[j]] = round(out) * wts[j]).
 
-NVFP4 tiles are used without interleaving nibbles: the dot product is split into the even
+FP4 (NVFP4, MXFP4) tiles are used without interleaving nibbles: the dot product is split into the even
 elements (low nibbles) and the odd ones (high nibbles), each against the matching columns of x.
 """
 
@@ -20,32 +20,31 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.decode import EPILOGUES, PLAIN, SWIGLU, TL_DTYPES, WEIGHTED, _act
-from sluice.kernels.dequant import DENSE, FP8_BLOCK, FP8_ROW, NVFP4, e2m1_to_f32, load_nvfp4_tile, load_tile, tensor_scale
+from sluice.kernels.decode import EPILOGUES, PLAIN, SWIGLU, TL_DTYPES, WEIGHTED, _act, _biased, _glu
+from sluice.kernels.dequant import DENSE, FP8_BLOCK, FP8_ROW, MXFP4, NVFP4, e2m1_to_f32, group_scale, load_fp4_tile, load_tile, tensor_scale
 from sluice.kernels.layout import ProjLayout
 
 
 @triton.jit
 def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
-              FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, KMAJOR: tl.constexpr,
+              FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, SG: tl.constexpr, KMAJOR: tl.constexpr,
               DOT_DT: tl.constexpr, IEEE: tl.constexpr, BK: tl.constexpr):
     """acc [BM, BN] += x[xr, :] @ W[n, :]^T over all of K (per-tensor scales excluded)."""
     nm = n < N
-    if FMT == NVFP4:
+    if FMT == NVFP4 or FMT == MXFP4:
         KB = K // 2
         for k0 in range(0, KB, BK // 2):
             kb = k0 + tl.arange(0, BK // 2)
             km = kb < KB
             xe = tl.load(xp + xr[:, None] + 2 * kb[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(DOT_DT)
             xo = tl.load(xp + xr[:, None] + 2 * kb[None, :] + 1, mask=mm[:, None] & km[None, :], other=0.0).to(DOT_DT)
-            if KMAJOR:  # bytes [K/2, N]; scales [K/16, N]
+            if KMAJOR:  # bytes [K/2, N]; scales [K/SG, N]
                 b = tl.load(base + W_OFF + kb[:, None] * N + n[None, :], mask=km[:, None] & nm[None, :], other=0).to(tl.int32)
-                s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float8e4nv)) + (kb[:, None] // 8) * S_STRIDE + n[None, :],
-                            mask=km[:, None] & nm[None, :], other=0.0).to(tl.float32)
+                s = group_scale(base + S_OFF, (kb[:, None] // (SG // 2)) * S_STRIDE + n[None, :], km[:, None] & nm[None, :], FMT)
                 lo = e2m1_to_f32(b & 15) * s
                 hi = e2m1_to_f32(b >> 4) * s
             else:
-                lo_t, hi_t = load_nvfp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB)
+                lo_t, hi_t = load_fp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB, FMT, SG)
                 lo = tl.trans(lo_t)
                 hi = tl.trans(hi_t)
             if IEEE:
@@ -80,9 +79,10 @@ def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
 @triton.jit
 def _grouped_gemm_kernel(
     bank, offs, x, X_STRIDE, xrows, out, OUT_STRIDE, orows, wts, items, N, K,
-    W_OFF, S_OFF, S2_OFF, S_STRIDE, G_W_OFF, G_S_OFF, G_S2_OFF,
-    FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, KMAJOR: tl.constexpr,
-    EPI: tl.constexpr, ACT: tl.constexpr, X_DT: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    W_OFF, S_OFF, S2_OFF, S_STRIDE, B_OFF, G_W_OFF, G_S_OFF, G_S2_OFF, G_B_OFF,
+    FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr, KMAJOR: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BDT: tl.constexpr, EPI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    X_DT: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     it = tl.program_id(0)
@@ -96,24 +96,24 @@ def _grouped_gemm_kernel(
     nm = n < N
     base = bank + tl.load(offs + a)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc = _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, KMAJOR, DOT_DT, IEEE, BK)
+    acc = _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, SG, KMAJOR, DOT_DT, IEEE, BK)
     if FMT == FP8_ROW:
         if KMAJOR:  # row-major tiles applied the per-row scale already
             acc = acc * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
     acc = acc * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
+    acc = _biased(acc.to(X_DT).to(tl.float32), base, B_OFF, n[None, :], N, HAS_BIAS, BDT, X_DT)
     omask = mm[:, None] & nm[None, :]
     if EPI == WEIGHTED:
         orow = tl.load(orows + j, mask=mm, other=0).to(tl.int64)
         w = tl.load(wts + j, mask=mm, other=0.0).to(tl.float32)
-        y = acc.to(X_DT).to(tl.float32) * w[:, None]
-        tl.store(out + orow[:, None] * OUT_STRIDE + n[None, :], y.to(out.dtype.element_ty), mask=omask)
+        tl.store(out + orow[:, None] * OUT_STRIDE + n[None, :], (acc * w[:, None]).to(out.dtype.element_ty), mask=omask)
     else:
-        acc = acc.to(X_DT).to(tl.float32)
         if EPI == SWIGLU:
             g = tl.zeros([BM, BN], dtype=tl.float32)
-            g = _tile_dot(g, base, G_W_OFF, G_S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, KMAJOR, DOT_DT, IEEE, BK)
+            g = _tile_dot(g, base, G_W_OFF, G_S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, SG, KMAJOR, DOT_DT, IEEE, BK)
             g = g * tensor_scale(base, G_S_OFF, G_S2_OFF, FMT, S2_INV)
-            h = _act(g.to(X_DT).to(tl.float32), ACT).to(X_DT).to(tl.float32) * acc
+            g = _biased(g.to(X_DT).to(tl.float32), base, G_B_OFF, n[None, :], N, HAS_BIAS, BDT, X_DT)
+            h = _glu(g, acc, ACT, X_DT, ALPHA, LIMIT)
         elif EPI == PLAIN:
             h = acc
         else:
@@ -134,7 +134,7 @@ def tile_items(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
 def grouped_gemm(bank: torch.Tensor, offs: torch.Tensor, x: torch.Tensor, xrows: torch.Tensor, items: torch.Tensor,
                  layout: ProjLayout, epilogue: str, x_dtype: torch.dtype, out: torch.Tensor, gate: ProjLayout | None = None,
                  act: int = 0, orows: torch.Tensor | None = None, wts: torch.Tensor | None = None,
-                 bm: int = 16, bn: int = 64, bk: int = 64, num_warps: int = 4) -> torch.Tensor:
+                 act_args: tuple[float, float] = (0.0, 0.0), bm: int = 16, bn: int = 64, bk: int = 64, num_warps: int = 4) -> torch.Tensor:
     """Launch over `items` (int32 [n, 3], device) built by `tile_items` with the same bm."""
     g = gate or layout
     dot_dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
@@ -143,9 +143,10 @@ def grouped_gemm(bank: torch.Tensor, offs: torch.Tensor, x: torch.Tensor, xrows:
     _grouped_gemm_kernel[grid](
         bank, offs, x, x.stride(0), xrows, out, out.stride(0), orows if orows is not None else dummy,
         wts if wts is not None else dummy, items, layout.n, layout.k,
-        layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, g.w_off, g.s_off, g.s2_off,
-        FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, KMAJOR=layout.relaid,
-        EPI=EPILOGUES[epilogue], ACT=act, X_DT=TL_DTYPES[x_dtype], DOT_DT=TL_DTYPES[dot_dt], IEEE=dot_dt == torch.float32,
+        layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, layout.b_off, g.w_off, g.s_off, g.s2_off, g.b_off,
+        FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg, KMAJOR=layout.relaid,
+        HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0],
+        LIMIT=act_args[1], X_DT=TL_DTYPES[x_dtype], DOT_DT=TL_DTYPES[dot_dt], IEEE=dot_dt == torch.float32,
         BM=bm, BN=bn, BK=bk, num_warps=num_warps,
     )
     return out

@@ -38,6 +38,8 @@ class ExpertSpec:
     checkpoint's projection name) and `suffix` (weight, weight_scale, ...). `proj_names` maps the
     checkpoint's projection names to block names (up, gate, down). `template` writes a name back
     (synthetic checkpoints), with the first checkpoint name `proj_names` gives each projection.
+    Checkpoints that fuse all of a layer's experts into one tensor give `split`: (name, tensor) ->
+    its per-expert parts [(layer, expert, block proj, suffix, TensorPart)], or None for other tensors.
     """
 
     kind: ExpertKind
@@ -47,6 +49,7 @@ class ExpertSpec:
     moe_layers: tuple[int, ...]
     num_experts: int
     top_k: int
+    split: Callable[[str, Any], list[tuple[int, int, str, str, Any]] | None] | None = None
 
     @property
     def projs(self) -> tuple[str, ...]:
@@ -76,8 +79,10 @@ class MoEBlock:
     expert_input: Callable[[torch.Tensor], torch.Tensor]  # x [T,D] -> xe [T,Dx]
     finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (routed [T,Dx], x [T,D]) -> out [T,D], before the residual
     act: Callable[[torch.Tensor], torch.Tensor]
-    act_name: str  # the activation's name in transformers' ACT2FN (kernels implement relu2 and silu)
+    act_name: str  # the activation's name in transformers' ACT2FN, or "gpt_oss_glu" (kernels/decode.py ACTS)
     combine_dtype: torch.dtype  # dtype in which weighted expert outputs are summed
+    glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (gate out, up out) -> h, when not act(gate) * up
+    act_args: tuple[float, float] = (0.0, 0.0)  # the Triton kernels' (alpha, limit) for "gpt_oss_glu" / "silu_clamped"
 
 
 class Layer(ABC):
@@ -130,6 +135,7 @@ class Architecture(ABC):
     model_type: str
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint name -> transformers module name (regex, repl)
     reverse_renames: tuple[tuple[str, str], ...] = ()  # transformers module name -> checkpoint name
+    attn_implementation: str = "sdpa"  # transformers' attention backend for the resident model
 
     @abstractmethod
     def expert_spec(self, hf_config: Any) -> ExpertSpec: ...
@@ -200,7 +206,7 @@ def build_hf_model(
     state = {arch.module_name(k): v for k, v in tensors.items()}
     quantized = _pop_quantized(state)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=arch.attn_implementation)
     strip(model)
     linears = {name: _swap(model, name, nn.Identity()) for name in quantized}  # no dense copy is ever allocated
     keep_fp32 = [re.compile(p) for p in model._get_dtype_plan(dtype)]

@@ -62,14 +62,16 @@ def layer_masks(config, layer_types, h: torch.Tensor, position_ids: torch.Tensor
     from transformers import masking_utils as mu
 
     kw = dict(config=config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **cache_kw(cache))
+    # without sliding layer types, a sliding_window applies to every attention layer (Qwen3-MoE, Mixtral)
+    slide_all = getattr(config, "sliding_window", None) is not None and "sliding_attention" not in layer_types
     masks = {}
     for t in set(layer_types):
         if t == "linear_attention":
             masks[t] = mu.create_recurrent_attention_mask(**kw)
         elif t in ("moe", "mlp"):
             continue  # no token mixing, no mask
-        elif t == "sliding_attention" or getattr(config, "sliding_window", None) is not None:
-            masks[t] = mu.create_sliding_window_causal_mask(**kw)  # as Qwen3-MoE and Mixtral choose
+        elif t == "sliding_attention" or slide_all:
+            masks[t] = mu.create_sliding_window_causal_mask(**kw)
         else:
             masks[t] = mu.create_causal_mask(**kw)
     return masks
@@ -95,10 +97,10 @@ def attention_layers_kv(config, dtype_bytes: int, n_layers: int | None = None) -
     return attention_kv_bytes(config.num_hidden_layers if n_layers is None else n_layers, config.num_key_value_heads, head_dim, dtype_bytes)
 
 
-def swap_moe(layer: nn.Module, attr: str) -> tuple[nn.Module, MoECapture]:
+def swap_moe(layer: nn.Module, attr: str, capture_cls: type[MoECapture] = MoECapture) -> tuple[nn.Module, MoECapture]:
     """Put a MoECapture where layer.<attr> (the MoE module) was; return the MoE module and the capture."""
     moe = getattr(layer, attr)
-    capture = MoECapture()
+    capture = capture_cls()
     setattr(layer, attr, capture)
     return moe, capture
 
@@ -107,10 +109,10 @@ class DecoderResident(ResidentModel):
     """Resident part of a model.embed_tokens / model.layers / model.norm / lm_head decoder.
 
     `sparse(i)` says whether layer i has routed experts; `make_block(moe_module, i, moe_index)`
-    builds its MoEBlock from the (stripped) transformers MoE module."""
+    builds its MoEBlock from the (stripped) transformers MoE module; `capture` stands in its place."""
 
     def __init__(self, hf_model, sparse: Callable[[int], bool], make_block: Callable[[nn.Module, int, int], MoEBlock],
-                 moe_attr: str = "mlp"):
+                 moe_attr: str = "mlp", capture: type[MoECapture] = MoECapture):
         super().__init__(hf_model)
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
         self.layer_types = list(types)
@@ -118,20 +120,23 @@ class DecoderResident(ResidentModel):
         moe_index = 0
         for i, layer in enumerate(hf_model.model.layers):
             if sparse(i):
-                moe, capture = swap_moe(layer, moe_attr)
-                self.layers.append(DecoderLayer(layer, types[i], make_block(moe, i, moe_index), capture))
+                moe, cap = swap_moe(layer, moe_attr, capture)
+                self.layers.append(DecoderLayer(layer, types[i], make_block(moe, i, moe_index), cap))
                 moe_index += 1
             else:
                 self.layers.append(DecoderLayer(layer, types[i]))
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
-        model = self.hf.model
-        h = model.embed_tokens(ids)
+        h = self.hf.model.embed_tokens(ids)
         position_ids = (torch.arange(ids.shape[1], device=ids.device) + past).unsqueeze(0)
         masks = layer_masks(self.config, self.layer_types, h, position_ids, cache)
-        rotary = getattr(model, "rotary_emb", None)
-        pos_emb = rotary(h, position_ids=position_ids) if rotary is not None else None
-        return h, Ctx(cache, position_ids, masks, pos_emb)
+        return h, Ctx(cache, position_ids, masks, self.position_embeddings(h, position_ids))
+
+    def position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        """What the layers get as position_embeddings: the model's rotary (cos, sin) at position_ids [1,T],
+        None where the layers make their own."""
+        rotary = getattr(self.hf.model, "rotary_emb", None)
+        return rotary(h, position_ids=position_ids) if rotary is not None else None
 
     def head(self, h):
         return self.hf.lm_head(self.hf.model.norm(h)[0]).float()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.models.base import ResidentModel, build_hf_model
+from sluice.models.base import MoEBlock, ResidentModel, build_hf_model
 from sluice.models.decoder import DecoderResident, attention_layers_kv, strip_routed, swiglu_block
 from sluice.models.qwen3_moe import Qwen3Moe, is_sparse
 
@@ -35,9 +35,10 @@ class Qwen3Next(Qwen3Moe):
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
         hf = build_hf_model(self, hf_config, tensors, strip_routed(lambda i: is_sparse(hf_config, i)), device, dtype)
         dt = hf.lm_head.weight.dtype
+        return DecoderResident(hf, lambda i: is_sparse(hf_config, i), lambda moe, i, k: gated_shared_block(moe, i, k, hf_config, dt))
 
-        def block(moe, i, k):
-            shared, gate = moe.shared_expert, moe.shared_expert_gate
-            return swiglu_block(moe, i, k, hf_config, dt, finish=lambda routed, x: routed + torch.sigmoid(gate(x)) * shared(x))
 
-        return DecoderResident(hf, lambda i: is_sparse(hf_config, i), block)
+def gated_shared_block(moe, layer_idx: int, moe_index: int, config, dtype: torch.dtype) -> MoEBlock:
+    """swiglu_block finished by the sigmoid-gated shared expert: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+    shared, gate = moe.shared_expert, moe.shared_expert_gate
+    return swiglu_block(moe, layer_idx, moe_index, config, dtype, finish=lambda routed, x: routed + torch.sigmoid(gate(x)) * shared(x))

@@ -92,3 +92,43 @@ def format_bench(r: dict, block_bytes: int) -> str:
         lines.append(f"  roofline {d['roofline_ms_per_token']:.2f} ms/token (PCIe bytes / {d['h2d_gbps']:.1f} GB/s measured now): "
                      f"{d['ms_per_token_median'] / max(d['roofline_ms_per_token'], 1e-9):.2f} x roofline")
     return "\n".join(lines)
+
+
+def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str:
+    """Where a decode step's time goes: host Python functions (cProfile, by own time) and, on CUDA, the
+    GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the gap."""
+    import cProfile
+    import io
+    import pstats
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, engine.model.config.vocab_size, (32,), generator=g).tolist()
+    engine.generate(prompt, tokens)  # warm caches and kernels
+    seq = engine.new_sequence()
+    token = int(engine.extend(seq, prompt)[-1].argmax())
+    lines = []
+    if engine.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(tokens):
+                token = int(engine.extend(seq, [token])[-1].argmax())
+            wall = (time.perf_counter() - t) / tokens
+        events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e3 / tokens  # us -> ms per token
+        launches = sum(e.count for e in events if e.self_device_time_total > 0) / tokens
+        lines.append(f"profiled wall {1000 * wall:.2f} ms/token; GPU busy {busy:.2f} ms/token ({busy / (1000 * wall):.0%}); "
+                     f"{launches:.0f} GPU ops/token")
+        lines.append(events.table(sort_by="self_device_time_total", row_limit=12))
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    for _ in range(tokens):
+        token = int(engine.extend(seq, [token])[-1].argmax())
+    pr.disable()
+    lines.append(f"cProfile wall {1000 * (time.perf_counter() - t) / tokens:.2f} ms/token (with profiling overhead)")
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    lines.append(buf.getvalue())
+    return "\n".join(lines)

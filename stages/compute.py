@@ -9,7 +9,8 @@ batch, so their slots are not refilled before the kernels have read them.
 Backends: `triton` (kernels/experts.py: one launch per projection for the whole batch; on a CPU
 only under TRITON_INTERPRET=1), `torch` (kernels/experts_ref.py: the plain-torch reference, one
 expert at a time), `auto` (triton on CUDA, torch on a CPU). `zero_skip` makes the ReLU^2 down
-kernel skip 16-neuron groups whose activations are all zero.
+kernel skip 16-neuron groups whose activations are all zero; `graphs` replays one-token batches
+as CUDA graphs (kernels/experts.py), cutting the host's launch cost.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sluice.stages.types import DeviceBlock, ExpertOutputs, LayerInput, Routing
 class ComputeKnobs:
     backend: str = "auto"  # auto | triton | torch
     zero_skip: bool = False  # ReLU^2 down reads only live 16-neuron groups (triton backend)
+    graphs: bool = True  # one-token batches replay a CUDA graph of the expert kernels (triton backend on CUDA)
 
 
 class Compute(Stage):
@@ -77,7 +79,7 @@ class Compute(Stage):
                 views["down"] = store.logical(db.down_bank.narrow(0, db.down_offset, store.block_bytes))["down"]
             dense = dequant_expert_ref(store.manifest.formats, views, r.xe.dtype)
             rows = r.rows[db.expert]
-            out = expert_ref(block.kind, r.xe[rows // K], dense, block.act)
+            out = expert_ref(block.kind, r.xe[rows // K], dense, block.act, block.glu)
             y[rows] = (out * w[rows, None]).to(block.combine_dtype)
 
     def _triton(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
@@ -86,7 +88,8 @@ class Compute(Stage):
         block = li.block
         kern = self._kernels.get((block.kind, block.act_name))
         if kern is None:
-            kern = self._kernels[(block.kind, block.act_name)] = TritonExperts(self.rt.store.manifest, block.kind, block.act_name, y.device)
+            kern = self._kernels[(block.kind, block.act_name)] = TritonExperts(self.rt.store.manifest, block.kind, block.act_name, y.device,
+                                                                              block.act_args, self.knobs.graphs)
             self.rt.stats.kernels.append(kern)
         dev = y.device
         offs = torch.tensor([db.offset for db in batch], dtype=torch.int64).to(dev, non_blocking=True)

@@ -1,9 +1,10 @@
-"""h2d: RAM slot -> VRAM slot on the schedule's stream, one event per block.
+"""h2d: RAM slot -> VRAM slot on the schedule's stream, one event per batch of copies.
 
 On a CPU there is nothing to copy: compute reads the RAM slot in place, and the RAM pin is held
 until compute releases the block. On CUDA each block is copied (non-blocking, from pinned memory)
-into a slot of the VRAM bank; the RAM pin is dropped as soon as the copy is enqueued, with the
-copy's event attached so the slot is not refilled before the copy has read it. When the VRAM
+into a slot of the VRAM bank; the blocks that arrive together are copied back to back and share
+one event (fewer host calls per block); the RAM pin is dropped as soon as the copy is enqueued,
+with that event attached so the slot is not refilled before the copy has read it. When the VRAM
 bank has no free slot the stage ends a wave and waits for compute to release one.
 
 `copy: up` (zero-copy down) copies every projection but `down`; compute then reads `down`
@@ -43,41 +44,58 @@ class H2D(Stage):
     async def run(self, io: StageIO) -> None:
         layer = (await io.value("layer")).block.layer
         async for batch in io.batches("blocks"):
+            pending: list[tuple[HostBlock, object]] = []  # blocks whose copies go out together, with their VRAM slot
             for hb in batch:
-                io.emit(await self._place(io, layer, hb))
+                placed = self._in_place(hb)
+                if placed is not None:
+                    io.emit(placed)
+                    continue
+                if hb.vram is not None:  # zero-copy down of a VRAM hit: up is in VRAM, down still needed from RAM
+                    io.emit(self._device_block(hb, hb.vram, hb.vram.filled))
+                    continue
+                key = (layer, hb.expert)
+                v = self.rt.vram.try_reserve(key)
+                if v is None:
+                    self._copy(io, pending)
+                    io.end_wave()
+                    v = await self.rt.vram.reserve(key)
+                pending.append((hb, v))
+            self._copy(io, pending)
             io.end_wave()  # pass the upstream wave boundary on
 
-    async def _place(self, io: StageIO, layer: int, hb: HostBlock) -> DeviceBlock:
+    def _in_place(self, hb: HostBlock) -> DeviceBlock | None:
+        """A block compute can read where it is (a whole VRAM hit, or RAM on a CPU); None when it needs a copy."""
         rt = self.rt
         n = rt.store.block_bytes
-        if hb.vram is not None:  # a VRAM hit: up is there; down too unless it stays in RAM
+        if hb.vram is not None and self._nbytes == n:
             v = hb.vram
-            if self._nbytes == n:
-                return DeviceBlock(hb.expert, rt.vram.arena.data, v.slot * n, rt.vram.arena.data, v.slot * n, v.filled,
-                                   lambda done, v=v: rt.vram.unpin(v, done))
+            return DeviceBlock(hb.expert, rt.vram.arena.data, v.slot * n, rt.vram.arena.data, v.slot * n, v.filled,
+                               lambda done, v=v: rt.vram.unpin(v, done))
         if rt.vram is None:
             e = hb.ram
             return DeviceBlock(hb.expert, rt.ram.arena.data, e.slot * n, rt.ram.arena.data, e.slot * n, None,
                                lambda done, e=e: rt.ram.unpin(e, done))
-        return await self._copy(io, layer, hb)
+        return None
 
-    async def _copy(self, io: StageIO, layer: int, hb: HostBlock) -> DeviceBlock:
-        rt, streams, n = self.rt, self.rt.streams, self.rt.store.block_bytes
-        ram = hb.ram
-        if hb.vram is not None:  # zero-copy down of a VRAM hit: up in VRAM, down still needed from RAM
-            v, copied = hb.vram, hb.vram.filled
-        else:
-            key = (layer, hb.expert)
-            v = rt.vram.try_reserve(key)
-            if v is None:
-                io.end_wave()
-                v = await rt.vram.reserve(key)
-            with streams.use(self.stream):
+    def _copy(self, io: StageIO, pending: list) -> None:
+        """Copy pending blocks RAM -> VRAM on this stage's stream, one event after them all; emit them."""
+        if not pending:
+            return
+        streams = self.rt.streams
+        with streams.use(self.stream):
+            for hb, v in pending:
                 streams.wait(self.stream, v.reuse_after)
-                v.buf[: self._nbytes].copy_(ram.buf[: self._nbytes], non_blocking=True)
-                copied = streams.record(self.stream)
+                v.buf[: self._nbytes].copy_(hb.ram.buf[: self._nbytes], non_blocking=True)
+            copied = streams.record(self.stream)
+        for hb, v in pending:
             v.reuse_after = None
             v.filled = copied
+            io.emit(self._device_block(hb, v, copied))
+        pending.clear()
+
+    def _device_block(self, hb: HostBlock, v, copied) -> DeviceBlock:
+        rt, n = self.rt, self.rt.store.block_bytes
+        ram = hb.ram
         vbank, hbank = rt.vram.arena.data, rt.ram.arena.data
         if self._nbytes == n:
             rt.ram.unpin(ram, copied)

@@ -34,7 +34,8 @@ class Predict(Stage):
             return Prediction(None, ())
         with self.rt.streams.use(self.stream):
             weights, ids = nxt.router(li.x)
-        weights, ids = weights.float().cpu(), ids.cpu()
+            both = torch.stack((weights.float(), ids.float())).cpu()  # one transfer, one wait (ids < 2**24 are exact)
+        weights, ids = both[0], both[1].long()
         score = torch.zeros(nxt.num_experts).index_add_(0, ids.flatten(), weights.flatten())
         ranked = torch.argsort(score, descending=True, stable=True)
         ranked = ranked[: int((score > 0).sum())]

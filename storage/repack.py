@@ -23,7 +23,7 @@ from sluice.kernels.formats import WeightFormat, detect_format
 from sluice.models import get_architecture
 from sluice.models.base import ExpertSpec
 from sluice.storage.checkpoint import Checkpoint
-from sluice.storage.safetensors_io import RawTensor, TensorInfo, read_bytes, write_file
+from sluice.storage.safetensors_io import RawTensor, TensorInfo, TensorPart, read_bytes, write_file
 from sluice.storage.store import ExpertStore, Manifest, StoreLayer, TensorSlot, plan_layout, relay
 
 # inside a block, each projection's tensors in this order (weights first, then scales)
@@ -36,7 +36,7 @@ class ExpertTensors:
     """The checkpoint's routed-expert tensors: (layer, expert) -> slot name -> TensorInfo."""
 
     spec: ExpertSpec
-    blocks: dict[tuple[int, int], dict[str, TensorInfo]]
+    blocks: dict[tuple[int, int], dict[str, TensorInfo | TensorPart]]
     resident: dict[str, TensorInfo]
     slots: tuple[TensorSlot, ...]
     formats: dict[str, WeightFormat]
@@ -46,12 +46,22 @@ class ExpertTensors:
 def classify(ckpt: Checkpoint, spec: ExpertSpec, ignore=lambda name: False) -> ExpertTensors:
     """Split tensors into routed experts and resident ones; check every expert is complete and alike.
 
-    Tensors `ignore` names (not part of the LM) are left out of both."""
-    blocks: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    Tensors `ignore` names (not part of the LM) are left out of both. Fused expert tensors are cut
+    into per-expert parts by the spec's `split`."""
+    blocks: dict[tuple[int, int], dict[str, TensorInfo | TensorPart]] = {}
     resident = {}
     moe = set(spec.moe_layers)
     for name, info in ckpt.tensors.items():
         if ignore(name):
+            continue
+        parts = spec.split(name, info) if spec.split is not None else None
+        if parts is not None:
+            if info.shape[0] != spec.num_experts:
+                raise CheckpointError(f"{info.file.name}: {name!r} holds {info.shape[0]} experts, the config {spec.num_experts}")
+            for layer, expert, proj, suffix, part in parts:
+                if layer not in moe:
+                    raise CheckpointError(f"{info.file.name}: {name!r}: layer {layer} is not a MoE layer of this config")
+                blocks.setdefault((layer, expert), {})[f"{proj}.{suffix}"] = part
             continue
         m = spec.pattern.match(name)
         if m is None:
@@ -94,7 +104,7 @@ def classify(ckpt: Checkpoint, spec: ExpertSpec, ignore=lambda name: False) -> E
     return ExpertTensors(spec, blocks, resident, slots, formats, block_bytes)
 
 
-def build_block(tensors: dict[str, TensorInfo], slots: tuple[TensorSlot, ...], block_bytes: int, fds: dict) -> bytearray:
+def build_block(tensors: dict[str, TensorInfo | TensorPart], slots: tuple[TensorSlot, ...], block_bytes: int, fds: dict) -> bytearray:
     block = bytearray(block_bytes)
     for slot in slots:
         data = relay(read_bytes(tensors[slot.name], fds), slot)

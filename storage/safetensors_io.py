@@ -100,8 +100,70 @@ def read_header(path: Path, headers_only: bool = False) -> tuple[dict[str, Tenso
     return tensors, meta
 
 
-def read_bytes(info: TensorInfo, fd_cache: dict[Path, int] | None = None) -> bytes:
-    """The tensor's raw bytes, exactly as stored."""
+@dataclass(frozen=True)
+class TensorPart:
+    """Expert `index` of a fused [E, ...] checkpoint tensor, seen as a tensor of its own.
+
+    Trailing dims are flattened to 2-D [rows, cols] (a 1-D [rows] stays 1-D). `transpose` turns a
+    checkpoint's [in, out] into [out, in]; `step` > 1 keeps every step-th row from `start` (gpt-oss
+    interleaves gate and up rows). Its bytes are a permutation of a byte range of the whole tensor:
+    no value is changed."""
+
+    whole: TensorInfo
+    index: int
+    transpose: bool = False
+    start: int = 0
+    step: int = 1
+
+    @property
+    def name(self) -> str:
+        rows = f"[{self.start}::{self.step}]" if self.step > 1 else ""
+        return f"{self.whole.name}[{self.index}]{'.T' if self.transpose else ''}{rows}"
+
+    @property
+    def file(self) -> Path:
+        return self.whole.file
+
+    @property
+    def dtype(self) -> str:
+        return self.whole.dtype
+
+    def _matrix(self) -> tuple[int, int]:
+        sub = self.whole.shape[1:]
+        cols = 1
+        for d in sub[1:]:
+            cols *= d
+        return sub[0], cols
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        rows, cols = self._matrix()
+        if self.transpose:
+            rows, cols = cols, rows
+        rows = len(range(self.start, rows, self.step))
+        return (rows,) if len(self.whole.shape) == 2 else (rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_size(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+    def read(self, fd_cache: dict[Path, int] | None = None) -> bytes:
+        rows, cols = self._matrix()
+        per = self.whole.nbytes // self.whole.shape[0]
+        part = TensorInfo(self.name, self.whole.file, self.dtype, self.whole.shape[1:], self.whole.offset + self.index * per, per)
+        t = torch.frombuffer(bytearray(read_bytes(part, fd_cache)), dtype=torch.uint8).view(rows, cols, -1)
+        if self.transpose:
+            t = t.permute(1, 0, 2)
+        return t[self.start :: self.step].contiguous().numpy().tobytes()
+
+
+def read_bytes(info: TensorInfo | TensorPart, fd_cache: dict[Path, int] | None = None) -> bytes:
+    """The tensor's raw bytes, exactly as stored (a TensorPart's: its slice, permuted as it says)."""
+    if isinstance(info, TensorPart):
+        return info.read(fd_cache)
     if fd_cache is not None:
         fd = fd_cache.get(info.file)
         if fd is None:

@@ -2,7 +2,8 @@
 
 import os
 
-# name -> (architecture, config overrides). Experts and routers are scaled so experts decide the output.
+# name -> (architecture, make_tiny_checkpoint keywords: config overrides or experts_format). Experts and routers
+# are scaled so experts decide the output.
 VARIANTS = {
     "nemotron_h": ("nemotron_h", {}),
     "nemotron_h_latent": ("nemotron_h", {"moe_latent_size": 32}),
@@ -11,6 +12,11 @@ VARIANTS = {
     "qwen3_next": ("qwen3_next", {}),
     "mixtral": ("mixtral", {}),
     "deepseek_v3": ("deepseek_v3", {}),
+    "gpt_oss": ("gpt_oss", {"experts_format": "mxfp4"}),  # fused MXFP4 experts, as gpt-oss ships
+    "gpt_oss_unquantized": ("gpt_oss", {}),  # fused [in, out] fp32 experts
+    "qwen3_5_moe": ("qwen3_5_moe", {}),  # the vision-language checkpoint: LM under model.language_model, vision tower beside
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", {}),
+    "deepseek_v4": ("deepseek_v4", {}),
 }
 PROMPT = [5, 17, 42, 98, 3, 25, 77, 8, 61, 13, 12, 20]  # ids < VOCAB_SIZE (99) of the tiny tokenizer
 from sluice.models.tiny import VOCAB_SIZE  # noqa: E402

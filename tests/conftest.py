@@ -46,13 +46,21 @@ class References:
         self._models = {}
         self._greedy = {}
 
+    def load(self, name):
+        """A fresh transformers model on the checkpoint: fp32, eager experts. MXFP4 experts go through
+        transformers' own dequantisation (to bf16, exact for E2M1 x 2^k values), then fp32."""
+        import json
+
+        from transformers import AutoModelForCausalLM, Mxfp4Config
+
+        path = self.checkpoints[name]
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config", {})
+        kw = {"quantization_config": Mxfp4Config(dequantize=True)} if quant.get("quant_method") == "mxfp4" else {}
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager", **kw).float().eval()
+
     def model(self, name):
         if name not in self._models:
-            from transformers import AutoModelForCausalLM
-
-            self._models[name] = AutoModelForCausalLM.from_pretrained(
-                self.checkpoints[name], dtype=torch.float32, experts_implementation="eager"
-            ).eval()
+            self._models[name] = self.load(name)
         return self._models[name]
 
     @torch.no_grad()

@@ -1,7 +1,8 @@
 """Test-side quantisers (checkpoint layouts) and block builders for the kernel tests.
 
 NVFP4 comes from nvidia-modelopt's own NVFP4QTensor, so our decode is checked against code we did
-not write. FP8 here is a plain cast with per-tensor / per-row / per-block scales.
+not write. FP8 here is a plain cast with per-tensor / per-row / per-block scales; MXFP4 is the
+tiny-checkpoint quantiser (models/tiny.py), its decode checked against transformers' own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from sluice.kernels.formats import WeightFormat, detect_format
 from sluice.storage.safetensors_io import TORCH_TO_ST
 from sluice.storage.store import Manifest, pack_block, plan_layout
 
-FORMATS = ("bf16", "fp32", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct")
+FORMATS = ("bf16", "fp32", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct", "mxfp4")
 
 
 def modelopt_nvfp4():
@@ -53,6 +54,11 @@ def quantize(w: torch.Tensor, fmt: str, block: int = 32) -> dict[str, torch.Tens
         if fmt == "nvfp4":
             return {"weight": packed, "weight_scale": s, "weight_scale_2": s2.float().reshape(()), "input_scale": torch.ones(())}
         return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": (1.0 / s2.float()).reshape(())}
+    if fmt == "mxfp4":
+        from sluice.models.tiny import quantize_mxfp4
+
+        blocks, scales = quantize_mxfp4(w.float())
+        return {"weight": blocks.reshape(w.shape[0], -1), "weight_scale": scales}
     raise ValueError(fmt)
 
 
@@ -65,10 +71,11 @@ def modelopt_dequant(t: dict[str, torch.Tensor]) -> torch.Tensor:
     return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=s2.float(), block_sizes={-1: 16})
 
 
-def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale: float = 0.2):
-    """A bank of A expert blocks (the store's layout) with random weights in `fmt`.
+def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale: float = 0.2, bias: bool = False):
+    """A bank of A expert blocks (the store's layout) with random weights in `fmt` (and fp32 biases).
 
-    Returns (bank uint8 [A * block_bytes], offsets int64 [A], manifest, dense fp32 weights per expert)."""
+    Returns (bank uint8 [A * block_bytes], offsets int64 [A], manifest, dense fp32 weights per expert:
+    proj -> [out, in], and "<proj>.bias" -> [out] with `bias`)."""
     g = torch.Generator().manual_seed(seed)
     projs = ("up", "down") if kind == "relu2" else ("gate", "up", "down")
     experts = []
@@ -79,6 +86,10 @@ def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale
             ws[p] = torch.randn(*shape, generator=g) * scale
         experts.append(ws)
     quantized = [{p: quantize(ws[p], fmt) for p in projs} for ws in experts]
+    if bias:
+        for q in quantized:
+            for p in projs:
+                q[p]["bias"] = torch.randn(Dx if p == "down" else I, generator=g) * scale
     entries, formats = [], {}
     for p in projs:
         t0 = quantized[0][p]
@@ -94,6 +105,9 @@ def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale
     assert block_bytes % 4096 == 0 and all(s.offset + s.nbytes <= block_bytes for s in slots)
     offsets = torch.arange(A, dtype=torch.int64) * block_bytes
     dense = [{p: WeightFormat.dequant_ref(formats[p], q[p]) for p in projs} for q in quantized]
+    if bias:
+        for d, q in zip(dense, quantized):
+            d.update({f"{p}.bias": q[p]["bias"] for p in projs})
     return bank, offsets, manifest, dense
 
 

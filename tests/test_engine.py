@@ -87,7 +87,8 @@ def test_trace_files(stores, tmp_path):
 
 def test_snapshot_restores_exactly(stores):
     """A restored snapshot continues bit-identically to the sequence it was taken from."""
-    for variant in ("nemotron_h_latent", "qwen3_moe", "qwen3_next", "deepseek_v3"):  # Mamba, KV, DeltaNet, MLA states
+    # Mamba, KV, DeltaNet, MLA states; DeepSeek-V4's sliding window, compressor buffers and compressed entries
+    for variant in ("nemotron_h_latent", "qwen3_moe", "qwen3_next", "deepseek_v3", "deepseek_v4"):
         with sluice.load(stores[variant], device=DEVICE) as engine:
             seq = engine.new_sequence()
             engine.extend(seq, PROMPT)

@@ -1,8 +1,8 @@
 """Triton kernels against their plain-torch references, over formats and sizes.
 
 On a CPU these run under TRITON_INTERPRET=1 (conftest sets it); with SLUICE_TEST_DEVICE=cuda on the GPU.
-NVFP4 decoding is checked against nvidia-modelopt's own code, and checks that must fail (swapped
-nibbles, scales applied to the wrong group) are included.
+NVFP4 decoding is checked against nvidia-modelopt's own code, MXFP4 against transformers' own, and
+checks that must fail (swapped nibbles, scales applied to the wrong group) are included.
 """
 
 from __future__ import annotations
@@ -11,13 +11,19 @@ import pytest
 import torch
 
 from sluice.kernels.decode import down_relaid, matvec
-from sluice.kernels.formats import nvfp4_dequant_ref
+from sluice.kernels.formats import mxfp4_dequant_ref, nvfp4_dequant_ref
 from sluice.kernels.layout import proj_layouts
 from tests.common import DEVICE
 from tests.quant import make_bank, modelopt_dequant, quantize
 
 SIZES = [(1, 64, 32), (3, 96, 48), (2, 32, 80)]  # (A, Dx, I)
-FORMATS = ["fp32", "bf16", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct"]
+FORMATS = ["fp32", "bf16", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct", "mxfp4"]
+
+
+def fit(fmt: str, *dims: int) -> list[int]:
+    """Sizes a format can hold: MXFP4 scales groups of 32 inputs."""
+    g = 32 if fmt == "mxfp4" else 1
+    return [-(-d // g) * g for d in dims]
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -46,6 +52,29 @@ def test_wrong_nibble_order_and_wrong_groups_fail():
     assert rel_err(nvfp4_dequant_ref(t["weight"], shifted, t["weight_scale_2"]), ref) > 1.0
 
 
+def test_mxfp4_decode_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 48, 4, 16), dtype=torch.uint8, generator=g)  # [E, out, in/32, 16]
+    scales = torch.randint(120, 134, (3, 48, 4), dtype=torch.uint8, generator=g)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    for e in range(3):
+        assert torch.equal(mxfp4_dequant_ref(blocks[e].reshape(48, -1), scales[e]), theirs[e].t())
+
+
+def test_mxfp4_wrong_nibble_order_and_wrong_groups_fail():
+    from sluice.models.tiny import quantize_mxfp4
+
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(2)) * torch.tensor([1.0, 8.0, 0.5, 30.0]).repeat_interleave(32)
+    blocks, scales = quantize_mxfp4(w)
+    packed = blocks.reshape(32, -1)
+    ref = mxfp4_dequant_ref(packed, scales)
+    assert rel_err(ref, w) < 0.2
+    assert rel_err(mxfp4_dequant_ref(((packed & 0x0F) << 4) | (packed >> 4), scales), ref) > 0.5
+    assert rel_err(mxfp4_dequant_ref(packed, torch.roll(scales, 1, dims=1)), ref) > 1.0
+
+
 def _to(*ts):
     return [t.to(DEVICE) for t in ts]
 
@@ -53,6 +82,7 @@ def _to(*ts):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("A, Dx, I", SIZES)
 def test_relu2_decode(fmt, A, Dx, I):
+    Dx, I = fit(fmt, Dx, I)
     bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=A + Dx)
     bank, offs = _to(bank, offs)
     lay = proj_layouts(manifest.formats, manifest.slots)
@@ -68,7 +98,7 @@ def test_relu2_decode(fmt, A, Dx, I):
     assert int(live.sum()) == A * I // 16
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4", "mxfp4"])
 def test_zero_skip_reads_only_live_groups_and_changes_nothing(fmt):
     A, Dx, I = 2, 64, 96
     bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=3)
@@ -89,6 +119,7 @@ def test_zero_skip_reads_only_live_groups_and_changes_nothing(fmt):
 def test_swiglu_decode(fmt, A, Dx, I):
     import torch.nn.functional as F
 
+    Dx, I = fit(fmt, Dx, I)
     bank, offs, manifest, dense = make_bank("swiglu", fmt, A, Dx, I, seed=A * 7)
     bank, offs = _to(bank, offs)
     lay = proj_layouts(manifest.formats, manifest.slots)
@@ -140,6 +171,7 @@ def test_prefill_grouped_gemm(fmt, kind):
     from sluice.kernels.prefill import grouped_gemm, tile_items
 
     A, Dx, I, T, K, bm = 3, 64, 48, 20, 4, 16
+    Dx, I = fit(fmt, Dx, I)
     counts = [5, 17, 1]  # one expert spans two row tiles
     bank, offs, manifest, dense = make_bank(kind, fmt, A, Dx, I, seed=11)
     bank, offs = _to(bank, offs)
@@ -169,3 +201,70 @@ def test_prefill_grouped_gemm(fmt, kind):
     untouched = torch.ones(T * K, dtype=torch.bool)
     untouched[flat.cpu()] = False
     assert torch.isnan(y.cpu()[untouched]).all()  # rows not routed here are left alone
+
+
+@pytest.mark.parametrize("fmt, act", [("bf16", "gpt_oss_glu"), ("mxfp4", "gpt_oss_glu"), ("fp8", "silu_clamped")])
+def test_clamped_gates_with_biases(fmt, act):
+    """gpt-oss's clamped GLU and DeepSeek-V4's clamped SiLU gate, with biases on every projection, in the
+    decode and prefill kernels against the plain-torch reference; gate values beyond the limit included."""
+    from sluice.kernels.decode import ACTS
+    from sluice.kernels.experts_ref import swiglu_expert_ref
+    from sluice.kernels.prefill import grouped_gemm, tile_items
+
+    alpha, limit = 1.702, 0.7  # a low limit so that the clamps bind
+    A, Dx, I = 2, 64, 32
+    bank, offs, manifest, dense = make_bank("swiglu", fmt, A, Dx, I, seed=5, scale=0.3, bias=True)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)
+    assert all(lay[p].b_off >= 0 for p in ("gate", "up", "down"))
+
+    def glu(g, u):
+        g = g.clamp(max=limit)
+        if act == "silu_clamped":
+            return torch.nn.functional.silu(g) * u.clamp(-limit, limit)
+        return (u.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+    def ref(a, x):
+        d = {k: v.double() for k, v in dense[a].items()}
+        bias = {p: d[f"{p}.bias"] for p in ("gate", "up", "down")}
+        return swiglu_expert_ref(x.double().cpu(), d["gate"], d["up"], d["down"], None, glu, bias)
+
+    x = torch.randn(Dx, device=DEVICE)
+    h = torch.empty(A, I, device=DEVICE)
+    matvec(bank, offs, x, lay["up"], "swiglu", torch.float32, h, gate=lay["gate"], act=ACTS[act], act_args=(alpha, limit))
+    y = torch.empty(A, Dx, device=DEVICE)
+    wts = torch.rand(A, device=DEVICE)
+    matvec(bank, offs, h, lay["down"], "weighted", torch.float32, y, rows=torch.arange(A, device=DEVICE), wts=wts)
+    for a in range(A):
+        gate_out = dense[a]["gate"].double() @ x.double().cpu() + dense[a]["gate.bias"].double()
+        assert (gate_out > limit).any()
+        assert rel_err(y[a].cpu(), ref(a, x[None])[0] * float(wts[a])) < 1e-5
+
+    T, counts = 6, [4, 2]
+    xt = torch.randn(T, Dx, device=DEVICE)
+    items = torch.tensor(tile_items(counts, 16), dtype=torch.int32, device=DEVICE)
+    xrows = torch.tensor([0, 2, 3, 5, 1, 2], device=DEVICE)
+    hp = torch.empty(T, I, device=DEVICE)
+    grouped_gemm(bank, offs, xt, xrows, items, lay["up"], "swiglu", torch.float32, hp, gate=lay["gate"], act=ACTS[act],
+                 act_args=(alpha, limit))
+    yp = torch.empty(T, Dx, device=DEVICE)
+    ones = torch.ones(T, device=DEVICE)
+    grouped_gemm(bank, offs, hp, torch.arange(T, device=DEVICE), items, lay["down"], "weighted", torch.float32, yp,
+                 orows=torch.arange(T, device=DEVICE), wts=ones)
+    assert rel_err(yp[:4].cpu(), ref(0, xt[xrows[:4]])) < 1e-5 and rel_err(yp[4:].cpu(), ref(1, xt[xrows[4:]])) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4"])
+@pytest.mark.parametrize("A, Dx, I", SIZES)
+@pytest.mark.parametrize("words", [True, False])
+def test_fp4_decode_both_formulations(fmt, A, Dx, I, words):
+    """Both FP4 matvec formulations (32-bit words of eight nibbles, the default; byte tiles) give the reference's rows."""
+    Dx, I = fit(fmt, Dx, I)
+    bank, offs, manifest, dense = make_bank("swiglu", fmt, A, Dx, I, seed=A + 5)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)
+    x = torch.randn(Dx, device=DEVICE)
+    h = torch.empty(A, I, device=DEVICE)
+    matvec(bank, offs, x, lay["up"], "plain", torch.float32, h, fp4_words=words, bk=64)
+    h_ref = torch.stack([d["up"].double() @ x.double().cpu() for d in dense])
+    assert rel_err(h.cpu(), h_ref) < 1e-5

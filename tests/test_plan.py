@@ -153,3 +153,11 @@ def test_plan_each_family(checkpoints):
     assert figures["deepseek_v3"].kv_bytes_per_token == 3 * (16 + 8) * 4  # MLA: the compressed latent + RoPE key per layer
     assert figures["mixtral"].kv_bytes_per_token == 3 * 2 * 2 * 16 * 4
     assert figures["nemotron_h"].recurrent_bytes > 0
+    for name in ("gpt_oss", "gpt_oss_unquantized"):  # one full-attention layer grows; two sliding ones hold 8 tokens each
+        assert figures[name].kv_bytes_per_token == 1 * 2 * 2 * 16 * 4 and figures[name].recurrent_bytes == 8 * 2 * 2 * 2 * 16 * 4
+    assert figures["gpt_oss"].block_bytes < figures["gpt_oss_unquantized"].block_bytes / 3  # MXFP4 ~4.25 bits a weight vs fp32, 4 KiB pages
+    for name in ("qwen3_5_moe", "qwen3_5_moe_text"):  # the vision-language config plans its LM, as does the LM's own
+        assert figures[name].kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 and figures[name].recurrent_bytes == figures["qwen3_next"].recurrent_bytes
+    assert figures["deepseek_v4"].kv_bytes_per_token == (2 * (32 + 16) // 4 + 32 // 8) * 4  # compressed entries of 2 CSA, 1 HCA layers
+    windows, buffers = 4 * 7 * 32, 7 * 2 * 32 + 2 * (3 * 4 + 4 * 2) * (32 + 16)  # HCA's buffer; CSA's buffers and overlaps
+    assert figures["deepseek_v4"].recurrent_bytes == (windows + buffers) * 4

@@ -179,3 +179,22 @@ def test_multi_token_prediction_layers_are_left_out(checkpoints, tmp_path):
 
     resident, _ = read_header(store.path / "resident.safetensors")
     assert not any(f"layers.{n}." in k for k in resident) and n not in store.moe_layers
+
+
+def test_qwen3_5_moe_keeps_only_its_language_model(checkpoints, tmp_path):
+    """A Qwen3.5-MoE vision-language checkpoint: the vision tower and the MTP head are not part of the LM."""
+    from safetensors.torch import load_file, save_file
+
+    from sluice.storage.safetensors_io import read_header
+
+    d = tmp_path / "vl"
+    shutil.copytree(checkpoints["qwen3_5_moe"], d)
+    tensors = load_file(d / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.randn(32, 64)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    store = repack(d, tmp_path / "s", progress=False)
+    resident, _ = read_header(store.path / "resident.safetensors")
+    assert any(k.startswith("model.visual.") for k in tensors)
+    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in resident)
+
