@@ -117,13 +117,11 @@ def _glu(g, u, ACT: tl.constexpr, X_DT: tl.constexpr, ALPHA: tl.constexpr, LIMIT
     """The gated unit from rounded gate and up outputs (fp32): act(g) * u; gpt-oss's
     (clamp(u, -L, L) + 1) * min(g, L) * sigmoid(ALPHA * min(g, L)); or DeepSeek-V4's
     silu(min(g, L)) * clamp(u, -L, L)."""
-    if ACT == GPT_OSS:
+    if ACT == GPT_OSS or ACT == SILU_CLAMPED:
         g = tl.minimum(g, LIMIT)
         u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-        return (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
-    elif ACT == SILU_CLAMPED:
-        g = tl.minimum(g, LIMIT)
-        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        if ACT == GPT_OSS:
+            return (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
         return _act(g, 1).to(X_DT).to(tl.float32) * u
     else:
         return _act(g, ACT).to(X_DT).to(tl.float32) * u
