@@ -97,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     bm.add_argument("--json", type=Path, help="also write the results as JSON")
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
     bm.set_defaults(func=cmd_bench_model)
+    bb = bsub.add_parser("baseline", help="transformers + accelerate offloading at a VRAM budget, for the speedup ratio")
+    bb.add_argument("--model", required=True, help="a Hugging Face checkpoint transformers can load")
+    bb.add_argument("--vram-budget", default="8GiB")
+    bb.add_argument("--decode-tokens", type=int, default=16)
+    bb.add_argument("--json", type=Path, help="also write the result as JSON")
+    bb.set_defaults(func=cmd_bench_baseline)
+
     bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
     bk.add_argument("--shape", nargs="*", default=None, help="model shapes (default: all)")
     bk.add_argument("--format", nargs="*", default=None, help="nvfp4 fp8 bf16 (default: all)")
@@ -117,6 +124,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--ram-cache", help="host RAM for expert blocks, e.g. 8GiB (default: a quarter of free RAM)")
     p.add_argument("--vram-slots", type=int, help="expert slots on the GPU (default: 4 x top-k)")
+    p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
+                                         "gets what the resident part and a reserve leave")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")
     p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
@@ -137,7 +147,8 @@ def _open_engine(args):
 
     model = args.model or default_model_path()
     return sluice.load(
-        model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, schedule=args.schedule,
+        model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
+        resident_graphs=not args.eager, schedule=args.schedule,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
     )
 
@@ -302,6 +313,25 @@ def cmd_bench_model(args) -> int:
             print(profile_decode(engine))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
+    return 0
+
+
+def cmd_bench_baseline(args) -> int:
+    import json
+
+    import torch
+
+    from sluice.pipeline.bench import accelerate_baseline
+    from sluice.pipeline.config import parse_size
+
+    if not torch.cuda.is_available():
+        raise SluiceError("bench baseline needs a CUDA GPU")
+    r = accelerate_baseline(args.model, parse_size(args.vram_budget, "--vram-budget"), decode_tokens=args.decode_tokens)
+    print(f"transformers + accelerate, max_memory {args.vram_budget}: decode {r['tok_s']:.2f} tok/s, median "
+          f"{r['ms_per_token_median']:.1f} ms/token; VRAM peak {r['vram_peak_bytes'] / 2**30:.2f} GiB; "
+          f"{r['device_map_gpu_entries']} of {r['device_map_entries']} device-map entries on the GPU; load {r['load_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
     return 0
 
 

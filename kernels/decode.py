@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_ROW, MXFP4, NVFP4, SCALE_GROUPS, e2m1_scaled, group_scale,
-                                    load_bias, tensor_scale)
+from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, SCALE_GROUPS, e2m1_scaled, group_scale,
+                                    block_scale, load_bias, tensor_scale)
 from sluice.kernels.layout import ProjLayout
 
 RELU2 = tl.constexpr(0)
@@ -37,7 +37,7 @@ GPT_OSS = tl.constexpr(2)
 SILU_CLAMPED = tl.constexpr(3)
 ACTS = {"relu2": 0, "silu": 1, "gpt_oss_glu": 2, "silu_clamped": 3}  # activation name (MoEBlock.act_name) -> ACT code
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-             torch.uint8: tl.uint8, torch.float8_e4m3fn: tl.float8e4nv}
+             torch.uint8: tl.uint8, torch.int8: tl.int8, torch.float8_e4m3fn: tl.float8e4nv}
 
 
 @triton.jit
@@ -92,8 +92,8 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
             else:
                 w = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + n[:, None] * K + k[None, :], mask=m2, other=0.0).to(tl.float32)
             x = tl.load(vp + k, mask=km, other=0.0).to(tl.float32)
-            if FMT == FP8_BLOCK:  # BK divides BLOCK: one scale per row in this step
-                sb = tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + (n // BLOCK) * S_STRIDE + k0 // BLOCK, mask=nm, other=0.0)
+            if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # BK divides BLOCK: one scale per row in this step
+                sb = block_scale(base + S_OFF, (n // BLOCK) * S_STRIDE + k0 // BLOCK, nm, FMT)
                 acc += w * x[None, :] * sb[:, None]
             else:
                 acc += w * x[None, :]
@@ -201,8 +201,8 @@ def _down_relaid_kernel(
                 else:
                     w = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
                 w = w.to(tl.float32) * hg[:, None]
-                if FMT == FP8_BLOCK:  # 16 divides BLOCK: one scale row for the group
-                    w = w * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, mask=dm, other=0.0)[None, :]
+                if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # 16 divides BLOCK: one scale row for the group
+                    w = w * block_scale(base + S_OFF, (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, dm, FMT)[None, :]
                 acc += w
     out = tl.sum(acc, axis=0)
     if FMT == NVFP4 or FMT == MXFP4:

@@ -21,8 +21,9 @@ FP8_ROW = tl.constexpr(2)  # one scale per output row
 FP8_BLOCK = tl.constexpr(3)  # one scale per BxB tile
 NVFP4 = tl.constexpr(4)
 MXFP4 = tl.constexpr(5)
+FP8_BLOCK_E8M0 = tl.constexpr(6)  # FP8_BLOCK with E8M0 scales (DeepSeek-V4's `.scale`)
 
-FORMAT_CODES = {"dense": 0, "fp8": 1, "fp8_row": 2, "fp8_block": 3, "nvfp4": 4, "mxfp4": 5}
+FORMAT_CODES = {"dense": 0, "fp8": 1, "fp8_row": 2, "fp8_block": 3, "nvfp4": 4, "mxfp4": 5, "fp8_block_e8m0": 6}
 SCALE_GROUPS = {4: 16, 5: 32}  # FP4 format code -> elements per scale
 
 
@@ -65,19 +66,33 @@ def load_tile(base, W_OFF, S_OFF, S_STRIDE, n, k, N, K, FMT: tl.constexpr, WDT: 
         if FMT == FP8_ROW:
             s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + n, mask=n < N, other=0.0)
             w = w * s[:, None]
-        if FMT == FP8_BLOCK:
-            sp = (base + S_OFF).to(tl.pointer_type(tl.float32)) + (n[:, None] // BLOCK) * S_STRIDE + k[None, :] // BLOCK
-            w = w * tl.load(sp, mask=mask, other=0.0)
+        if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:
+            w = w * block_scale(base + S_OFF, (n[:, None] // BLOCK) * S_STRIDE + k[None, :] // BLOCK, mask, FMT)
     return w
 
 
 @triton.jit
+def e8m0(sp, idx, mask):
+    """E8M0 scale bytes at sp + idx as fp32 2**(e - 127) (e = 0 reads as 0 rather than 2**-127, which no
+    weight of any size can tell apart)."""
+    e = tl.load(sp + idx, mask=mask, other=0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def block_scale(sp, idx, mask, FMT: tl.constexpr):
+    """FP8 block scales (element idx of the scale tensor at byte pointer sp) as fp32: F32 or E8M0."""
+    if FMT == FP8_BLOCK_E8M0:
+        return e8m0(sp, idx, mask)
+    else:
+        return tl.load(sp.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+
+
+@triton.jit
 def group_scale(sp, idx, mask, FMT: tl.constexpr):
-    """FP4 group scales at byte pointer sp + idx as fp32: E4M3 (NVFP4) or E8M0 = 2**(e - 127) (MXFP4;
-    e = 0 reads as 0 rather than 2**-127, which no weight of any size can tell apart)."""
+    """FP4 group scales at byte pointer sp + idx as fp32: E4M3 (NVFP4) or E8M0 (MXFP4)."""
     if FMT == MXFP4:
-        e = tl.load(sp + idx, mask=mask, other=0).to(tl.int32)
-        return (e << 23).to(tl.float32, bitcast=True)
+        return e8m0(sp, idx, mask)
     else:
         return tl.load(sp.to(tl.pointer_type(tl.float8e4nv)) + idx, mask=mask, other=0.0).to(tl.float32)
 

@@ -2,12 +2,14 @@
 
     dense      weight float (F32 / BF16 / F16)                                       [out, in]
     fp8        weight F8_E4M3 [out, in]; weight_scale F32, one per tensor or per row
-    fp8_block  weight F8_E4M3 [out, in]; weight_scale_inv F32 [ceil(out/128), ceil(in/128)]
+    fp8_block  weight F8_E4M3 [out, in]; weight_scale_inv F32 [ceil(out/128), ceil(in/128)];
+               DeepSeek-V4 names it weight / scale, its scale F32 or E8M0 (2**(s - 127))
     nvfp4      weight U8 [out, in/2] (low nibble = even element, E2M1), weight_scale F8_E4M3
                [out, in/16], weight_scale_2 F32 scalar (ModelOpt); compressed-tensors names it
                weight_packed / weight_scale / weight_global_scale and stores the global scale inverted
     mxfp4      weight U8 [out, in/2] (E2M1 nibbles as NVFP4), weight_scale U8 [out, in/32] (E8M0:
-               2**(s - 127)); OCP microscaling as gpt-oss ships it (its `*_blocks` / `*_scales`)
+               2**(s - 127)); OCP microscaling as gpt-oss ships it (its `*_blocks` / `*_scales`) and
+               DeepSeek-V4's FP4 experts (weight I8, scale F8_E8M0)
 Any of them may carry a `bias` [out] (gpt-oss experts do).
 
 W[o, i] = E2M1[nibble] * fp32(weight_scale[o, i // 16]) * weight_scale_2 for NVFP4,
@@ -83,15 +85,22 @@ def nvfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, scale2: torch.T
 def mxfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """packed uint8 [out, in/2], scale E8M0 bytes (uint8 or float8_e8m0fnu) [out, in/32] -> fp32 [out, in]."""
     lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
-    p = packed.to(torch.int64)
+    p = packed.view(torch.uint8).to(torch.int64)  # DeepSeek-V4 stores the bytes as I8
     vals = torch.stack([lut[p & 0xF], lut[p >> 4]], dim=-1).reshape(packed.shape[0], -1)
-    return torch.ldexp(vals, (scale.view(torch.uint8).to(torch.int32) - 127).repeat_interleave(MXFP4_GROUP, dim=1)[:, : vals.shape[1]].float())
+    return vals * e8m0_to_f32(scale).repeat_interleave(MXFP4_GROUP, dim=1)[:, : vals.shape[1]]
+
+
+def e8m0_to_f32(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 2**(e - 127), computed here rather than by torch's cast."""
+    e = scale.view(torch.uint8).to(torch.int32) - 127
+    return torch.ldexp(torch.ones(e.shape, device=e.device), e)
 
 
 def fp8_block_dequant_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
-    """w e4m3 [out, in], scale_inv fp32 [ceil(out/b), ceil(in/b)] -> fp32 [out, in] (edges of any size)."""
+    """w e4m3 [out, in], scale_inv fp32 or E8M0 [ceil(out/b), ceil(in/b)] -> fp32 [out, in] (edges of any size)."""
     out, inp = w.shape
-    s = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:out, :inp]
+    s = e8m0_to_f32(scale_inv) if scale_inv.dtype == torch.float8_e8m0fnu else scale_inv.float()
+    s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out, :inp]
     return w.float() * s
 
 
@@ -118,11 +127,12 @@ def _weight_format(names: set[str], suffixes: dict[str, tuple[str, tuple[int, ..
         return WeightFormat("nvfp4", "weight", "weight_scale", "weight_scale_2")
     if names == {"weight_packed", "weight_scale", "weight_global_scale"} and dtype("weight_scale") == "F8_E4M3":
         return WeightFormat("nvfp4", "weight_packed", "weight_scale", "weight_global_scale", scale2_inverted=True)
-    if names == {"weight", "weight_scale"} and dtype("weight") == "U8" and dtype("weight_scale") in ("U8", "F8_E8M0"):
-        (out, half), scale = suffixes["weight"][1], suffixes["weight_scale"][1]
-        if scale != (out, -(-2 * half // MXFP4_GROUP)):
-            raise CheckpointError(f"{where}: MXFP4 scales {list(scale)} do not match weight bytes {[out, half]} (one per 32 inputs)")
-        return WeightFormat("mxfp4", "weight", "weight_scale")
+    for scale in ("weight_scale", "scale"):  # gpt-oss (after its blocks are cut) / DeepSeek-V4
+        if names == {"weight", scale} and dtype("weight") in ("U8", "I8") and dtype(scale) in ("U8", "F8_E8M0"):
+            (out, half), shape = suffixes["weight"][1], suffixes[scale][1]
+            if shape != (out, -(-2 * half // MXFP4_GROUP)):
+                raise CheckpointError(f"{where}: MXFP4 scales {list(shape)} do not match weight bytes {[out, half]} (one per 32 inputs)")
+            return WeightFormat("mxfp4", "weight", scale)
     if names == {"weight", "weight_scale"} and dtype("weight") == "F8_E4M3":
         out = suffixes["weight"][1][0]
         n = 1
@@ -131,14 +141,15 @@ def _weight_format(names: set[str], suffixes: dict[str, tuple[str, tuple[int, ..
         if n not in (1, out):
             raise CheckpointError(f"{where}: FP8 weight_scale of shape {list(suffixes['weight_scale'][1])} is neither per-tensor nor per-row")
         return WeightFormat("fp8", "weight", "weight_scale")
-    if names == {"weight", "weight_scale_inv"} and dtype("weight") == "F8_E4M3":
-        out, inp = suffixes["weight"][1]
-        so, si = suffixes["weight_scale_inv"][1]
-        # 128 is the standard tile; dividing out by the scale rows would be wrong for edges (1856 / 15 != 128)
-        block = next((b for b in (FP8_BLOCK, 64, 256, 32) if -(-out // b) == so and -(-inp // b) == si), None)
-        if block is None:
-            raise CheckpointError(f"{where}: FP8 block scales {so}x{si} do not tile a {out}x{inp} weight in square blocks")
-        return WeightFormat("fp8_block", "weight", "weight_scale_inv", block=block)
+    for scale in ("weight_scale_inv", "scale"):  # DeepSeek-V3 / DeepSeek-V4 (F32 or E8M0 scales)
+        if names == {"weight", scale} and dtype("weight") == "F8_E4M3" and dtype(scale) in ("F32", "F8_E8M0") and len(suffixes[scale][1]) == 2:
+            out, inp = suffixes["weight"][1]
+            so, si = suffixes[scale][1]
+            # 128 is the standard tile; dividing out by the scale rows would be wrong for edges (1856 / 15 != 128)
+            block = next((b for b in (FP8_BLOCK, 64, 256, 32) if -(-out // b) == so and -(-inp // b) == si), None)
+            if block is None:
+                raise CheckpointError(f"{where}: FP8 block scales {so}x{si} do not tile a {out}x{inp} weight in square blocks")
+            return WeightFormat("fp8_block", "weight", scale, block=block)
     found = ", ".join(f"{k}:{v[0]}{list(v[1])}" for k, v in sorted(suffixes.items()))
     raise CheckpointError(f"{where}: unsupported weight format ({found})")
 

@@ -49,6 +49,8 @@ def proj_layouts(formats: dict, slots_all) -> dict[str, ProjLayout]:
         kind = fmt.kind
         if kind == "fp8" and s is not None and _numel(s.shape) > 1:
             kind = "fp8_row"
+        if kind == "fp8_block" and s.dtype == "F8_E8M0":
+            kind = "fp8_block_e8m0"
         s_stride = s.stored_shape[1] if s is not None and len(s.shape) == 2 else 0
         first = min(x.offset for x in slots.values())
         last = max(x.offset + x.nbytes for x in slots.values())

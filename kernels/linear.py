@@ -65,3 +65,31 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, format={self.fmt.kind}, bias={self.bias is not None}"
+
+
+class GroupedQuantLinear(nn.Module):
+    """A block-diagonal linear stored quantised (DeepSeek-V4's grouped output projection `wo_a`).
+
+    The weight [groups * r, in] holds one [r, in] matrix per group; input [..., groups, in] gives
+    [..., groups, r], group i through matrix i. Each group is a QuantLinear over its rows of the
+    checkpoint's tensors (scales cut with them; FP8 128-blocks must not straddle two groups)."""
+
+    def __init__(self, fmt: WeightFormat, tensors: dict[str, torch.Tensor], groups: int, out_features: int, in_features: int, where: str):
+        super().__init__()
+        if out_features % groups:
+            raise ValueError(f"{where}: {out_features} output features do not split into {groups} groups")
+        r = out_features // groups
+        if fmt.kind == "fp8_block" and r % fmt.block:
+            raise ValueError(f"{where}: groups of {r} rows cut FP8 {fmt.block}-blocks in two")
+
+        def rows(sfx: str, t: torch.Tensor, i: int) -> torch.Tensor:
+            if t.dim() == 0 or t.numel() == 1:
+                return t  # a per-tensor scale serves every group
+            per = r // fmt.block if fmt.kind == "fp8_block" and sfx == fmt.scale else r
+            return t[i * per : (i + 1) * per].contiguous()
+
+        self.groups = nn.ModuleList(
+            QuantLinear(fmt, {sfx: rows(sfx, t, i) for sfx, t in tensors.items()}, None, r, in_features) for i in range(groups))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([g(x[..., i, :]) for i, g in enumerate(self.groups)], dim=-2)

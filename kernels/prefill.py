@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.decode import EPILOGUES, PLAIN, SWIGLU, TL_DTYPES, WEIGHTED, _act, _biased, _glu
-from sluice.kernels.dequant import DENSE, FP8_BLOCK, FP8_ROW, MXFP4, NVFP4, e2m1_to_f32, group_scale, load_fp4_tile, load_tile, tensor_scale
+from sluice.kernels.dequant import DENSE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, block_scale, e2m1_to_f32, group_scale, load_fp4_tile, load_tile, tensor_scale
 from sluice.kernels.layout import ProjLayout
 
 
@@ -64,9 +64,8 @@ def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
                     wt = tl.load((base + W_OFF).to(tl.pointer_type(WDT)) + k[:, None] * N + n[None, :], mask=m2, other=0.0).to(tl.float32)
                 else:
                     wt = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + k[:, None] * N + n[None, :], mask=m2, other=0.0).to(tl.float32)
-                    if FMT == FP8_BLOCK:
-                        sp = (base + S_OFF).to(tl.pointer_type(tl.float32)) + (k[:, None] // BLOCK) * S_STRIDE + n[None, :] // BLOCK
-                        wt = wt * tl.load(sp, mask=m2, other=0.0)
+                    if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:
+                        wt = wt * block_scale(base + S_OFF, (k[:, None] // BLOCK) * S_STRIDE + n[None, :] // BLOCK, m2, FMT)
             else:
                 wt = tl.trans(load_tile(base, W_OFF, S_OFF, S_STRIDE, n, k, N, K, FMT, WDT, BLOCK))
             if IEEE:

@@ -23,7 +23,7 @@ from torch import nn
 
 from sluice.errors import CheckpointError
 from sluice.kernels.formats import detect_format
-from sluice.kernels.linear import QuantLinear
+from sluice.kernels.linear import GroupedQuantLinear, QuantLinear
 from sluice.storage.safetensors_io import TORCH_TO_ST
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -83,6 +83,10 @@ class MoEBlock:
     combine_dtype: torch.dtype  # dtype in which weighted expert outputs are summed
     glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (gate out, up out) -> h, when not act(gate) * up
     act_args: tuple[float, float] = (0.0, 0.0)  # the Triton kernels' (alpha, limit) for "gpt_oss_glu" / "silu_clamped"
+    # router, expert_input, finish and the layer's moe_input are pure functions of their tensor arguments
+    # (no state read or written, no host sync; moe_input does not read its ctx): their one-token calls
+    # may be replayed as CUDA graphs (pipeline/graphs.py FnGraphs)
+    graph_safe: bool = False
 
 
 class Layer(ABC):
@@ -97,6 +101,11 @@ class Layer(ABC):
     def moe_input(self, h: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything before the routed experts. Returns (x [T,D] the MoE input, residual [1,T,D])."""
         raise NotImplementedError
+
+    def decode_state(self, ctx: Any) -> tuple[torch.Tensor, ...] | None:
+        """The tensors a one-token `forward` reads and updates in place besides h, when that step may be
+        replayed as a CUDA graph (pipeline/graphs.py); None (the default) when it may not."""
+        return None
 
 
 class ResidentModel(ABC):
@@ -230,12 +239,16 @@ def build_hf_model(
             target.copy_(value)
     for name, parts in quantized.items():
         old = linears[name]
-        if not isinstance(old, nn.Linear):
-            raise CheckpointError(f"{name}: quantised weights for a {type(old).__name__}, only nn.Linear can be quantised")
         bias = parts.pop("bias", None)
         where = f"resident {name}"
         fmt = detect_format({sfx: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for sfx, t in parts.items()}, where)
-        _swap(model, name, QuantLinear(fmt, parts, bias, old.out_features, old.in_features).to(device))
+        if type(old) is nn.Linear:
+            new = QuantLinear(fmt, parts, bias, old.out_features, old.in_features)
+        elif isinstance(old, nn.Linear) and hasattr(old, "n_groups") and bias is None:
+            new = GroupedQuantLinear(fmt, parts, old.n_groups, old.out_features, old.in_features, where)
+        else:
+            raise CheckpointError(f"{where}: quantised weights for a {type(old).__name__}, which Sluice cannot run quantised")
+        _swap(model, name, new.to(device))
     _init_non_persistent_buffers(model)
     model.eval()
     model.requires_grad_(False)
@@ -246,13 +259,23 @@ QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "weight_
                   "input_scale", "input_global_scale")
 
 
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8)
+
+
 def _pop_quantized(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """Take the tensors of quantised linears out of `state`: module name -> suffix -> tensor (bias included)."""
+    """Take the tensors of quantised linears out of `state`: module name -> suffix -> tensor (bias included).
+
+    DeepSeek-V4 names a quantised weight's scale plainly `scale`, a name other modules use for
+    parameters of their own: it marks a quantised linear only beside an FP8 / packed `weight`."""
     groups: dict[str, dict[str, str]] = {}
     for key in state:
         module, _, suffix = key.rpartition(".")
         groups.setdefault(module, {})[suffix] = key
-    quantized = [m for m, g in groups.items() if any(s in QUANT_SUFFIXES for s in g)]
+
+    def quantized_weight(g):
+        return "scale" in g and "weight" in g and state[g["weight"]].dtype in QUANT_DTYPES
+
+    quantized = [m for m, g in groups.items() if any(s in QUANT_SUFFIXES for s in g) or quantized_weight(g)]
     return {m: {sfx: state.pop(key) for sfx, key in groups[m].items()} for m in quantized}
 
 

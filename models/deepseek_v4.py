@@ -16,9 +16,11 @@ post [T,H,1] * (routed + shared(x)) [T,1,D], as the layer would.
 
 The routed experts clamp gate <= swiglu_limit and |up| <= swiglu_limit before SiLU(gate) * up: their
 MoEBlock carries that gate ("silu_clamped" in the Triton kernels, `glu` for the torch backend).
-Not supported: the released weights' formats: FP4 experts (I8 + F8_E8M0 `.scale`)
-and FP8 attention with E8M0 block `.scale`s. In BF16 / FP16, transformers' own model fails as
-Sluice does (norms it keeps in fp32 feed half-precision linears): unquantised weights run in float32.
+The released formats are read as shipped (kernels/formats.py): FP4 experts as I8 `weight` + F8_E8M0
+`scale` [out, in/32] (MXFP4), FP8 linears as `weight` + block `scale` (E8M0 in the FP4 releases, F32 in
+the FP8 ones), the grouped output projection wo_a as one QuantLinear per group. Unquantised weights
+in BF16 / FP16 fail in transformers' own model as in Sluice (norms it keeps in fp32 feed
+half-precision linears): they run in float32.
 """
 
 from __future__ import annotations

@@ -81,6 +81,16 @@ class _MixerLayer(Layer):
             **cache_kw(ctx.cache),
         )
 
+    def decode_state(self, ctx):
+        """A Mamba-2 mixer's one-token step updates its conv and SSM states in place (pipeline/graphs.py)."""
+        i, kind = self.block.layer_idx, self.block.block_type  # "mamba"; "linear_attention" in later transformers
+        if kind not in ("mamba", "linear_attention") or ctx.masks.get(kind) is not None or not ctx.cache.has_previous_state(i):
+            return None
+        states = ctx.cache.layers[i]
+        if getattr(states, "record_past", False):
+            return None
+        return states.conv_states[0], states.recurrent_states[0]
+
 
 class _MoELayer(Layer):
     def __init__(self, block, moe_index: int, config):
@@ -100,6 +110,7 @@ class _MoELayer(Layer):
             act=ACT2FN[config.mlp_hidden_act],
             act_name=config.mlp_hidden_act,
             combine_dtype=torch.float32,
+            graph_safe=True,
         )
 
     def moe_input(self, h, ctx):

@@ -9,17 +9,37 @@ Two configs name it, and transformers reads both into Qwen3_5MoeForCausalLM:
   model.language_model. (model.language_model.layers.L.mlp.experts.E...), beside the vision tower
   model.visual.* and the multi-token-prediction head mtp.*, which are not part of the LM and are skipped.
 Routed experts are read per expert, as save_pretrained and the quantised (FP8, NVFP4, ...) releases
-store them; the BF16 releases fuse each layer's experts into experts.gate_up_proj [E, 2I, D] and
-experts.down_proj [E, D, I], which repack does not read.
+store them, or fused per layer as the BF16 releases store them: experts.gate_up_proj [E, 2I, D] (gate
+the first I rows, up the last I) and experts.down_proj [E, D, I], cut per expert at repack by
+`split_fused` (byte ranges: the store keeps the checkpoint's values).
 """
 
 from __future__ import annotations
 
 import re
 
+from sluice.errors import CheckpointError
 from sluice.models.base import ExpertSpec, ResidentModel, build_hf_model
 from sluice.models.decoder import DecoderResident, strip_routed
 from sluice.models.qwen3_next import Qwen3Next, gated_shared_block
+from sluice.storage.safetensors_io import TensorInfo, TensorPart
+
+_FUSED = re.compile(r"^model\.(?:language_model\.)?layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def split_fused(name: str, info: TensorInfo) -> list[tuple[int, int, str, str, TensorPart]] | None:
+    """A fused expert tensor's per-expert parts: (layer, expert, proj, suffix, part); None for other tensors."""
+    m = _FUSED.match(name)
+    if m is None:
+        return None
+    layer, experts = int(m["layer"]), range(info.shape[0])
+    if m["proj"] == "down_proj":
+        return [(layer, e, "down", "weight", TensorPart(info, e)) for e in experts]
+    if len(info.shape) != 3 or info.shape[1] % 2:
+        raise CheckpointError(f"{info.file.name}: {name!r} of shape {list(info.shape)} is not [experts, 2 x intermediate, hidden]")
+    half = info.shape[1] // 2
+    return [(layer, e, "gate", "weight", TensorPart(info, e, stop=half)) for e in experts] + \
+           [(layer, e, "up", "weight", TensorPart(info, e, start=half)) for e in experts]
 
 
 class Qwen3_5Moe(Qwen3Next):
@@ -41,6 +61,7 @@ class Qwen3_5Moe(Qwen3Next):
             moe_layers=tuple(range(text.num_hidden_layers)),
             num_experts=text.num_experts,
             top_k=text.num_experts_per_tok,
+            split=split_fused,
         )
 
     def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:

@@ -31,6 +31,23 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
     return nbytes / sorted(times)[len(times) // 2]
 
 
+def disk_bandwidth(engine, blocks: int = 64) -> float:
+    """Expert-block read rate in bytes/s through the engine's own reader pool (O_DIRECT, its threads),
+    reading `blocks` blocks spread over the store into scratch slots of the RAM arena's kind."""
+    from sluice.storage.reader import HostArena
+
+    store = engine.store
+    n = min(blocks, store.total_blocks)
+    arena = HostArena(n, store.block_bytes, pin=False)
+    layers, E = list(store.moe_layers), store.manifest.num_experts
+    picks = [(layers[(i * 7) % len(layers)], (i * 37) % E) for i in range(n)]
+    t = time.perf_counter()
+    futures = [engine.rt.reader.submit(l, e, arena.slot(i)) for i, (l, e) in enumerate(picks)]
+    for f in futures:
+        f.result()
+    return n * store.block_bytes / (time.perf_counter() - t)
+
+
 def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm: bool = True, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
@@ -70,11 +87,20 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "stall_ms_per_token": 1000 * io["stall_s"] / n,
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
     }
+    d["vram_slots"] = engine.rt.vram.capacity if engine.rt.vram is not None else 0
+    d["ram_slots"] = engine.rt.ram.capacity
     if engine.device.type == "cuda":
         bw = h2d_bandwidth(engine.device)
         moved = (per_tier["ram"] + per_tier["disk"]) * block  # blocks that crossed PCIe
         d["h2d_gbps"] = bw / 1e9
         d["roofline_ms_per_token"] = 1000 * moved / bw
+        d["vram_peak_bytes"] = torch.cuda.max_memory_allocated(engine.device)
+    reads = (io["blocks"]["disk"] + io["prefetch_reads"]) / n  # every block read from disk, for demand or on a guess
+    d["disk_reads_per_token"] = reads
+    if reads:
+        disk = disk_bandwidth(engine)
+        d["disk_gbps"] = disk / 1e9
+        d["disk_roofline_ms_per_token"] = 1000 * reads * block / disk + d.get("roofline_ms_per_token", 0.0)
     return out
 
 
@@ -88,7 +114,13 @@ def format_bench(r: dict, block_bytes: int) -> str:
     hit = f"{d['hit_rate']:.1%}" if d["hit_rate"] is not None else "n/a"
     rec = f"{d['prefetch_recall']:.1%}" if d["prefetch_recall"] is not None else "n/a"
     lines.append(f"  hit rate {hit}, prefetch recall {rec}, fetch stall {d['stall_ms_per_token']:.2f} ms/token")
-    if "roofline_ms_per_token" in d:
+    lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"
+                 + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB" if "vram_peak_bytes" in d else ""))
+    if "disk_roofline_ms_per_token" in d:
+        lines.append(f"  disk reads {d['disk_reads_per_token']:.2f} blocks/token (demand and prefetch)")
+        lines.append(f"  disk + PCIe roofline {d['disk_roofline_ms_per_token']:.2f} ms/token (disk {d['disk_gbps']:.2f} GB/s measured now): "
+                     f"{d['ms_per_token_median'] / max(d['disk_roofline_ms_per_token'], 1e-9):.2f} x")
+    if d.get("roofline_ms_per_token"):
         lines.append(f"  roofline {d['roofline_ms_per_token']:.2f} ms/token (PCIe bytes / {d['h2d_gbps']:.1f} GB/s measured now): "
                      f"{d['ms_per_token_median'] / max(d['roofline_ms_per_token'], 1e-9):.2f} x roofline")
     return "\n".join(lines)
@@ -132,3 +164,39 @@ def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
     lines.append(buf.getvalue())
     return "\n".join(lines)
+
+
+def accelerate_baseline(path, budget: int, prompt_len: int = 32, decode_tokens: int = 16, seed: int = 0) -> dict:
+    """transformers + accelerate offloading on the same checkpoint: device_map="auto" with max_memory at
+    the budget (what does not fit stays in CPU RAM and is copied in per forward). Greedy decode after a
+    `prompt_len` prompt, each step timed as `bench_model` times Sluice's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map="auto",
+                                                 max_memory={0: budget, "cpu": f"{available_gib()}GiB"}).eval()
+    load_s = time.perf_counter() - t
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (1, prompt_len), generator=g).to("cuda")
+    times = []
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(decode_tokens):
+            t = time.perf_counter()
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            token.item()
+            times.append(time.perf_counter() - t)
+    times.sort()
+    on_gpu = sum(1 for d in set(model.hf_device_map.values()) if str(d) in ("0", "cuda", "cuda:0"))
+    return {"load_s": load_s, "ms_per_token_median": 1000 * times[len(times) // 2], "tok_s": len(times) / sum(times),
+            "vram_peak_bytes": torch.cuda.max_memory_allocated(), "device_map_gpu_entries": on_gpu,
+            "device_map_entries": len(model.hf_device_map)}
+
+
+def available_gib() -> int:
+    from sluice.pipeline.config import available_ram
+
+    return max(1, available_ram() // 2**30 - 4)

@@ -55,13 +55,15 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str | None = None  # resident dtype; None = the checkpoint's
     ram_cache: int | None = None  # bytes of host RAM for expert blocks; None = a quarter of free RAM, at most all blocks
-    vram_slots: int | None = None  # expert slots on the GPU; None = 4 x top-k
+    vram_slots: int | None = None  # expert slots on the GPU; None = 4 x top-k, or what vram_budget leaves
+    vram_budget: int | None = None  # bytes of GPU memory the engine may use (emulates a smaller card)
     schedule: str = "overlap"  # schedule name (schedules/NAME.yaml) or path
     readers: int | None = None  # reader threads; None = the schedule's fetch.readers
     verify_checksums: bool = True
     direct_io: bool = True
     trace: str | None = None  # path for Chrome trace JSON (+ .jsonl stage lines)
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
+    resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -70,7 +72,9 @@ class EngineConfig:
             raise ConfigError(f"device: {self.device!r} asked for, but CUDA is not available here")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
-        for name in ("ram_cache", "vram_slots", "readers"):
+        if self.vram_slots is not None and self.vram_budget is not None:
+            raise ConfigError("vram_slots and vram_budget: give one (the budget sizes the slot bank itself)")
+        for name in ("ram_cache", "vram_slots", "vram_budget", "readers"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")

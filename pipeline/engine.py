@@ -16,12 +16,13 @@ from typing import Any, Iterator
 
 import torch
 
-from sluice.errors import SluiceError, StoreError
+from sluice.errors import ConfigError, SluiceError, StoreError
 from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import MoEBlock, ResidentModel
-from sluice.pipeline.config import EngineConfig, available_ram, parse_size, sluice_home
+from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size, sluice_home
 from sluice.pipeline.coordinator import Coordinator
+from sluice.pipeline.graphs import DecodeGraphs, FnGraphs
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
@@ -46,16 +47,32 @@ class Engine:
     def __init__(self, store: ExpertStore, model: ResidentModel, rt: Runtime, coordinator: Coordinator, config: EngineConfig):
         self.store, self.model, self.rt, self.coordinator, self.config = store, model, rt, coordinator, config
         self.device = model.device
+        graphs = self.device.type == "cuda" and config.resident_graphs
+        self.graphs = DecodeGraphs() if graphs else None
         self._loop = asyncio.new_event_loop()
         blocks = model.moe_blocks
         self._next: list[MoEBlock | None] = blocks[1:] + [None]
+        # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
+        # (the predict stage runs the next block's router under names of its own)
+        self.fn_graphs = FnGraphs() if graphs else None
+        self._decode_views: dict[int, tuple[Any, MoEBlock, MoEBlock | None]] = {}
+        if self.fn_graphs is not None:
+            fg = self.fn_graphs
+            for i, layer in enumerate(model.layers):
+                b = layer.moe
+                if b is not None and b.graph_safe:
+                    nxt = self._next[b.index]
+                    self._decode_views[i] = (
+                        fg.wrap(lambda h, f=layer.moe_input: f(h, None), f"moe_input:{b.layer}"), fg.block(b, "route"),
+                        fg.block(nxt, "predict") if nxt is not None and nxt.graph_safe else nxt)
 
     @classmethod
     def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":
         """Open a store, or a checkpoint (repacked once into SLUICE_HOME/stores). Settings: EngineConfig fields;
         sizes may be strings ('8GiB')."""
-        if "ram_cache" in settings:
-            settings["ram_cache"] = parse_size(settings["ram_cache"], "ram_cache")
+        for size in ("ram_cache", "vram_budget"):
+            if size in settings:
+                settings[size] = parse_size(settings[size], size)
         config = EngineConfig(**{k: v for k, v in settings.items() if v is not None})
         store = ExpertStore.open(resolve_store(path, progress))
         device = config.torch_device
@@ -70,7 +87,10 @@ class Engine:
         readers = config.readers or fetch.knobs.readers
         ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
-        vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
+        if config.vram_budget is not None and device.type == "cuda":
+            vram_blocks = budget_slots(config.vram_budget, store, device)
+        else:
+            vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
         recorder = None
         if config.record_routing:
             m = store.manifest
@@ -79,8 +99,18 @@ class Engine:
                 "top_k": m.top_k, "block_bytes": m.block_bytes, "ram_blocks": ram_blocks,
                 "vram_blocks": vram_blocks if device.type == "cuda" else 0, "prefetch": fetch.knobs.prefetch and schedule.stage("predict") is not None,
                 "schedule": schedule.name})
+        h2d = schedule.stage("h2d").knobs
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
-                     down_in_ram=schedule.stage("h2d").knobs.copy == "up", record_routing=recorder)
+                     down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy)
+        if h2d.hot_set and rt.vram is not None:
+            try:
+                held = rt.load_hot_set(h2d.hot_set, reserve=2 * store.manifest.top_k)
+            except BaseException:
+                rt.close()
+                raise
+            get_logger().info("VRAM hot set loaded", blocks=held, trace=h2d.hot_set)
+        elif h2d.hot_set:
+            get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=h2d.hot_set)
         return cls(store, model, rt, Coordinator(schedule, rt), config)
 
     # -- public, synchronous API ------------------------------------------------------------
@@ -152,12 +182,20 @@ class Engine:
             recorder.begin_step(len(ids))
         with torch.inference_mode():
             h, ctx = model.begin(torch.tensor([ids], device=self.device), seq.cache, len(seq.tokens))
-            for layer in model.layers:
+            graphs = self.graphs if len(ids) == 1 else None
+            for i, layer in enumerate(model.layers):
                 if layer.moe is None:
-                    h = layer.forward(h, ctx)
+                    h = graphs.run(i, layer, h, ctx) if graphs is not None else layer.forward(h, ctx)
                     continue
-                x, residual = layer.moe_input(h, ctx)
-                h = (await self.coordinator.run_layer(LayerInput(layer.moe, self._next[layer.moe.index], x, residual))).h
+                view = self._decode_views.get(i) if graphs is not None else None
+                if view is None:
+                    x, residual = layer.moe_input(h, ctx)
+                    li = LayerInput(layer.moe, self._next[layer.moe.index], x, residual)
+                else:
+                    moe_input, block, nxt = view
+                    x, residual = moe_input(h)
+                    li = LayerInput(block, nxt, x, residual)
+                h = (await self.coordinator.run_layer(li)).h
             logits = model.head(h)
         seq.tokens.extend(ids)
         if recorder is not None:
@@ -166,6 +204,29 @@ class Engine:
         self.rt.stats.tokens += len(ids)
         self.rt.tracer.flush()
         return logits
+
+
+VRAM_RESERVE = 2 << 30  # at least this much of a VRAM budget stays free for activations and the KV cache
+
+
+def budget_slots(budget: int, store: ExpertStore, device: torch.device) -> int:
+    """Expert slots a VRAM budget leaves after the resident part (already on the device) and a reserve
+    (2 GiB or a quarter of the budget) for activations and KV; caps the process at the budget so the
+    run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone needs ~1.5 GiB
+    for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
+    used = torch.cuda.memory_allocated(device)
+    reserve = max(VRAM_RESERVE, budget // 4)
+    slots = min(store.total_blocks, (budget - used - reserve) // store.block_bytes)
+    need = store.manifest.top_k
+    if slots < need:
+        raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)} and {format_bytes(reserve)} "
+                          f"stays free for activations, leaving room for {max(slots, 0)} expert slots; a MoE layer needs {need}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+    get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), reserve=format_bytes(reserve),
+                      expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes))
+    return int(slots)
 
 
 def _check_ids(ids: list[int]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sluice.errors import ScheduleError
 from sluice.kernels.layout import proj_layouts
 from sluice.pipeline.streams import Streams
 from sluice.pipeline.trace import Tracer
@@ -94,6 +95,7 @@ class Runtime:
         trace: str | None = None,
         down_in_ram: bool = False,
         record_routing: RoutingRecorder | None = None,
+        vram_policy: str = "lru",
     ):
         self.store = store
         self.device = device
@@ -102,7 +104,7 @@ class Runtime:
         self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify)
         cuda = device.type == "cuda"
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
-        self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device)) if cuda else None
+        self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device), vram_policy) if cuda else None
         self.stats = IOStats()
         self.recorder = record_routing
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
@@ -137,6 +139,30 @@ class Runtime:
         self.ram.clear()
         if self.vram is not None:
             self.vram.clear()
+
+    def load_hot_set(self, trace_path: str, reserve: int) -> int:
+        """Load the blocks a routing trace routed to most often into the VRAM tier and hold them there,
+        leaving `reserve` slots to the rest; returns how many were loaded."""
+        from collections import Counter
+
+        from sluice.storage.trace import read_trace
+
+        trace, m = read_trace(trace_path), self.store.manifest
+        if trace.header.get("architecture") != m.architecture or trace.header.get("num_experts") != m.num_experts:
+            raise ScheduleError(f"hot_set {trace_path}: recorded on {trace.header.get('architecture')} with "
+                                f"{trace.header.get('num_experts')} experts, this store is {m.architecture} with {m.num_experts}")
+        layers = set(self.store.moe_layers)
+        counts = Counter((r.layer, e) for r in trace.records if r.layer in layers for e in r.experts)
+        staging = HostArena(1, self.store.block_bytes, pin=True)
+        n = 0
+        for key, _ in counts.most_common(max(0, self.vram.capacity - reserve)):
+            self.reader.submit(key[0], key[1], staging.slot(0)).result()
+            entry = self.vram.try_reserve(key)
+            entry.buf.copy_(staging.slot(0))
+            self.vram.hold(entry)
+            self.vram.unpin(entry)
+            n += 1
+        return n
 
     def close(self) -> None:
         self.reader.close()

@@ -10,6 +10,10 @@ bank has no free slot the stage ends a wave and waits for compute to release one
 `copy: up` (zero-copy down) copies every projection but `down`; compute then reads `down`
 straight from the pinned RAM slot over PCIe, and the RAM pin is held until compute is done.
 With zero-skip in compute, only the 16-neuron groups live after ReLU^2 cross the bus.
+
+The VRAM tier these copies fill is set here too: `vram_policy` (lru | lfu, storage/cache.py) picks
+what it evicts, and `hot_set` (a routing trace recorded with --record-routing) loads the blocks that
+trace routed to most often at start and keeps them for good, all but two layers' worth of slots.
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ from sluice.stages.types import DeviceBlock, HostBlock
 @dataclass(frozen=True)
 class H2DKnobs:
     copy: str = "all"  # all | up (leave `down` in pinned RAM for the zero-copy kernel)
+    vram_policy: str = "lru"  # lru | lfu: what the VRAM tier evicts
+    hot_set: str = ""  # routing trace whose most-routed blocks are loaded at start and held in VRAM
+
+    def __post_init__(self):
+        from sluice.storage.cache import POLICIES
+
+        if self.vram_policy not in POLICIES:
+            raise ScheduleError(f"stage 'h2d': 'vram_policy' must be one of {', '.join(POLICIES)}, got {self.vram_policy!r}")
 
 
 class H2D(Stage):

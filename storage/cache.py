@@ -1,4 +1,4 @@
-"""A memory tier: an LRU cache of expert blocks in fixed-size slots of one arena.
+"""A memory tier: a cache of expert blocks in fixed-size slots of one arena, LRU or LFU.
 
 Used twice: the host-RAM tier (page-aligned, pinned when CUDA; filled by reader threads) and the
 VRAM slot bank (filled by H2D copies). Threading: all bookkeeping runs on the engine's event-loop
@@ -12,12 +12,18 @@ Invariants:
   the slot must wait for it first (the host: event.synchronize() before a disk read; a copy
   stream: wait_event before an H2D copy), so a slot is never overwritten while being read.
 - `lookup` changes LRU order (it counts as a use); `peek` does not.
+- Eviction takes the least recently used evictable entry (`lru`), or (`lfu`) the one routed least
+  often since the engine opened, ties to the least recently used: the simulator's `lfu`
+  (storage/simulate.py), found through a heap with stale items skipped rather than a scan.
+- `hold` pins an entry for good (a hot set loaded at start): it is never evicted.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+import heapq
+import itertools
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,16 +57,27 @@ class CacheStats:
     evictions: int = 0
 
 
-class BlockCache:
-    """LRU over `arena.n` slots; `arena.slot(i)` is slot i's memory (uint8 [block_bytes])."""
+POLICIES = ("lru", "lfu")
 
-    def __init__(self, arena: Any):
+
+class BlockCache:
+    """`arena.n` slots under `policy` (lru | lfu); `arena.slot(i)` is slot i's memory (uint8 [block_bytes])."""
+
+    def __init__(self, arena: Any, policy: str = "lru"):
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.arena = arena
         self.capacity = arena.n
+        self.policy = policy
         self._entries: OrderedDict[Key, CacheEntry] = OrderedDict()  # LRU first
         self._free = list(range(arena.n - 1, -1, -1))
         self._released = asyncio.Event()
         self.stats = CacheStats()
+        # lfu: uses per key since the engine opened, and a heap of (uses, last use, key), stale items skipped
+        self._uses: dict[Key, int] = defaultdict(int)
+        self._last: dict[Key, int] = {}
+        self._heap: list[tuple[int, int, Key]] = []
+        self._clock = itertools.count()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -79,6 +96,7 @@ class BlockCache:
         else:
             self.stats.hits += 1
             self._entries.move_to_end(key)
+            self._used(key)
         return entry
 
     def try_reserve(self, key: Key) -> CacheEntry | None:
@@ -93,6 +111,7 @@ class BlockCache:
             slot, reuse_after = evicted.slot, evicted.busy
         entry = CacheEntry(key, slot, self.arena.slot(slot), pins=1, reuse_after=reuse_after)
         self._entries[key] = entry
+        self._used(key)
         return entry
 
     async def reserve(self, key: Key) -> CacheEntry:
@@ -131,10 +150,44 @@ class BlockCache:
         self._free = list(range(self.arena.n - 1, -1, -1))
         self._released.set()
 
+    def hold(self, entry: CacheEntry) -> None:
+        """Keep entry for good: one pin that is never released."""
+        entry.pins += 1
+
+    def _used(self, key: Key) -> None:
+        if self.policy == "lfu":
+            self._uses[key] += 1
+            self._last[key] = t = next(self._clock)
+            heapq.heappush(self._heap, (self._uses[key], t, key))
+            if len(self._heap) > 8 * self.capacity + 64:  # drop stale items now and then
+                self._heap = [(self._uses[k], self._last[k], k) for k in self._entries]
+                heapq.heapify(self._heap)
+
     def _evict_one(self) -> CacheEntry | None:
+        if self.policy == "lfu":
+            return self._evict_least_used()
         for key, entry in self._entries.items():
             if entry.pins == 0 and not entry.loading:
-                del self._entries[key]
-                self.stats.evictions += 1
-                return entry
+                return self._evict(key)
         return None
+
+    def _evict_least_used(self) -> CacheEntry | None:
+        busy, victim = [], None
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            uses, t, key = item
+            entry = self._entries.get(key)
+            if entry is None or uses != self._uses[key] or t != self._last[key]:
+                continue  # stale: the key was used again, or is not cached
+            if entry.pins == 0 and not entry.loading:
+                victim = self._evict(key)
+                break
+            busy.append(item)
+        for item in busy:
+            heapq.heappush(self._heap, item)
+        return victim
+
+    def _evict(self, key: Key) -> CacheEntry:
+        entry = self._entries.pop(key)
+        self.stats.evictions += 1
+        return entry

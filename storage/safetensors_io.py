@@ -105,19 +105,21 @@ class TensorPart:
     """Expert `index` of a fused [E, ...] checkpoint tensor, seen as a tensor of its own.
 
     Trailing dims are flattened to 2-D [rows, cols] (a 1-D [rows] stays 1-D). `transpose` turns a
-    checkpoint's [in, out] into [out, in]; `step` > 1 keeps every step-th row from `start` (gpt-oss
-    interleaves gate and up rows). Its bytes are a permutation of a byte range of the whole tensor:
-    no value is changed."""
+    checkpoint's [in, out] into [out, in]; then rows start:stop:step are kept (gpt-oss interleaves
+    gate and up rows, step 2; Qwen3.5 stacks gate over up, a half each). Its bytes are a permutation
+    of a byte range of the whole tensor: no value is changed."""
 
     whole: TensorInfo
     index: int
     transpose: bool = False
     start: int = 0
     step: int = 1
+    stop: int | None = None
 
     @property
     def name(self) -> str:
-        rows = f"[{self.start}::{self.step}]" if self.step > 1 else ""
+        sliced = self.step > 1 or self.start or self.stop is not None
+        rows = f"[{self.start}:{'' if self.stop is None else self.stop}:{self.step}]" if sliced else ""
         return f"{self.whole.name}[{self.index}]{'.T' if self.transpose else ''}{rows}"
 
     @property
@@ -140,7 +142,7 @@ class TensorPart:
         rows, cols = self._matrix()
         if self.transpose:
             rows, cols = cols, rows
-        rows = len(range(self.start, rows, self.step))
+        rows = len(range(*slice(self.start, self.stop, self.step).indices(rows)))
         return (rows,) if len(self.whole.shape) == 2 else (rows, cols)
 
     @property
@@ -157,7 +159,7 @@ class TensorPart:
         t = torch.frombuffer(bytearray(read_bytes(part, fd_cache)), dtype=torch.uint8).view(rows, cols, -1)
         if self.transpose:
             t = t.permute(1, 0, 2)
-        return t[self.start :: self.step].contiguous().numpy().tobytes()
+        return t[self.start : self.stop : self.step].contiguous().numpy().tobytes()
 
 
 def read_bytes(info: TensorInfo | TensorPart, fd_cache: dict[Path, int] | None = None) -> bytes:

@@ -15,7 +15,7 @@ from sluice.kernels.formats import WeightFormat, detect_format
 from sluice.storage.safetensors_io import TORCH_TO_ST
 from sluice.storage.store import Manifest, pack_block, plan_layout
 
-FORMATS = ("bf16", "fp32", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct", "mxfp4")
+FORMATS = ("bf16", "fp32", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds")
 
 
 def modelopt_nvfp4():
@@ -36,7 +36,7 @@ def quantize(w: torch.Tensor, fmt: str, block: int = 32) -> dict[str, torch.Tens
         amax = w.abs().amax() if fmt == "fp8" else w.abs().amax(dim=1, keepdim=True)
         scale = (amax / 448.0).clamp(min=1e-12).float()
         return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(()) if fmt == "fp8" else scale}
-    if fmt == "fp8_block":
+    if fmt in ("fp8_block", "fp8_block_e8m0"):  # the second as DeepSeek-V4 ships it: power-of-two scales, E8M0
         out, inp = w.shape
         so, si = -(-out // block), -(-inp // block)
         scale = torch.empty(so, si)
@@ -45,20 +45,26 @@ def quantize(w: torch.Tensor, fmt: str, block: int = 32) -> dict[str, torch.Tens
             for j in range(si):
                 tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
                 s = (tile.abs().amax() / 448.0).clamp(min=1e-12)
+                if fmt == "fp8_block_e8m0":
+                    s = torch.exp2(torch.ceil(torch.log2(s)))
                 scale[i, j] = s
                 q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / s).to(torch.float8_e4m3fn)
-        return {"weight": q, "weight_scale_inv": scale}
+        if fmt == "fp8_block":
+            return {"weight": q, "weight_scale_inv": scale}
+        return {"weight": q, "scale": (torch.log2(scale) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)}
     if fmt in ("nvfp4", "nvfp4_ct"):
         q, s, s2 = modelopt_nvfp4().quantize(w.float(), 16)
         packed = q._quantized_data
         if fmt == "nvfp4":
             return {"weight": packed, "weight_scale": s, "weight_scale_2": s2.float().reshape(()), "input_scale": torch.ones(())}
         return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": (1.0 / s2.float()).reshape(())}
-    if fmt == "mxfp4":
+    if fmt in ("mxfp4", "mxfp4_ds"):  # gpt-oss's blocks cut per expert; DeepSeek-V4's I8 + F8_E8M0 `scale`
         from sluice.models.tiny import quantize_mxfp4
 
         blocks, scales = quantize_mxfp4(w.float())
-        return {"weight": blocks.reshape(w.shape[0], -1), "weight_scale": scales}
+        if fmt == "mxfp4":
+            return {"weight": blocks.reshape(w.shape[0], -1), "weight_scale": scales}
+        return {"weight": blocks.reshape(w.shape[0], -1).view(torch.int8), "scale": scales.view(torch.float8_e8m0fnu)}
     raise ValueError(fmt)
 
 
@@ -111,8 +117,9 @@ def make_bank(kind: str, fmt: str, A: int, Dx: int, I: int, seed: int = 0, scale
     return bank, offsets, manifest, dense
 
 
-def quantize_checkpoint(src, dst, ref, fmt: str, resident: bool = False):
-    """Quantise a tiny checkpoint's routed experts (and, with `resident`, its other linears) into `fmt`.
+def quantize_checkpoint(src, dst, ref, fmt: str, resident: bool | str = False):
+    """Quantise a tiny checkpoint's routed experts into `fmt` (and, with `resident`, its other linears:
+    into `fmt` too, or the format `resident` names).
 
     Writes the quantised checkpoint to `dst` (checkpoint names, hf_quant_config.json for ModelOpt
     formats) and, to `ref`, the same model with every quantised weight replaced by its
@@ -127,15 +134,17 @@ def quantize_checkpoint(src, dst, ref, fmt: str, resident: bool = False):
 
     src, dst, ref = Path(src), Path(dst), Path(ref)
     tensors = load_file(src / "model.safetensors")
-    expert = re.compile(r"\.experts\.\d+\.\w+_proj\.weight$")
-    resident_linear = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj|gate_proj|fc1_latent_proj|fc2_latent_proj)\.weight$")
+    expert = re.compile(r"\.experts\.\d+\.(\w+_proj|w[123])\.weight$")
+    resident_linear = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj|gate_proj|fc1_latent_proj|fc2_latent_proj"
+                                 r"|wq_a|wq_b|wkv|wgate|wo_a|wo_b|w1|w2|w3)\.weight$")  # the last: DeepSeek-V4's names
     out, deq, quantized = {}, {}, []
     for name, w in tensors.items():
-        if expert.search(name) or (resident and resident_linear.search(name) and ".experts." not in name):
-            q = quantize(w.float(), fmt)
+        routed = expert.search(name) is not None
+        if routed or (resident and resident_linear.search(name) and ".experts." not in name):
+            q = quantize(w.float(), fmt if routed or resident is True else resident)
             module = name[: -len(".weight")]
             out.update({f"{module}.{sfx}": t for sfx, t in q.items()})
-            if fmt.startswith("nvfp4"):
+            if "weight_scale_2" in q or "weight_global_scale" in q:
                 deq[name] = modelopt_dequant(q)
             else:
                 deq[name] = detect_format({s: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for s, t in q.items()}, name).dequant_ref(q)
@@ -150,6 +159,11 @@ def quantize_checkpoint(src, dst, ref, fmt: str, resident: bool = False):
                 shutil.copy(f, d / f.name)
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     save_file(deq, ref / "model.safetensors", metadata={"format": "pt"})
+    if fmt == "mxfp4_ds":  # what DeepSeek-V4-Flash's config.json says
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(expert_dtype="fp4", quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                                             "weight_block_size": [128, 128], "activation_scheme": "dynamic"})
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     if fmt in ("nvfp4", "fp8"):
         algo = {"nvfp4": "NVFP4", "fp8": "FP8"}[fmt]
         (dst / "hf_quant_config.json").write_text(json.dumps({

@@ -74,3 +74,42 @@ def test_arena_slots_are_page_aligned():
     assert all(a.slot(i).data_ptr() % 4096 == 0 for i in range(5))
     with pytest.raises(ValueError):
         HostArena(2, 1000, pin=False)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_policies_evict_as_the_simulator_does(policy):
+    """On a skewed random stream the engine's tier and the simulator's cache of the same policy hit and miss
+    alike, access by access (so `sluice simulate --policy` predicts the engine); LFU keeps the hot keys."""
+    import random
+
+    from sluice.storage.simulate import _make
+
+    rng = random.Random(0)
+    keys = [(0, min(int(rng.expovariate(0.15)), 40)) for _ in range(3000)]
+    sim = _make(policy, 8, {})
+    engine_hits = _hits(BlockCache(HostArena(8, 4096, pin=False), policy), keys)
+    assert engine_hits == [sim.access(key, i) for i, key in enumerate(keys)]
+    if policy == "lfu":
+        assert sum(engine_hits) > 1.1 * sum(_hits(cache(8), keys))
+
+
+def _hits(c: BlockCache, keys) -> list[bool]:
+    """Use each key in turn (a miss brings it in); whether each use hit."""
+    hits = []
+    for key in keys:
+        hits.append(c.lookup(key) is not None)
+        if not hits[-1]:
+            fill(c, key)
+    return hits
+
+
+def test_held_entries_stay_and_bad_policy_is_named():
+    c = BlockCache(HostArena(2, 4096, pin=False), "lfu")
+    hot = c.try_reserve((0, 1))
+    c.hold(hot)
+    c.unpin(hot)
+    for e in range(2, 40):
+        c.unpin(c.try_reserve((0, e)))
+    assert (0, 1) in c
+    with pytest.raises(ValueError, match="policy must be one of lru, lfu"):
+        BlockCache(HostArena(1, 4096, pin=False), "random")

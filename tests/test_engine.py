@@ -61,6 +61,10 @@ def test_bad_settings_are_named(stores, tmp_path):
         sluice.load(stores["qwen3_moe"], device="gpu")
     with pytest.raises(StoreError, match="neither an expert store"):
         sluice.load(tmp_path)
+    with pytest.raises(ConfigError, match="vram_slots and vram_budget: give one"):
+        sluice.load(stores["qwen3_moe"], vram_slots=4, vram_budget="8GiB")
+    with pytest.raises(ConfigError, match="vram_budget: cannot read '8 gigs'"):
+        sluice.load(stores["qwen3_moe"], vram_budget="8 gigs")
     with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         with pytest.raises(SluiceError, match="empty"):
             engine.generate([], 3)
@@ -111,3 +115,54 @@ def test_bench_model_reports_io(stores):
     assert r["prefill"][8]["tok_s"] > 0 and d["tokens"] == 4 and d["tok_s"] > 0
     assert sum(d["blocks_per_token"].values()) == 3 * 4  # 3 MoE layers x top-4, every decode step
     assert "decode:" in text and "hit rate" in text
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a VRAM budget sizes the GPU slot bank")
+def test_vram_budget_sizes_the_slot_bank(stores):
+    """The slot bank gets what the budget leaves after the resident part and the reserve; a budget too small
+    for one MoE layer's experts is refused, naming the sizes."""
+    import torch
+
+    from sluice.pipeline.engine import VRAM_RESERVE
+
+    base = torch.cuda.memory_allocated()  # what earlier tests in this process still hold
+    try:
+        with sluice.load(stores["qwen3_moe"], device=DEVICE, vram_budget=base + VRAM_RESERVE + (64 << 20)) as engine:
+            assert engine.store.manifest.top_k <= engine.rt.vram.capacity
+            assert engine.rt.vram.capacity * engine.store.block_bytes <= 64 << 20
+            assert engine.generate(PROMPT, 4)
+        with pytest.raises(ConfigError, match="leaving room for"):
+            sluice.load(stores["qwen3_moe"], device=DEVICE, vram_budget=base + VRAM_RESERVE)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the process cap the budget set, lifted for later tests
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="the VRAM tier exists on a GPU")
+def test_vram_tier_policies_and_hot_set(stores, refs, tmp_path):
+    """A frequency-kept VRAM tier and a hot set loaded from a routing trace change where blocks come from,
+    never the result; the held blocks are the trace's most routed ones and serve as VRAM hits."""
+    from collections import Counter
+
+    import yaml
+
+    from sluice.pipeline.schedule import SCHEDULES_DIR
+    from sluice.storage.trace import read_trace
+
+    trace = tmp_path / "run.jsonl.gz"
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, record_routing=str(trace)) as engine:
+        engine.generate(PROMPT, 8)
+    ref = refs.greedy("qwen3_moe", PROMPT, 16)
+    doc = yaml.safe_load((SCHEDULES_DIR / "vram-lfu.yaml").read_text())
+    doc["stages"]["h2d"]["hot_set"] = str(trace)
+    schedule = tmp_path / "hot.yaml"
+    schedule.write_text(yaml.safe_dump(doc))
+    for sched in ("vram-lfu", str(schedule)):
+        with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=sched, vram_slots=24) as engine:
+            assert engine.generate(PROMPT, 16) == ref
+            held = [e.key for e in engine.rt.vram.entries() if e.pins > 0]
+            vram_hits = engine.rt.stats.blocks["vram"]
+        if sched != "vram-lfu":
+            k = engine.store.manifest.top_k
+            counts = Counter((r.layer, e) for r in read_trace(trace).records for e in r.experts)
+            assert len(held) == min(24 - 2 * k, len(counts)) and vram_hits > 0
+            assert min(counts[h] for h in held) >= sorted(counts.values(), reverse=True)[len(held) - 1]

@@ -109,6 +109,30 @@ def test_cuda_graphs_change_nothing(variant, base, stores, tmp_path):
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
 
 
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (run with SLUICE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("variant, schedule", [("nemotron_h", "overlap"), ("nemotron_h_latent", "zero-skip"), ("nemotron_h_groups", "serial")])
+def test_resident_graphs_change_nothing(variant, schedule, stores):
+    """Mamba layers' one-token steps and the MoE layers' pure functions (MoE input, routers, latent
+    projections, shared expert) replayed as CUDA graphs give the eager logits bit for bit, also across a
+    second sequence (new state tensors: captured anew) and a restored snapshot."""
+    runs = []
+    for graphs in (False, True):
+        with sluice.load(stores[variant], device=DEVICE, resident_graphs=graphs, schedule=schedule) as engine:
+            logits = []
+            for _ in range(2):
+                seq = engine.new_sequence()
+                logits.append(engine.extend(seq, PROMPT)[-1])
+                for _ in range(5):
+                    logits.append(engine.extend(seq, [int(logits[-1].argmax())])[-1])
+            seq = engine.restore(engine.snapshot(seq))
+            for _ in range(3):
+                logits.append(engine.extend(seq, [int(logits[-1].argmax())])[-1])
+            runs.append(torch.stack(logits).cpu())
+            if graphs:
+                assert engine.graphs.replays > 0 and engine.graphs.captures >= 2 and engine.fn_graphs.replays > 0
+    assert torch.equal(runs[0], runs[1])
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_bit_identical_across_runs_schedules_and_caches(variant, stores):
     outputs = []
@@ -225,3 +249,51 @@ def test_deepseek_v4_reads_deepseek_names(checkpoints, refs, tmp_path):
     with sluice.load(d, device=DEVICE, progress=False) as engine:
         diff = (engine.forward(PROMPT) - refs.logits("deepseek_v4", PROMPT)).abs().max().item()
     assert diff <= LOGIT_ATOL
+
+
+def test_qwen3_5_fused_experts_as_released(checkpoints, refs, tmp_path):
+    """Qwen3.5's BF16 releases fuse a layer's experts: gate_up_proj [E, 2I, D] (gate rows first), down_proj
+    [E, D, I]. transformers reads that checkpoint as the per-expert one; so must repack, and reading the
+    halves the other way round must fail."""
+    import sluice.models.qwen3_5_moe as q35
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from sluice.storage.repack import repack
+
+    d = tmp_path / "fused"
+    shutil.copytree(checkpoints["qwen3_5_moe"], d)
+    tensors = load_file(d / "model.safetensors")
+    per = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+    found: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name in [n for n in tensors if per.match(n)]:
+        m = per.match(name)
+        found.setdefault(m["layer"], {}).setdefault(m["proj"], {})[int(m["e"])] = tensors.pop(name)
+    assert found, "the tiny checkpoint stores experts one by one"
+    for layer, projs in found.items():
+        stack = {p: torch.stack([w[e] for e in sorted(w)]) for p, w in projs.items()}
+        tensors[f"{layer}.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        tensors[f"{layer}.down_proj"] = stack["down"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    ref = refs.logits("qwen3_5_moe", PROMPT)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager").eval()
+    with torch.no_grad():
+        assert (hf(torch.tensor([PROMPT])).logits[0] - ref).abs().max().item() <= LOGIT_ATOL  # transformers agrees
+
+    with sluice.load(d, device=DEVICE, progress=False) as engine:
+        assert (engine.forward(PROMPT) - ref).abs().max().item() <= LOGIT_ATOL
+
+    right = q35.split_fused
+
+    def swapped(name, info):
+        parts = right(name, info)
+        swap = {"gate": "up", "up": "gate"}
+        return None if parts is None else [(l, e, swap.get(p, p), sfx, part) for l, e, p, sfx, part in parts]
+
+    q35.split_fused = swapped
+    try:
+        bad = repack(d, tmp_path / "swapped", progress=False)
+    finally:
+        q35.split_fused = right
+    with sluice.load(bad.path, device=DEVICE) as engine:
+        assert (engine.forward(PROMPT) - ref).abs().max().item() > 100 * LOGIT_ATOL

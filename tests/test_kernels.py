@@ -17,12 +17,12 @@ from tests.common import DEVICE
 from tests.quant import make_bank, modelopt_dequant, quantize
 
 SIZES = [(1, 64, 32), (3, 96, 48), (2, 32, 80)]  # (A, Dx, I)
-FORMATS = ["fp32", "bf16", "fp8", "fp8_row", "fp8_block", "nvfp4", "nvfp4_ct", "mxfp4"]
+FORMATS = ["fp32", "bf16", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds"]
 
 
 def fit(fmt: str, *dims: int) -> list[int]:
     """Sizes a format can hold: MXFP4 scales groups of 32 inputs."""
-    g = 32 if fmt == "mxfp4" else 1
+    g = 32 if fmt.startswith("mxfp4") else 1
     return [-(-d // g) * g for d in dims]
 
 

@@ -18,23 +18,46 @@ from tests.common import DEVICE, PROMPT
 from tests.quant import quantize, quantize_checkpoint
 from tests.test_golden import LOGIT_ATOL, mean_kl, triton_schedule
 
-CASES = {  # name -> (tiny variant, format, resident linears quantised too)
+CASES = {  # name -> (tiny variant, experts' format, resident linears quantised too: False, True (same format) or a format)
     "nemotron_nvfp4_all": ("nemotron_h_latent", "nvfp4", True),
     "nemotron_fp8": ("nemotron_h", "fp8", False),
     "nemotron_fp8_row": ("nemotron_h_groups", "fp8_row", False),
     "qwen_nvfp4_ct": ("qwen3_moe", "nvfp4_ct", False),
     "qwen_fp8_block_all": ("qwen3_moe", "fp8_block", True),
+    # as DeepSeek-V4-Flash ships: FP4 experts (I8 + E8M0 `scale`), FP8 linears with E8M0 block `scale`s,
+    # the grouped output projection among them (its groups as wide as an FP8 block)
+    "deepseek_v4_release": ("deepseek_v4_wide", "mxfp4_ds", "fp8_block_e8m0"),
 }
+# The indexer keeps every compressed entry here: with coarse FP8 weights two entries can score the same,
+# and a top-k between equal scores is decided by rounding (on CUDA the greedy tokens parted from the
+# reference that way while every logit stayed within 2e-6). CSA's selection is tested unquantised.
+EXTRA_VARIANTS = {"deepseek_v4_wide": ("deepseek_v4", {"o_lora_rank": 32, "index_topk": 64})}
+
+
+class _Quantized(dict):
+    """case -> (store, reference checkpoint), made on first use (NVFP4 cases need modelopt, the others do not)."""
+
+    def __init__(self, checkpoints, root):
+        super().__init__()
+        self.checkpoints, self.root = checkpoints, root
+
+    def __missing__(self, name):
+        from sluice.models.tiny import make_tiny_checkpoint
+
+        variant, fmt, resident = CASES[name]
+        if variant in EXTRA_VARIANTS:
+            arch, over = EXTRA_VARIANTS[variant]
+            src = make_tiny_checkpoint(self.root / variant, arch, seed=7, **over)
+        else:
+            src = self.checkpoints[variant]
+        dst, ref = quantize_checkpoint(src, self.root / name, self.root / f"{name}-ref", fmt, resident)
+        self[name] = (repack(dst, self.root / f"{name}-store", progress=False).path, ref)
+        return self[name]
 
 
 @pytest.fixture(scope="module")
 def quantized(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("quant")
-    out = {}
-    for name, (variant, fmt, resident) in CASES.items():
-        dst, ref = quantize_checkpoint(checkpoints[variant], root / name, root / f"{name}-ref", fmt, resident)
-        out[name] = (repack(dst, root / f"{name}-store", progress=False).path, ref)
-    return out
+    return _Quantized(checkpoints, tmp_path_factory.mktemp("quant"))
 
 
 def _reference(ref_path, n):
@@ -76,7 +99,7 @@ def test_store_keeps_the_checkpoint_bytes(quantized):
     assert verify(store.path, progress=False) == []
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "fp8", "fp8_row", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0", "mxfp4_ds"])
 def test_quant_linear_kernels(fmt):
     """The resident quantised linear through the kernels (interpreted on a CPU) vs its dequantised reference."""
     w = torch.randn(48, 64)
@@ -94,3 +117,41 @@ def test_quant_linear_kernels(fmt):
         got = (ql._kernel(x) + ql.bias).cpu() if DEVICE == "cpu" else ql(x).cpu()
         assert got.shape == (M, 48)
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_deepseek_v4_release_formats_kept(quantized):
+    """DeepSeek-V4's FP4 experts stay I8 + E8M0 in the store; its FP8 linears run from their E8M0 block scales
+    (kernel format fp8_block_e8m0), the grouped output projection one QuantLinear per group."""
+    from sluice.kernels.dequant import FORMAT_CODES
+    from sluice.kernels.linear import GroupedQuantLinear
+
+    store_path, _ = quantized["deepseek_v4_release"]
+    m = ExpertStore.open(store_path).manifest
+    assert {p: f.kind for p, f in m.formats.items()} == {"gate": "mxfp4", "up": "mxfp4", "down": "mxfp4"}
+    dtypes = {s.name: s.dtype for s in m.slots}
+    assert dtypes["gate.weight"] == "I8" and dtypes["gate.scale"] == "F8_E8M0"
+    with sluice.load(store_path, device=DEVICE) as engine:
+        modules = list(engine.model.hf.modules())
+    grouped = [x for x in modules if isinstance(x, GroupedQuantLinear)]
+    linears = [x for x in modules if isinstance(x, QuantLinear)]
+    assert grouped and len(grouped[0].groups) == engine.model.config.o_groups
+    assert linears and all(x.layout.fmt == FORMAT_CODES["fp8_block_e8m0"] for x in linears)
+
+
+def test_e8m0_block_scales_read_as_f32_must_fail():
+    """The same bytes under the F32 block-scale code give wrong rows: the format code is what reads them right."""
+    from dataclasses import replace
+
+    from sluice.kernels.dequant import FORMAT_CODES
+    from sluice.kernels.formats import detect_format
+    from sluice.storage.safetensors_io import TORCH_TO_ST
+
+    w = torch.randn(64, 64)
+    t = quantize(w, "fp8_block_e8m0")
+    f = detect_format({s: (TORCH_TO_ST[x.dtype], tuple(x.shape)) for s, x in t.items()}, "w")
+    ql = QuantLinear(f, t, None, 64, 64).to(DEVICE)
+    x = torch.randn(1, 64, device=DEVICE)
+    ref = x.double().cpu() @ f.dequant_ref(t).double().t()
+    assert float((ql._kernel(x).cpu().double() - ref).norm() / ref.norm()) < 1e-5
+    ql.layout = replace(ql.layout, fmt=FORMAT_CODES["fp8_block"])
+    assert not torch.allclose(ql._kernel(x).cpu().double(), ref, rtol=1e-2, atol=1e-2)

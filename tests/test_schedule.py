@@ -43,6 +43,8 @@ def test_serial_waits_and_overlap_streams():
         (with_stage("fetch", {"prefetch": "yes"}), "'prefetch' must be bool"),
         (with_stage("fetch", {"readers": -2}), "'readers' must be >= 0"),
         (with_stage("h2d", {"stream": "side"}), "'stream' must be one of compute, copy"),
+        (with_stage("h2d", {"vram_policy": "mru"}), "stage 'h2d': 'vram_policy' must be one of lru, lfu, got 'mru'"),
+        (with_stage("h2d", {"hot_set": 3}), "'hot_set' must be str"),
         (with_stage("compute", {"after": ["shuffle"]}), "runs after 'shuffle', which is not in the schedule"),
         (with_stage("route", {"after": ["combine"]}), "cycle in the stage graph: route -> combine -> .* -> route"),
         (with_stage("combine", {"after": ["fetch"]}), "streaming stage whose output it does not consume"),
