@@ -104,6 +104,13 @@ def _parser() -> argparse.ArgumentParser:
     bb.add_argument("--json", type=Path, help="also write the result as JSON")
     bb.set_defaults(func=cmd_bench_baseline)
 
+    bc = bsub.add_parser("cpu", help="the CPU expert kernels' GB/s against the memory read rate measured now")
+    bc.add_argument("--shape", nargs="*", default=None, help="model shapes (default: nano qwen3-30b)")
+    bc.add_argument("--format", nargs="*", default=None, help="nvfp4 mxfp4 fp8 bf16 (default: all)")
+    bc.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    bc.add_argument("--eager", action="store_true", help="without torch.compile")
+    bc.set_defaults(func=cmd_bench_cpu)
+
     bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
     bk.add_argument("--shape", nargs="*", default=None, help="model shapes (default: all)")
     bk.add_argument("--format", nargs="*", default=None, help="nvfp4 fp8 bf16 (default: all)")
@@ -332,6 +339,17 @@ def cmd_bench_baseline(args) -> int:
           f"{r['device_map_gpu_entries']} of {r['device_map_entries']} device-map entries on the GPU; load {r['load_s']:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
+    return 0
+
+
+def cmd_bench_cpu(args) -> int:
+    import torch
+
+    from sluice.kernels.bench import FORMATS, bench_cpu, format_table
+
+    read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), args.threads, not args.eager)
+    print(format_table({"RAM read": read}, rows))
+    print(f"threads {torch.get_num_threads()}")
     return 0
 
 

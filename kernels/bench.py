@@ -10,6 +10,7 @@ pinned host memory; its bytes are the live groups' bytes, compared with the host
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -217,8 +218,50 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
 
 
 def format_table(ceil: dict, rows: list[Row]) -> str:
-    out = [f"ceilings: HBM {ceil['hbm']:.0f} GB/s (device copy, read+write), pinned H2D {ceil['h2d']:.1f} GB/s",
-           f"{'kernel':30} {'shape':10} {'fmt':6} {'MB':>8} {'us':>8} {'GB/s':>8} {'% of':>10}"]
+    head = (f"ceilings: HBM {ceil['hbm']:.0f} GB/s (device copy, read+write), pinned H2D {ceil['h2d']:.1f} GB/s" if "hbm" in ceil
+            else "ceilings: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in ceil.items()))
+    out = [head, f"{'kernel':30} {'shape':10} {'fmt':6} {'MB':>8} {'us':>8} {'GB/s':>8} {'% of':>10}"]
     for r in rows:
         out.append(f"{r.kernel:30} {r.shape:10} {r.fmt:6} {r.mbytes:8.2f} {r.us:8.1f} {r.gbps:8.0f} {r.pct:6.0f}% {r.ceiling}")
     return "\n".join(out)
+
+
+def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None = None, compiled: bool = True,
+              experts: int = 32) -> tuple[float, list[Row]]:
+    """The CPU expert kernels (kernels/cpu.py), one token through one expert at a time, cycling over
+    `experts` distinct blocks (more bytes than the caches hold), against the memory read rate measured
+    now (a sum over 1 GiB with the same threads). Returns (read GB/s, rows)."""
+    import types
+
+    from sluice.kernels.cpu import CpuExperts
+
+    if threads:
+        torch.set_num_threads(threads)
+    big = torch.ones(1 << 28, dtype=torch.float32)
+    big.sum()
+    t = time.perf_counter()
+    for _ in range(3):
+        big.sum()
+    read = 3 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
+    del big
+    rows = []
+    for shape in shapes:
+        kind, Dx, I, _ = SHAPES[shape]
+        for fmt in formats:
+            tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
+            block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
+            bank = block.repeat(experts)
+            manifest = types.SimpleNamespace(formats=fmts, slots=slots)
+            cpu = CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
+                             compiled=compiled)
+            x = torch.randn(Dx)
+            blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(experts)]
+            cpu.run(blocks[0], x)  # compile
+            t = time.perf_counter()
+            for b in blocks:
+                cpu.run(b, x)
+            dt = (time.perf_counter() - t) / experts
+            nbytes = sum(s.nbytes for s in slots)
+            gbps = nbytes / dt / 1e9
+            rows.append(Row(f"cpu expert ({kind})", shape, fmt, nbytes / 1e6, dt * 1e6, gbps, "RAM read", 100 * gbps / read))
+    return read, rows

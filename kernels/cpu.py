@@ -1,0 +1,142 @@
+"""CPU expert kernels: one token through one routed expert, read where the block sits in (pinned) RAM,
+in the checkpoint's format and the store's orientation (a ReLU^2 `down` re-laid K-major), with no
+dequantised copy of the weights. This is the CPU side of the hybrid miss path: while the GPU computes
+the experts it copied, the CPU computes others straight from the RAM cache.
+
+Each projection is a matvec written as elementwise torch ops and one reduction over the stored bytes
+(nibbles looked up in the E2M1 table, scales applied per group, products summed), which
+torch.compile's C++ backend fuses into one vectorised, multi-threaded pass over the weights
+(`compile=False` runs the same ops eagerly: slower, same arithmetic up to summation order).
+Reference: kernels/formats.py's dequantisation + kernels/experts_ref.py (tests/test_cpu_kernels.py).
+
+Shapes, as stored: FP4 weight [N, K/2] bytes (re-laid [K/2, N]), group scales [N, K/g] (re-laid
+[K/g, N]); dense / FP8 weight [N, K] (re-laid [K, N]); x [K] fp32 -> y [N] fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from sluice.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, WeightFormat
+
+
+def e8m0_f32(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> fp32 2**(e - 127) by placing e in the exponent bits (e = 0 reads as 0, as the GPU kernels)."""
+    return (e.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+
+
+def e4m3_f32(v: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> fp32 in integer ops and a bitcast (torch's own cast does not vectorise in the compiled
+    loops): sign, exponent rebased from 7 to 127 and mantissa moved into place; subnormals m * 2**-9."""
+    b = v.view(torch.uint8).to(torch.int32)
+    e, m = (b >> 3) & 15, b & 7
+    normal = (((b & 128) << 24) | ((e + 120) << 23) | (m << 20)).view(torch.float32)
+    sub = m.float() * (1.0 / 512) * (1 - ((b >> 6) & 2))
+    return torch.where(e == 0, sub, normal)
+
+
+def e2m1(code: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (int32 0..15) -> fp32 values in integer ops, no table: with exponent e and mantissa
+    bit m, |value| * 4 is 2m for e = 0 and (2 + m) << e otherwise; bit 3 is the sign."""
+    m, e = code & 1, (code >> 1) & 3
+    q = torch.where(e == 0, 2 * m, (2 + m) << e)
+    return (q * (1 - ((code >> 2) & 2))).float() * 0.25
+
+
+def fp4_matvec(packed: torch.Tensor, scale: torch.Tensor, xe: torch.Tensor, xo: torch.Tensor, group: int, e8m0: bool,
+               kmajor: bool) -> torch.Tensor:
+    """E2M1 nibbles (low nibble = even input) times their group scales, dotted with x = (xe, xo) interleaved
+    (given apart, contiguous: strided loads of x keep the compiled loop from vectorising, ~20 x slower)."""
+    p = packed.view(torch.uint8).to(torch.int32)
+    lo, hi = e2m1(p & 15), e2m1(p >> 4)
+    s = e8m0_f32(scale) if e8m0 else e4m3_f32(scale)
+    half = group // 2  # bytes per scale group along K
+    if kmajor:  # [K/2, N]
+        t = lo * xe[:, None] + hi * xo[:, None]
+        t = F.pad(t, (0, 0, 0, -t.shape[0] % half))  # a last, partial group
+        g = t.shape[0] // half
+        return (t.view(g, half, t.shape[1]) * s[:g, None, :]).sum((0, 1))
+    t = lo * xe[None, :] + hi * xo[None, :]
+    t = F.pad(t, (0, -t.shape[1] % half))
+    g = t.shape[1] // half
+    return (t.view(t.shape[0], g, half) * s[:, :g, None]).sum((1, 2))
+
+
+def _f32(w: torch.Tensor) -> torch.Tensor:
+    return e4m3_f32(w) if w.dtype == torch.float8_e4m3fn else w.float()
+
+
+def dense_matvec(w: torch.Tensor, x: torch.Tensor, kmajor: bool) -> torch.Tensor:
+    return (_f32(w) * x[:, None]).sum(0) if kmajor else (_f32(w) * x[None, :]).sum(1)
+
+
+def fp8_block_matvec(w: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, block: int, e8m0: bool, kmajor: bool) -> torch.Tensor:
+    """FP8 weights with one scale per block x block tile (edges of any size), scales in the weight's orientation."""
+    s = e8m0_f32(scale) if e8m0 else scale.float()
+    rows = torch.arange(w.shape[0]) // block
+    cols = torch.arange(w.shape[1]) // block
+    t = _f32(w) * s[rows][:, cols]
+    return (t * x[:, None]).sum(0) if kmajor else (t * x[None, :]).sum(1)
+
+
+_KERNELS: dict[tuple[str, bool], Callable] = {}
+
+
+def _kernel(name: str, fn: Callable, compiled: bool) -> Callable:
+    if not compiled:
+        return fn
+    if (name, True) not in _KERNELS:
+        _KERNELS[(name, True)] = torch.compile(fn, dynamic=False)
+    return _KERNELS[(name, True)]
+
+
+def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: torch.Tensor, compiled: bool = True) -> torch.Tensor:
+    """One projection of one expert: tensors by suffix as stored, x [K] fp32 -> [N] fp32 (bias added)."""
+    w = t[fmt.weight]
+    if fmt.kind in ("nvfp4", "mxfp4"):
+        mx = fmt.kind == "mxfp4"
+        xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
+        y = _kernel("fp4", fp4_matvec, compiled)(w, t[fmt.scale], xe, xo, MXFP4_GROUP if mx else NVFP4_GROUP, mx, kmajor)
+        if not mx:
+            s2 = t[fmt.scale2].float().reshape(())
+            y = y * (1.0 / s2 if fmt.scale2_inverted else s2)
+    elif fmt.kind == "fp8_block":
+        s = t[fmt.scale]
+        y = _kernel("fp8_block", fp8_block_matvec, compiled)(w, s, x, fmt.block, s.dtype == torch.float8_e8m0fnu, kmajor)
+    else:
+        y = _kernel("dense", dense_matvec, compiled)(w, x, kmajor)
+        if fmt.kind == "fp8":
+            s = t[fmt.scale].float()
+            y = y * (s.reshape(-1) if s.numel() > 1 else s.reshape(()))
+    if fmt.bias:
+        y = y + t[fmt.bias].float()
+    return y
+
+
+class CpuExperts:
+    """A store's experts on the CPU, one token and one expert at a time, from block buffers (uint8 views of
+    RAM slots). `act` / `glu` are the MoE block's own (transformers' activation, the model's gated unit)."""
+
+    def __init__(self, manifest, kind: str, act: Callable, glu: Callable | None = None, compiled: bool = True):
+        m = manifest
+        self.kind, self.act, self.glu, self.compiled = kind, act, glu, compiled
+        self.formats: dict[str, WeightFormat] = m.formats
+        self.slots = {proj: [s for s in m.slots if s.proj == proj] for proj in m.formats}
+        self.kmajor = {proj: any(s.relaid and s.suffix == f.weight for s in self.slots[proj]) for proj, f in m.formats.items()}
+
+    def _proj(self, block: torch.Tensor, proj: str, x: torch.Tensor) -> torch.Tensor:
+        t = {s.suffix: s.view(block) for s in self.slots[proj]}
+        return proj_matvec(t, self.formats[proj], self.kmajor[proj], x, self.compiled)
+
+    @torch.inference_mode()
+    def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [Dx] fp32 -> the expert's output [Dx] fp32."""
+        if self.kind == "relu2":
+            h = self.act(self._proj(block, "up", x))
+        else:
+            g, u = self._proj(block, "gate", x), self._proj(block, "up", x)
+            h = self.glu(g, u) if self.glu is not None else self.act(g) * u
+        return self._proj(block, "down", h)
