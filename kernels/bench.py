@@ -222,7 +222,7 @@ def format_table(ceil: dict, rows: list[Row]) -> str:
             else "ceilings: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in ceil.items()))
     out = [head, f"{'kernel':30} {'shape':10} {'fmt':6} {'MB':>8} {'us':>8} {'GB/s':>8} {'% of':>10}"]
     for r in rows:
-        out.append(f"{r.kernel:30} {r.shape:10} {r.fmt:6} {r.mbytes:8.2f} {r.us:8.1f} {r.gbps:8.0f} {r.pct:6.0f}% {r.ceiling}")
+        out.append(f"{r.kernel:30} {r.shape:10} {r.fmt:6} {r.mbytes:8.2f} {r.us:8.1f} {r.gbps:8.1f} {r.pct:6.0f}% {r.ceiling}")
     return "\n".join(out)
 
 

@@ -34,6 +34,7 @@ class IOStats:
     predicted_right: int = 0  # guesses the layer then routed to
     routed_predicted: int = 0  # experts routed in layers that had a prediction
     stall_s: float = 0.0  # time fetch waited for reads to land
+    cpu_blocks: int = 0  # blocks the hybrid path computed on the CPU instead of copying them
     steps: int = 0
     tokens: int = 0
     kernels: list = field(default_factory=list, repr=False)  # TritonExperts, for live-group counts
@@ -108,6 +109,9 @@ class Runtime:
         self.stats = IOStats()
         self.recorder = record_routing
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
+        # hybrid miss path: the CPU's measured seconds per expert block (moving average), the pinned H2D rate
+        self.cpu_s_per_block: float | None = None
+        self.h2d_bps: float | None = None
         # zero-copy down: h2d copies only up, compute reads down from the pinned RAM slot
         self.down_in_ram = down_in_ram and "down" in self.layouts
 

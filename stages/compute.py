@@ -11,11 +11,20 @@ only under TRITON_INTERPRET=1), `torch` (kernels/experts_ref.py: the plain-torch
 expert at a time), `auto` (triton on CUDA, torch on a CPU). `zero_skip` makes the ReLU^2 down
 kernel skip 16-neuron groups whose activations are all zero; `graphs` replays one-token batches
 as CUDA graphs (kernels/experts.py), cutting the host's launch cost.
+
+Blocks h2d left to the CPU (the hybrid miss path, `on_cpu`) run on a worker thread through the CPU
+kernels (kernels/cpu.py, compiled by torch.compile unless `cpu_compile` is off) while the GPU runs
+the rest; their outputs are weighted on the device and written to their own rows of y like any
+other expert's, so combine's fixed order holds. Each CPU block's time feeds the runtime's moving
+average of seconds per block (h2d's `cpu_balance`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +40,7 @@ class ComputeKnobs:
     backend: str = "auto"  # auto | triton | torch
     zero_skip: bool = False  # ReLU^2 down reads only live 16-neuron groups (triton backend)
     graphs: bool = True  # one-token batches replay a CUDA graph of the expert kernels (triton backend on CUDA)
+    cpu_compile: bool = True  # the hybrid path's CPU kernels through torch.compile (else eager torch ops)
 
 
 class Compute(Stage):
@@ -50,6 +60,8 @@ class Compute(Stage):
             raise ScheduleError("stage 'compute': the triton backend needs CUDA (or TRITON_INTERPRET=1 on a CPU)")
         self.backend = backend
         self._kernels = {}  # (kind, act) -> TritonExperts
+        self._cpu = {}  # (kind, act) -> CpuExperts
+        self._pool: ThreadPoolExecutor | None = None
 
     async def run(self, io: StageIO) -> ExpertOutputs:
         li: LayerInput = await io.value("layer")
@@ -58,7 +70,17 @@ class Compute(Stage):
         T, K = r.ids.shape
         y = torch.empty(T * K, r.xe.shape[1], dtype=li.block.combine_dtype, device=r.xe.device)
         w = r.weights.reshape(-1)
+        on_cpu: list[tuple[DeviceBlock, asyncio.Future]] = []
+        xe_cpu = None
         async for batch in io.batches("device_blocks"):
+            for db in [db for db in batch if db.on_cpu]:
+                if xe_cpu is None:
+                    xe_cpu = r.xe.float().cpu()  # ready: route's sync came after it
+                tokens = (r.ids == db.expert).nonzero()[:, 0]  # ascending, as r.rows[expert]
+                on_cpu.append((db, asyncio.get_running_loop().run_in_executor(self._cpu_pool(), self._cpu_block, li, db, xe_cpu[tokens])))
+            batch = [db for db in batch if not db.on_cpu]
+            if not batch:
+                continue
             with streams.use(self.stream):
                 for db in batch:
                     streams.wait(self.stream, db.ready)
@@ -69,7 +91,34 @@ class Compute(Stage):
                 done = streams.record(self.stream)
             for db in batch:
                 db.release(done)
+        for db, fut in on_cpu:
+            out = await fut
+            db.release(None)
+            self.rt.stats.cpu_blocks += 1
+            rows = r.rows[db.expert]
+            with streams.use(self.stream):
+                y[rows] = (out.to(y.device, non_blocking=True) * w[rows, None]).to(li.block.combine_dtype)
         return ExpertOutputs(y)
+
+    def _cpu_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-cpu-experts")
+        return self._pool
+
+    def _cpu_block(self, li: LayerInput, db: DeviceBlock, x: torch.Tensor) -> torch.Tensor:
+        """One expert on the CPU, from its RAM slot (a worker thread), token by token. x [n, Dx] fp32 -> [n, Dx] fp32."""
+        from sluice.kernels.cpu import CpuExperts
+
+        block, rt = li.block, self.rt
+        key = (block.kind, block.act_name)
+        if key not in self._cpu:
+            self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile)
+        t = time.perf_counter()
+        block_view = db.bank.narrow(0, db.offset, rt.store.block_bytes)
+        out = torch.stack([self._cpu[key].run(block_view, row) for row in x])
+        dt = (time.perf_counter() - t) / x.shape[0]  # seconds per block and token
+        rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
+        return out
 
     def _torch(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
         store, K, block = self.rt.store, r.ids.shape[1], li.block

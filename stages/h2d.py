@@ -11,6 +11,14 @@ bank has no free slot the stage ends a wave and waits for compute to release one
 straight from the pinned RAM slot over PCIe, and the RAM pin is held until compute is done.
 With zero-skip in compute, only the 16-neuron groups live after ReLU^2 cross the bus.
 
+Hybrid miss path (`cpu_share` > 0, one-token steps): that fraction of the blocks the layer would copy
+stays in its RAM slot, and compute runs those experts on the CPU (kernels/cpu.py) while the GPU
+runs the copied ones. With `cpu_balance` the fraction follows the measured rates, so that the CPU
+and the copies finish together: a block costs block_bytes / (pinned H2D rate) on the copy path and
+the CPU's measured seconds per block on the other, and the CPU takes tg / (tg + tc) of them.
+In prompt steps (`cpu_prefill`), an expert routed only a few of the prompt's tokens is computed on the
+CPU rather than copied: with -1, where that beats the copy (tokens x tc <= tg, from the same rates).
+
 The VRAM tier these copies fill is set here too: `vram_policy` (lru | lfu, storage/cache.py) picks
 what it evicts, and `hot_set` (a routing trace recorded with --record-routing) loads the blocks that
 trace routed to most often at start and keeps them for good, all but two layers' worth of slots.
@@ -30,9 +38,17 @@ class H2DKnobs:
     copy: str = "all"  # all | up (leave `down` in pinned RAM for the zero-copy kernel)
     vram_policy: str = "lru"  # lru | lfu: what the VRAM tier evicts
     hot_set: str = ""  # routing trace whose most-routed blocks are loaded at start and held in VRAM
+    cpu_share: float = 0.0  # fraction of a one-token layer's to-be-copied blocks computed on the CPU instead
+    cpu_balance: bool = False  # adapt cpu_share to the measured CPU and H2D rates
+    cpu_prefill: int = 0  # prompt steps: experts routed at most this many tokens run on the CPU (-1: where cheaper)
 
     def __post_init__(self):
         from sluice.storage.cache import POLICIES
+
+        if not 0.0 <= self.cpu_share <= 1.0:
+            raise ScheduleError(f"stage 'h2d': 'cpu_share' must be between 0 and 1, got {self.cpu_share!r}")
+        if self.cpu_prefill < -1:
+            raise ScheduleError(f"stage 'h2d': 'cpu_prefill' must be -1 (where cheaper), 0 (never) or a token count, got {self.cpu_prefill!r}")
 
         if self.vram_policy not in POLICIES:
             raise ScheduleError(f"stage 'h2d': 'vram_policy' must be one of {', '.join(POLICIES)}, got {self.vram_policy!r}")
@@ -40,7 +56,7 @@ class H2DKnobs:
 
 class H2D(Stage):
     name = "h2d"
-    consumes = ("layer", "blocks")
+    consumes = ("layer", "blocks", "routing")
     produces = "device_blocks"
     channel = True
     Knobs = H2DKnobs
@@ -54,10 +70,27 @@ class H2D(Stage):
         self._nbytes = down.start if knobs.copy == "up" and down is not None else rt.store.block_bytes
 
     async def run(self, io: StageIO) -> None:
-        layer = (await io.value("layer")).block.layer
+        li = await io.value("layer")
+        layer = li.block.layer
+        share = self._cpu_share() if li.x.shape[0] == 1 else 0.0
+        limit = self._prefill_limit() if li.x.shape[0] > 1 else 0
+        tokens = {}
+        if limit:
+            r = await io.value("routing")
+            tokens = {e: int(rows.numel()) for e, rows in r.rows.items()}
+        seen = to_cpu = 0  # blocks that would be copied (or read in place on a CPU device); those left to the CPU path
         async for batch in io.batches("blocks"):
             pending: list[tuple[HostBlock, object]] = []  # blocks whose copies go out together, with their VRAM slot
             for hb in batch:
+                if share and hb.vram is None:
+                    seen += 1
+                    if to_cpu + 1 <= share * seen + 1e-9:
+                        to_cpu += 1
+                        io.emit(self._on_cpu(hb))
+                        continue
+                if limit and hb.vram is None and tokens[hb.expert] <= limit:
+                    io.emit(self._on_cpu(hb))
+                    continue
                 placed = self._in_place(hb)
                 if placed is not None:
                     io.emit(placed)
@@ -74,6 +107,37 @@ class H2D(Stage):
                 pending.append((hb, v))
             self._copy(io, pending)
             io.end_wave()  # pass the upstream wave boundary on
+
+    def _cpu_share(self) -> float:
+        k, rt = self.knobs, self.rt
+        if not k.cpu_balance or rt.cpu_s_per_block is None or rt.device.type != "cuda":
+            return k.cpu_share
+        tg = self._copy_seconds()
+        return tg / (tg + rt.cpu_s_per_block)
+
+    def _prefill_limit(self) -> int:
+        """Most prompt tokens an expert may have for the CPU to take it: the knob, or from the rates."""
+        k, rt = self.knobs, self.rt
+        if k.cpu_prefill >= 0:
+            return k.cpu_prefill
+        if rt.cpu_s_per_block is None or rt.device.type != "cuda":
+            return 0
+        return int(self._copy_seconds() / rt.cpu_s_per_block)
+
+    def _copy_seconds(self) -> float:
+        rt = self.rt
+        if rt.h2d_bps is None:
+            from sluice.pipeline.bench import h2d_bandwidth
+
+            rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
+        return rt.store.block_bytes / rt.h2d_bps
+
+    def _on_cpu(self, hb: HostBlock) -> DeviceBlock:
+        """The block where it sits in RAM, for compute's CPU path; its pin is held until the CPU is done."""
+        rt, e = self.rt, hb.ram
+        n = rt.store.block_bytes
+        return DeviceBlock(hb.expert, rt.ram.arena.data, e.slot * n, rt.ram.arena.data, e.slot * n, None,
+                           lambda done, e=e: rt.ram.unpin(e, done), on_cpu=True)
 
     def _in_place(self, hb: HostBlock) -> DeviceBlock | None:
         """A block compute can read where it is (a whole VRAM hit, or RAM on a CPU); None when it needs a copy."""

@@ -71,6 +71,7 @@ class DeviceBlock:
     down_offset: int
     ready: Any  # CUDA event after the copy (None on CPU or for a VRAM hit)
     release: Callable[[Any], None]  # compute calls release(done_event) once its reads are enqueued
+    on_cpu: bool = False  # the hybrid path: left in the RAM slot for compute's CPU kernels, not copied
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from sluice.pipeline.schedule import SCHEDULES_DIR
 from tests.common import DEVICE, PROMPT, VARIANTS
 
 LOGIT_ATOL = 1e-4
-SCHEDULES = tuple(sorted(p.stem for p in SCHEDULES_DIR.glob("*.yaml")))
+# every bundled schedule but those that differ from one of these only in a tier a CPU run lacks (the VRAM
+# tier's policy) or in a path tested on its own below (the hybrid CPU path, test_hybrid_cpu_path_*)
+SCHEDULES = tuple(sorted(p.stem for p in SCHEDULES_DIR.glob("*.yaml") if p.stem not in ("vram-lfu", "hybrid", "hybrid-vram")))
 
 
 def mean_kl(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -297,3 +299,48 @@ def test_qwen3_5_fused_experts_as_released(checkpoints, refs, tmp_path):
         q35.split_fused = right
     with sluice.load(bad.path, device=DEVICE) as engine:
         assert (engine.forward(PROMPT) - ref).abs().max().item() > 100 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_hybrid_cpu_path_matches_transformers(variant, share, stores, refs, tmp_path):
+    """The hybrid miss path: a share of each one-token layer's blocks computed by the CPU kernels straight
+    from their RAM slots (kernels/cpu.py, eager here), the rest as usual: one-token logits and greedy
+    tokens as transformers'."""
+    import yaml
+
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    doc["stages"]["h2d"] = {**(doc["stages"]["h2d"] or {}), "cpu_share": share}
+    doc["stages"]["compute"] = {**(doc["stages"]["compute"] or {}), "cpu_compile": False}
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    ref_tokens = refs.greedy(variant, PROMPT, 16)
+    with sluice.load(stores[variant], device=DEVICE, schedule=str(path)) as engine:
+        seq = engine.new_sequence()
+        tokens = [int(engine.extend(seq, PROMPT)[-1].argmax())]
+        first = engine.extend(seq, tokens[:1])[-1].cpu()  # a one-token step: the hybrid path
+        tokens.append(int(first.argmax()))
+        for _ in range(14):
+            tokens.append(int(engine.extend(seq, [tokens[-1]])[-1].argmax()))
+        assert engine.rt.cpu_s_per_block is not None  # the CPU path ran
+    assert tokens == ref_tokens
+    diff = (first - refs.logits(variant, PROMPT + tokens[:1])[-1]).abs().max().item()
+    assert diff <= LOGIT_ATOL, f"max |dlogit| {diff:.3g}"
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
+def test_hybrid_prefill_matches_transformers(variant, stores, refs, tmp_path):
+    """Prompt steps on the hybrid path: experts routed few of the prompt's tokens (here at most 2) are
+    computed on the CPU from RAM, token by token; the prompt's logits are transformers'."""
+    import yaml
+
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    doc["stages"]["h2d"] = {**(doc["stages"]["h2d"] or {}), "cpu_prefill": 2}
+    doc["stages"]["compute"] = {**(doc["stages"]["compute"] or {}), "cpu_compile": False}
+    path = tmp_path / "hybrid-prefill.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with sluice.load(stores[variant], device=DEVICE, schedule=str(path)) as engine:
+        logits = engine.forward(PROMPT)
+        assert engine.rt.stats.cpu_blocks > 0
+    diff = (logits - refs.logits(variant, PROMPT)).abs().max().item()
+    assert diff <= LOGIT_ATOL, f"max |dlogit| {diff:.3g}"
