@@ -92,7 +92,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     d["ram_slots"] = engine.rt.ram.capacity
     if engine.device.type == "cuda":
         bw = h2d_bandwidth(engine.device)
-        moved = (per_tier["ram"] + per_tier["disk"]) * block  # blocks that crossed PCIe
+        moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n) * block  # blocks that crossed PCIe (not the hybrid path's)
         d["h2d_gbps"] = bw / 1e9
         d["roofline_ms_per_token"] = 1000 * moved / bw
         d["vram_peak_bytes"] = torch.cuda.max_memory_allocated(engine.device)
@@ -193,7 +193,7 @@ def accelerate_baseline(path, budget: int, prompt_len: int = 32, decode_tokens: 
             token.item()
             times.append(time.perf_counter() - t)
     times.sort()
-    on_gpu = sum(1 for d in set(model.hf_device_map.values()) if str(d) in ("0", "cuda", "cuda:0"))
+    on_gpu = sum(1 for d in model.hf_device_map.values() if str(d) in ("0", "cuda", "cuda:0"))
     return {"load_s": load_s, "ms_per_token_median": 1000 * times[len(times) // 2], "tok_s": len(times) / sum(times),
             "vram_peak_bytes": torch.cuda.max_memory_allocated(), "device_map_gpu_entries": on_gpu,
             "device_map_entries": len(model.hf_device_map)}

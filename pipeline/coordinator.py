@@ -107,6 +107,10 @@ class Coordinator:
             (spec, STAGES[spec.name](spec.knobs, spec.stream, rt)) for spec in schedule.stages
         ]
 
+    def close(self) -> None:
+        for _, stage in self.stages:
+            stage.close()
+
     async def run_layer(self, li: LayerInput) -> LayerOutput:
         run = _LayerRun(self.schedule, li)
         try:

@@ -90,6 +90,8 @@ class Engine:
         if config.vram_budget is not None and device.type == "cuda":
             vram_blocks = budget_slots(config.vram_budget, store, device)
         else:
+            if config.vram_budget is not None:
+                get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))
             vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
         recorder = None
         if config.record_routing:
@@ -154,8 +156,11 @@ class Engine:
         return list(self.stream(input_ids, max_new_tokens, temperature, top_p, seed, stop_ids))
 
     def close(self) -> None:
+        self.coordinator.close()
         self.rt.close()
         self._loop.close()
+        if self.config.vram_budget is not None and self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device.index if self.device.index is not None else torch.cuda.current_device())
 
     def __enter__(self) -> "Engine":
         return self

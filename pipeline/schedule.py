@@ -110,15 +110,20 @@ def _parse_stage(name: str, body: Any, where: str) -> StageSpec:
     values = {}
     for key, f in fields.items():
         if key in body:
-            values[key] = _check_value(body[key], hints[key], f"{where}: {key!r}")
+            values[key] = _check_value(body[key], hints[key], f"{where}: {key!r}", key)
     return StageSpec(name, tuple(after), stream, cls.Knobs(**values))
 
 
-def _check_value(value: Any, hint: Any, where: str) -> Any:
+SIGNED_KNOBS = ("cpu_prefill",)  # int knobs with a meaning below 0 (checked by their stage)
+
+
+def _check_value(value: Any, hint: Any, where: str, name: str = "") -> Any:
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # `cpu_share: 1` means 1.0
     ok = isinstance(value, bool) if hint is bool else (isinstance(value, hint) and not isinstance(value, bool))
     if not ok:
         raise ScheduleError(f"{where} must be {hint.__name__}, got {value!r}")
-    if hint is int and value < 0:
+    if hint is int and value < 0 and name not in SIGNED_KNOBS:
         raise ScheduleError(f"{where} must be >= 0, got {value!r}")
     return value
 

@@ -63,3 +63,6 @@ class Stage(ABC):
     @abstractmethod
     async def run(self, io: StageIO) -> Any:
         """Do this layer's work; return the produced value (channel stages return None)."""
+
+    def close(self) -> None:
+        """Release what the stage holds between layers (threads); the engine calls it once, on close."""

@@ -77,7 +77,11 @@ class Compute(Stage):
                 if xe_cpu is None:
                     xe_cpu = r.xe.float().cpu()  # ready: route's sync came after it
                 tokens = (r.ids == db.expert).nonzero()[:, 0]  # ascending, as r.rows[expert]
-                on_cpu.append((db, asyncio.get_running_loop().run_in_executor(self._cpu_pool(), self._cpu_block, li, db, xe_cpu[tokens])))
+                fut = asyncio.get_running_loop().run_in_executor(self._cpu_pool(), self._cpu_block, li, db, xe_cpu[tokens])
+                # the RAM slot goes back as soon as the CPU is done with it: fetch may be waiting for a slot
+                # to bring the layer's remaining blocks through a small cache
+                fut.add_done_callback(lambda f, db=db: db.release(None))
+                on_cpu.append((db, fut))
             batch = [db for db in batch if not db.on_cpu]
             if not batch:
                 continue
@@ -93,7 +97,6 @@ class Compute(Stage):
                 db.release(done)
         for db, fut in on_cpu:
             out = await fut
-            db.release(None)
             self.rt.stats.cpu_blocks += 1
             rows = r.rows[db.expert]
             with streams.use(self.stream):
@@ -111,14 +114,21 @@ class Compute(Stage):
 
         block, rt = li.block, self.rt
         key = (block.kind, block.act_name)
-        if key not in self._cpu:
+        first = key not in self._cpu
+        if first:
             self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile)
         t = time.perf_counter()
         block_view = db.bank.narrow(0, db.offset, rt.store.block_bytes)
         out = torch.stack([self._cpu[key].run(block_view, row) for row in x])
         dt = (time.perf_counter() - t) / x.shape[0]  # seconds per block and token
-        rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
+        if not first:  # the first call compiles the kernels: not a rate
+            rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
         return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def _torch(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
         store, K, block = self.rt.store, r.ids.shape[1], li.block

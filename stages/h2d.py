@@ -15,7 +15,10 @@ Hybrid miss path (`cpu_share` > 0, one-token steps): that fraction of the blocks
 stays in its RAM slot, and compute runs those experts on the CPU (kernels/cpu.py) while the GPU
 runs the copied ones. With `cpu_balance` the fraction follows the measured rates, so that the CPU
 and the copies finish together: a block costs block_bytes / (pinned H2D rate) on the copy path and
-the CPU's measured seconds per block on the other, and the CPU takes tg / (tg + tc) of them.
+the CPU's measured seconds per block on the other, and the CPU takes tg / (tg + tc) of them (at
+least MIN_SHARE, so the CPU's rate keeps being measured). Each block that would be copied adds the
+share to a credit carried across layers; a whole credit sends the block to the CPU: a small share
+still sends one now and then, and a changed share takes effect at once.
 In prompt steps (`cpu_prefill`), an expert routed only a few of the prompt's tokens is computed on the
 CPU rather than copied: with -1, where that beats the copy (tokens x tc <= tg, from the same rates).
 
@@ -54,6 +57,9 @@ class H2DKnobs:
             raise ScheduleError(f"stage 'h2d': 'vram_policy' must be one of {', '.join(POLICIES)}, got {self.vram_policy!r}")
 
 
+MIN_SHARE = 0.02
+
+
 class H2D(Stage):
     name = "h2d"
     consumes = ("layer", "blocks", "routing")
@@ -68,6 +74,7 @@ class H2D(Stage):
         down = rt.layouts.get("down")
         # bytes to copy: the whole block, or everything before `down` (blocks keep projections in order)
         self._nbytes = down.start if knobs.copy == "up" and down is not None else rt.store.block_bytes
+        self._credit = 0.0  # the hybrid share accumulated over blocks that would be copied
 
     async def run(self, io: StageIO) -> None:
         li = await io.value("layer")
@@ -78,14 +85,13 @@ class H2D(Stage):
         if limit:
             r = await io.value("routing")
             tokens = {e: int(rows.numel()) for e, rows in r.rows.items()}
-        seen = to_cpu = 0  # blocks that would be copied (or read in place on a CPU device); those left to the CPU path
         async for batch in io.batches("blocks"):
             pending: list[tuple[HostBlock, object]] = []  # blocks whose copies go out together, with their VRAM slot
             for hb in batch:
                 if share and hb.vram is None:
-                    seen += 1
-                    if to_cpu + 1 <= share * seen + 1e-9:
-                        to_cpu += 1
+                    self._credit += share
+                    if self._credit >= 1.0 - 1e-9:
+                        self._credit -= 1.0
                         io.emit(self._on_cpu(hb))
                         continue
                 if limit and hb.vram is None and tokens[hb.expert] <= limit:
@@ -113,7 +119,7 @@ class H2D(Stage):
         if not k.cpu_balance or rt.cpu_s_per_block is None or rt.device.type != "cuda":
             return k.cpu_share
         tg = self._copy_seconds()
-        return tg / (tg + rt.cpu_s_per_block)
+        return max(MIN_SHARE, tg / (tg + rt.cpu_s_per_block))
 
     def _prefill_limit(self) -> int:
         """Most prompt tokens an expert may have for the CPU to take it: the knob, or from the rates."""

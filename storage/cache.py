@@ -15,7 +15,8 @@ Invariants:
 - Eviction takes the least recently used evictable entry (`lru`), or (`lfu`) the one routed least
   often since the engine opened, ties to the least recently used: the simulator's `lfu`
   (storage/simulate.py), found through a heap with stale items skipped rather than a scan.
-- `hold` pins an entry for good (a hot set loaded at start): it is never evicted.
+- `hold` keeps an entry for good (a hot set loaded at start): it leaves the eviction order, is never
+  evicted, and survives `clear` (error recovery), its slot loaded and read only.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class BlockCache:
         self.capacity = arena.n
         self.policy = policy
         self._entries: OrderedDict[Key, CacheEntry] = OrderedDict()  # LRU first
+        self._held: dict[Key, CacheEntry] = {}  # kept for good, outside the eviction order
         self._free = list(range(arena.n - 1, -1, -1))
         self._released = asyncio.Event()
         self.stats = CacheStats()
@@ -80,17 +82,20 @@ class BlockCache:
         self._clock = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._held)
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._entries
+        return key in self._entries or key in self._held
 
     def peek(self, key: Key) -> CacheEntry | None:
-        return self._entries.get(key)
+        return self._entries.get(key) or self._held.get(key)
 
     def lookup(self, key: Key) -> CacheEntry | None:
         """The entry for key (loaded or loading), marked most recently used; None if absent."""
         entry = self._entries.get(key)
+        if entry is None and key in self._held:
+            self.stats.hits += 1
+            return self._held[key]
         if entry is None:
             self.stats.misses += 1
         else:
@@ -101,7 +106,7 @@ class BlockCache:
 
     def try_reserve(self, key: Key) -> CacheEntry | None:
         """A new pinned, empty entry for key in a free or evicted slot; None if every slot is busy."""
-        assert key not in self._entries, key
+        assert key not in self, key
         if self._free:
             slot, reuse_after = self._free.pop(), None
         else:
@@ -141,18 +146,24 @@ class BlockCache:
             self._released.set()
 
     def entries(self) -> list[CacheEntry]:
-        return list(self._entries.values())
+        return list(self._entries.values()) + list(self._held.values())
 
     def clear(self) -> None:
-        """Forget every block and pin. Only when no read is in flight and the GPU is idle (error recovery)."""
+        """Forget every block and pin but the held ones. Only when no read is in flight and the GPU is idle
+        (error recovery)."""
         assert not any(e.loading for e in self._entries.values())
         self._entries.clear()
-        self._free = list(range(self.arena.n - 1, -1, -1))
+        for e in self._held.values():
+            e.pins = 1
+        held = {e.slot for e in self._held.values()}
+        self._free = [i for i in range(self.arena.n - 1, -1, -1) if i not in held]
         self._released.set()
 
     def hold(self, entry: CacheEntry) -> None:
-        """Keep entry for good: one pin that is never released."""
+        """Keep a loaded entry for good: one pin that is never released, out of the eviction order."""
+        assert self._entries.get(entry.key) is entry and not entry.loading, entry.key
         entry.pins += 1
+        self._held[entry.key] = self._entries.pop(entry.key)
 
     def _used(self, key: Key) -> None:
         if self.policy == "lfu":

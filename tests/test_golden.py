@@ -116,7 +116,8 @@ def test_cuda_graphs_change_nothing(variant, base, stores, tmp_path):
 def test_resident_graphs_change_nothing(variant, schedule, stores):
     """Mamba layers' one-token steps and the MoE layers' pure functions (MoE input, routers, latent
     projections, shared expert) replayed as CUDA graphs give the eager logits bit for bit, also across a
-    second sequence (new state tensors: captured anew) and a restored snapshot."""
+    second sequence and a restored snapshot (new state tensors: captured anew where their addresses
+    changed, replayed where the allocator gave the same ones back)."""
     runs = []
     for graphs in (False, True):
         with sluice.load(stores[variant], device=DEVICE, resident_graphs=graphs, schedule=schedule) as engine:
@@ -344,3 +345,23 @@ def test_hybrid_prefill_matches_transformers(variant, stores, refs, tmp_path):
         assert engine.rt.stats.cpu_blocks > 0
     diff = (logits - refs.logits(variant, PROMPT)).abs().max().item()
     assert diff <= LOGIT_ATOL, f"max |dlogit| {diff:.3g}"
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_path_through_a_small_ram_cache(stores, refs, tmp_path):
+    """With fewer RAM slots than a layer's experts, blocks pass through the cache in turns: the CPU path must
+    give its slots back as soon as it is done with them (it once held them to the end of the layer, and fetch
+    waited for a slot forever)."""
+    import yaml
+
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    doc["stages"]["h2d"] = {**(doc["stages"]["h2d"] or {}), "cpu_share": 1}
+    doc["stages"]["compute"] = {**(doc["stages"]["compute"] or {}), "cpu_compile": False}
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    from sluice.storage.store import ExpertStore
+
+    store = stores["qwen3_moe"]
+    with sluice.load(store, device=DEVICE, schedule=str(path), ram_cache=3 * ExpertStore.open(store).block_bytes) as engine:
+        assert engine.generate(PROMPT, 8) == refs.greedy("qwen3_moe", PROMPT, 8)
+        assert engine.rt.stats.cpu_blocks > 0

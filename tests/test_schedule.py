@@ -45,6 +45,8 @@ def test_serial_waits_and_overlap_streams():
         (with_stage("h2d", {"stream": "side"}), "'stream' must be one of compute, copy"),
         (with_stage("h2d", {"vram_policy": "mru"}), "stage 'h2d': 'vram_policy' must be one of lru, lfu, got 'mru'"),
         (with_stage("h2d", {"hot_set": 3}), "'hot_set' must be str"),
+        (with_stage("h2d", {"cpu_share": 1.5}), "'cpu_share' must be between 0 and 1, got 1.5"),
+        (with_stage("h2d", {"cpu_prefill": -2}), "'cpu_prefill' must be -1 \\(where cheaper\\), 0 \\(never\\) or a token count"),
         (with_stage("compute", {"after": ["shuffle"]}), "runs after 'shuffle', which is not in the schedule"),
         (with_stage("route", {"after": ["combine"]}), "cycle in the stage graph: route -> combine -> .* -> route"),
         (with_stage("combine", {"after": ["fetch"]}), "streaming stage whose output it does not consume"),
@@ -69,3 +71,9 @@ def test_bad_files(tmp_path):
     good = tmp_path / "mine.yaml"
     good.write_text(yaml.safe_dump(BASE))
     assert load_schedule(good).name == "t"
+
+
+def test_knob_values_as_written():
+    """Whole numbers where a fraction is expected, and -1 where a knob gives it a meaning, are read as meant."""
+    h2d = parse_schedule(with_stage("h2d", {"cpu_share": 1, "cpu_prefill": -1}), "test.yaml").stage("h2d").knobs
+    assert h2d.cpu_share == 1.0 and isinstance(h2d.cpu_share, float) and h2d.cpu_prefill == -1
