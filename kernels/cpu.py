@@ -7,6 +7,10 @@ Each projection is a matvec written as elementwise torch ops and one reduction o
 (nibbles looked up in the E2M1 table, scales applied per group, products summed), which
 torch.compile's C++ backend fuses into one vectorised, multi-threaded pass over the weights
 (`compile=False` runs the same ops eagerly: slower, same arithmetic up to summation order).
+FP4 projections take a native path when the machine has a C compiler: kernels/cpu_fp4.c, built once
+per machine under SLUICE_HOME/build (-O3 -march=native -fopenmp) and called through ctypes, which
+releases the GIL; torch.compile's loops keep a short inner reduction per scale group that does not
+vectorise well (BENCHMARKS.md). Without a compiler the torch path serves.
 Reference: kernels/formats.py's dequantisation + kernels/experts_ref.py (tests/test_cpu_kernels.py).
 
 Shapes, as stored: FP4 weight [N, K/2] bytes (re-laid [K/2, N]), group scales [N, K/g] (re-laid
@@ -15,6 +19,13 @@ Shapes, as stored: FP4 weight [N, K/2] bytes (re-laid [K/2, N]), group scales [N
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -83,6 +94,61 @@ def fp8_block_matvec(w: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, bloc
 
 
 _KERNELS: dict[tuple[str, bool], Callable] = {}
+_NATIVE: list = []  # [ctypes library or None], once tried
+
+
+def native_fp4():
+    """The C FP4 kernels (kernels/cpu_fp4.c) for this machine, built on first use; None without a compiler."""
+    if _NATIVE:
+        return _NATIVE[0]
+    from sluice.log import get_logger
+    from sluice.pipeline.config import sluice_home
+
+    lib = None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    src = Path(__file__).with_name("cpu_fp4.c")
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    if cc is not None:
+        cpu = platform.processor() + platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu += next((line for line in f if line.startswith("flags")), "")
+        except OSError:
+            pass
+        key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags, cpu]).encode()).hexdigest()[:16]
+        out = sluice_home() / "build" / f"cpu_fp4-{key}.so"
+        try:
+            if not out.is_file():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_suffix(f".{os.getpid()}.tmp")
+                subprocess.run([cc, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+                os.replace(tmp, out)
+            lib = ctypes.CDLL(str(out))
+            args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+            for fn in (lib.sluice_fp4_nmajor, lib.sluice_fp4_kmajor):
+                fn.argtypes, fn.restype = args, None
+            lib.sluice_set_threads.argtypes = [ctypes.c_int]
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            get_logger().warning("CPU FP4 kernels: building the native path failed; using torch.compile's",
+                                 error=(str(e) + " " + detail.decode(errors="replace"))[:300])
+            lib = None
+    _NATIVE.append(lib)
+    return lib
+
+
+def fp4_matvec_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.Tensor, xo: torch.Tensor, group: int,
+                      e8m0: bool, kmajor: bool) -> torch.Tensor:
+    """fp4_matvec through kernels/cpu_fp4.c: the same result up to summation order."""
+    p, s = packed.contiguous(), scale.contiguous()
+    n = p.shape[0] if not kmajor else p.shape[1]
+    k2 = p.shape[1] if not kmajor else p.shape[0]
+    y = torch.empty(n, dtype=torch.float32)
+    lib.sluice_set_threads(torch.get_num_threads())
+    fn = lib.sluice_fp4_kmajor if kmajor else lib.sluice_fp4_nmajor
+    fn(p.data_ptr(), s.data_ptr(), s.stride(0), xe.data_ptr(), xo.data_ptr(), n, k2, group // 2, int(e8m0), y.data_ptr())
+    return y
 
 
 def _kernel(name: str, fn: Callable, compiled: bool) -> Callable:
@@ -93,13 +159,16 @@ def _kernel(name: str, fn: Callable, compiled: bool) -> Callable:
     return _KERNELS[(name, True)]
 
 
-def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: torch.Tensor, compiled: bool = True) -> torch.Tensor:
+def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: torch.Tensor, compiled: bool = True,
+                native: bool = True) -> torch.Tensor:
     """One projection of one expert: tensors by suffix as stored, x [K] fp32 -> [N] fp32 (bias added)."""
     w = t[fmt.weight]
     if fmt.kind in ("nvfp4", "mxfp4"):
         mx = fmt.kind == "mxfp4"
         xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
-        y = _kernel("fp4", fp4_matvec, compiled)(w, t[fmt.scale], xe, xo, MXFP4_GROUP if mx else NVFP4_GROUP, mx, kmajor)
+        lib = native_fp4() if native else None
+        fp4 = (lambda *a: fp4_matvec_native(lib, *a)) if lib is not None else _kernel("fp4", fp4_matvec, compiled)
+        y = fp4(w, t[fmt.scale], xe, xo, MXFP4_GROUP if mx else NVFP4_GROUP, mx, kmajor)
         if not mx:
             s2 = t[fmt.scale2].float().reshape(())
             y = y * (1.0 / s2 if fmt.scale2_inverted else s2)
@@ -120,16 +189,17 @@ class CpuExperts:
     """A store's experts on the CPU, one token and one expert at a time, from block buffers (uint8 views of
     RAM slots). `act` / `glu` are the MoE block's own (transformers' activation, the model's gated unit)."""
 
-    def __init__(self, manifest, kind: str, act: Callable, glu: Callable | None = None, compiled: bool = True):
+    def __init__(self, manifest, kind: str, act: Callable, glu: Callable | None = None, compiled: bool = True,
+                 native: bool = True):
         m = manifest
-        self.kind, self.act, self.glu, self.compiled = kind, act, glu, compiled
+        self.kind, self.act, self.glu, self.compiled, self.native = kind, act, glu, compiled, native
         self.formats: dict[str, WeightFormat] = m.formats
         self.slots = {proj: [s for s in m.slots if s.proj == proj] for proj in m.formats}
         self.kmajor = {proj: any(s.relaid and s.suffix == f.weight for s in self.slots[proj]) for proj, f in m.formats.items()}
 
     def _proj(self, block: torch.Tensor, proj: str, x: torch.Tensor) -> torch.Tensor:
         t = {s.suffix: s.view(block) for s in self.slots[proj]}
-        return proj_matvec(t, self.formats[proj], self.kmajor[proj], x, self.compiled)
+        return proj_matvec(t, self.formats[proj], self.kmajor[proj], x, self.compiled, self.native)
 
     @torch.inference_mode()
     def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """CPU expert kernels (kernels/cpu.py) against the plain-torch reference, every format and expert kind,
-the re-laid K-major `down` included; and once through torch.compile."""
+the re-laid K-major `down` included: the torch ops eagerly and through torch.compile, and FP4 through
+the native C path (kernels/cpu_fp4.c)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ def fit(fmt: str, *dims: int) -> list[int]:
     return [-(-d // g) * g for d in dims]
 
 
-def _check(kind: str, fmt: str, Dx: int, I: int, compiled: bool, bias: bool = False):
+def _check(kind: str, fmt: str, Dx: int, I: int, compiled: bool, bias: bool = False, native: bool = False, mutate=None):
     bank, offs, manifest, dense = make_bank(kind, fmt, 2, Dx, I, seed=Dx + I, bias=bias)
+    if mutate is not None:
+        mutate(bank, manifest)
     act = relu2 if kind == "relu2" else F.silu
-    cpu = CpuExperts(manifest, kind, act, compiled=compiled)
+    cpu = CpuExperts(manifest, kind, act, compiled=compiled, native=native)
     for a in range(2):
         block = bank[int(offs[a]) : int(offs[a]) + manifest.block_bytes]
         x = torch.randn(Dx, generator=torch.Generator().manual_seed(a))
@@ -50,22 +53,36 @@ def test_cpu_experts_compiled(fmt, kind):
     _check(kind, fmt, 64, 96, compiled=True)
 
 
-def test_wrong_nibble_order_must_fail():
-    """Reading the high nibble as the even input breaks the match: the test above can tell."""
-    import sluice.kernels.cpu as cpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds"])
+@pytest.mark.parametrize("kind", ["relu2", "swiglu"])
+@pytest.mark.parametrize("Dx, I", SIZES + [(320, 544)])
+def test_native_fp4_matches_the_reference(kind, fmt, Dx, I):
+    """The C kernels (both layouts, both scale kinds, rows beyond one 256-wide chunk)."""
+    from sluice.kernels.cpu import native_fp4
 
-    right = cpu.fp4_matvec
+    if native_fp4() is None:
+        pytest.skip("no C compiler here: the native FP4 path is not built")
+    Dx, I = fit(fmt, Dx, I)
+    _check(kind, fmt, Dx, I, compiled=False, native=True)
 
-    def swapped(packed, *a):
-        p = packed.view(torch.uint8)
-        return right(((p & 15) << 4) | (p >> 4), *a)  # the nibbles of every byte exchanged
 
-    cpu.fp4_matvec = swapped
-    try:
-        with pytest.raises(AssertionError, match="relative error"):
-            _check("relu2", "nvfp4", 64, 96, compiled=False)
-    finally:
-        cpu.fp4_matvec = right
+def _swap_nibbles(bank, manifest):
+    """Exchange the two nibbles of every byte of `up`'s packed weight (a wrong nibble order in the store)."""
+    s = next(s for s in manifest.slots if s.name == "up.weight")
+    for a in range(2):
+        b = bank[a * manifest.block_bytes + s.offset : a * manifest.block_bytes + s.offset + s.nbytes]
+        b.copy_(((b & 15) << 4) | (b >> 4))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_wrong_nibble_order_must_fail(native):
+    """Bytes whose nibbles are read the wrong way round break the match: the tests above can tell."""
+    from sluice.kernels.cpu import native_fp4
+
+    if native and native_fp4() is None:
+        pytest.skip("no C compiler here")
+    with pytest.raises(AssertionError, match="relative error"):
+        _check("relu2", "nvfp4", 64, 96, compiled=False, native=native, mutate=_swap_nibbles)
 
 
 def test_fp8_decodes_match_torch():
@@ -78,3 +95,14 @@ def test_fp8_decodes_match_torch():
     ok = ~v.float().isnan()
     assert torch.equal(e4m3_f32(v)[ok], v.float()[ok])
     assert e2m1(torch.arange(16, dtype=torch.int32)).tolist() == list(E2M1)
+
+
+def test_native_build_failure_falls_back(monkeypatch, tmp_path):
+    """A compiler that fails leaves the torch path serving FP4, with a warning, not an error."""
+    import sluice.kernels.cpu as cpu
+
+    monkeypatch.setattr(cpu, "_NATIVE", [])
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    assert cpu.native_fp4() is None
+    _check("relu2", "nvfp4", 64, 96, compiled=False, native=True)

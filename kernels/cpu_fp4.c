@@ -1,0 +1,146 @@
+/* FP4 (NVFP4 / MXFP4) matvec on the CPU over a block's stored bytes: kernels/cpu.py's native path.
+ *
+ * Built at first use with the machine's C compiler (-O3 -march=native -fopenmp) and called through
+ * ctypes, which releases the GIL for the call. Plain C loops: E2M1 codes through a 16-entry table,
+ * scales applied once per group. Same arithmetic as kernels/cpu.py's fp4_matvec up to summation order.
+ *
+ * Layouts (bytes as stored, row-major):
+ *   n-major  packed [N, K2] (K2 = K/2, low nibble = even input), scales [N, *] row stride s_stride
+ *   k-major  packed [K2, N] (a re-laid ReLU^2 down), scales [K2 / half, *] row stride s_stride
+ * One scale per `half` bytes (8 for NVFP4's 16 values, 16 for MXFP4's 32); E4M3 or E8M0 scale bytes.
+ * xe, xo: x's even and odd elements [K2]. y [N] is overwritten.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+/* E2M1 code -> value: a 16-entry table in L1 (arithmetic decodes compile to branches that random
+ * codes mispredict, ~20 x slower) */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+#define e2m1(c) E2M1[(c)]
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float scale_f32(uint8_t b, int e8m0) {
+    if (e8m0)
+        return bits_f32((uint32_t)b << 23);
+    uint32_t e = (b >> 3) & 15, m = b & 7;
+    if (e == 0)
+        return (b & 128 ? -1.0f : 1.0f) * (float)m * (1.0f / 512);
+    return bits_f32(((uint32_t)(b & 128) << 24) | ((e + 120) << 23) | (m << 20));
+}
+
+void sluice_set_threads(int n) {
+    if (n > 0)
+        omp_set_num_threads(n);
+}
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* 2 x E2M1 values of 16 codes as int8 (0, 1, 2, 3, 4, 6, 8, 12 and negatives), for pshufb */
+static inline __m128i e2m1x2_table(void) {
+    return _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+/* 8 int8 lanes (the low 8 bytes of v) -> 8 floats */
+static inline __m256 i8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* dot of 8 packed bytes (16 codes: lo = even inputs) with xe[0..8), xo[0..8), as 8 lanes (x 2: the table doubles) */
+static inline __m256 dot8(__m128i bytes, const float *xe, const float *xo, __m128i table, __m128i low4) {
+    __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4));
+    __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    return _mm256_fmadd_ps(i8_ps(hi), _mm256_loadu_ps(xo), _mm256_mul_ps(i8_ps(lo), _mm256_loadu_ps(xe)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
+                       long N, long K2, int half, int e8m0, float *y) {
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = p + n * K2;
+        const uint8_t *srow = s + n * s_stride;
+        float acc = 0.0f;
+        long g0 = 0, g = 0;
+#ifdef __AVX2__
+        {
+            const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
+            __m256 vacc = _mm256_setzero_ps();
+            for (; g0 + half <= K2; g0 += half, g++) {  /* whole groups of 8 or 16 bytes */
+                __m256 scale = _mm256_set1_ps(0.5f * scale_f32(srow[g], e8m0));
+                for (long j = g0; j < g0 + half; j += 8) {
+                    __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + j));
+                    vacc = _mm256_fmadd_ps(dot8(bytes, xe + j, xo + j, table, low4), scale, vacc);
+                }
+            }
+            acc = hsum(vacc);
+        }
+#endif
+        for (; g0 < K2; g0 += half, g++) {
+            long end = g0 + half < K2 ? g0 + half : K2;
+            float part = 0.0f;
+            for (long j = g0; j < end; j++) {
+                int b = row[j];
+                part += e2m1(b & 15) * xe[j] + e2m1(b >> 4) * xo[j];
+            }
+            acc += part * scale_f32(srow[g], e8m0);
+        }
+        y[n] = acc;
+    }
+}
+
+#define CHUNK 256
+
+void sluice_fp4_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
+                       long N, long K2, int half, int e8m0, float *y) {
+#pragma omp parallel for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += CHUNK) {
+        long w = N - n0 < CHUNK ? N - n0 : CHUNK;
+        float acc[CHUNK], part[CHUNK];
+        for (long i = 0; i < w; i++)
+            acc[i] = 0.0f;
+        for (long g0 = 0, g = 0; g0 < K2; g0 += half, g++) {
+            long end = g0 + half < K2 ? g0 + half : K2;
+            for (long i = 0; i < w; i++)
+                part[i] = 0.0f;
+            for (long j = g0; j < end; j++) {
+                const uint8_t *r = p + j * N + n0;
+                float a = xe[j], b = xo[j];
+                long i = 0;
+#ifdef __AVX2__
+                const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
+                const __m256 va = _mm256_set1_ps(0.5f * a), vb = _mm256_set1_ps(0.5f * b);
+                for (; i + 8 <= w; i += 8) {  /* 8 outputs: their codes in 8 bytes of this input row */
+                    __m128i bytes = _mm_loadl_epi64((const __m128i *)(r + i));
+                    __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4));
+                    __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+                    __m256 v = _mm256_loadu_ps(part + i);
+                    v = _mm256_fmadd_ps(i8_ps(lo), va, v);
+                    _mm256_storeu_ps(part + i, _mm256_fmadd_ps(i8_ps(hi), vb, v));
+                }
+#endif
+                for (; i < w; i++) {
+                    int c = r[i];
+                    part[i] += e2m1(c & 15) * a + e2m1(c >> 4) * b;
+                }
+            }
+            const uint8_t *sr = s + g * s_stride + n0;
+            for (long i = 0; i < w; i++)
+                acc[i] += part[i] * scale_f32(sr[i], e8m0);
+        }
+        for (long i = 0; i < w; i++)
+            y[n0 + i] = acc[i];
+    }
+}
