@@ -11,17 +11,13 @@ import torch.nn.functional as F
 from sluice.kernels.cpu import CpuExperts
 from sluice.kernels.experts_ref import expert_ref
 from tests.quant import FORMATS, make_bank
+from tests.test_kernels import fit
 
 SIZES = [(64, 96), (96, 160)]  # (Dx, I)
 
 
 def relu2(v):
     return torch.relu(v) ** 2
-
-
-def fit(fmt: str, *dims: int) -> list[int]:
-    g = 32 if fmt.startswith("mxfp4") else 1
-    return [-(-d // g) * g for d in dims]
 
 
 def _check(kind: str, fmt: str, Dx: int, I: int, compiled: bool, bias: bool = False, native: bool = False, mutate=None):
