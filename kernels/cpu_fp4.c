@@ -78,8 +78,12 @@ void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const 
         {
             const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
             __m256 vacc = _mm256_setzero_ps();
-            for (; g0 + half <= K2; g0 += half, g++) {  /* whole groups of 8 or 16 bytes */
-                __m256 scale = _mm256_set1_ps(0.5f * scale_f32(srow[g], e8m0));
+            float sc[512];  /* the row's group scales, decoded up front (x 0.5: the table holds 2 x E2M1) */
+            long G = K2 / half < 512 ? K2 / half : 512;
+            for (long i = 0; i < G; i++)
+                sc[i] = 0.5f * scale_f32(srow[i], e8m0);
+            for (; g0 + half <= K2 && g < G; g0 += half, g++) {  /* whole groups of 8 or 16 bytes */
+                __m256 scale = _mm256_set1_ps(sc[g]);
                 for (long j = g0; j < g0 + half; j += 8) {
                     __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + j));
                     vacc = _mm256_fmadd_ps(dot8(bytes, xe + j, xo + j, table, low4), scale, vacc);
