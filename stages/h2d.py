@@ -57,7 +57,7 @@ class H2DKnobs:
             raise ScheduleError(f"stage 'h2d': 'vram_policy' must be one of {', '.join(POLICIES)}, got {self.vram_policy!r}")
 
 
-MIN_SHARE = 0.02
+MIN_SHARE = 0.005  # one block in 200: enough to keep measuring the CPU, little to wait for when it is slow
 
 
 class H2D(Stage):
