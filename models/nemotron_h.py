@@ -9,6 +9,7 @@ mixer is: router on x, fc1_latent(x) -> routed experts -> fc2_latent, plus share
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -158,3 +159,31 @@ class NemotronHResident(ResidentModel):
     def head(self, h):
         h = self.hf.model.norm_f(h)
         return self.hf.lm_head(h[0]).float()
+
+
+class NemotronHOmni(NemotronH):
+    """The language model of a NemotronH vision-language checkpoint (`nemotron_h_omni`, transformers 5.23+):
+    the LM's tensors under language_model.backbone. / language_model.lm_head, routed experts streamed as
+    in nemotron_h. The RADIO vision tower, its projector and an audio tower, if any, are not part of the
+    LM and are left out: text runs, images do not yet (the server refuses non-text content parts)."""
+
+    model_type = "nemotron_h_omni"
+    renames = ((r"^language_model\.backbone\.", "model."), (r"^language_model\.", ""))
+    reverse_renames = ((r"^model\.", "language_model.backbone."), (r"^lm_head\.", "language_model.lm_head."))
+
+    def expert_spec(self, config) -> ExpertSpec:
+        text = config.get_text_config()
+        return replace(super().expert_spec(text), **expert_names("language_model.backbone.", "mixer.experts"))
+
+    def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:
+        return super().kv_bytes_per_token(config.get_text_config(), dtype_bytes)
+
+    def recurrent_bytes(self, config, dtype_bytes: int) -> int:
+        return super().recurrent_bytes(config.get_text_config(), dtype_bytes)
+
+    def ignored(self, config):
+        lm = super().ignored(config.get_text_config())
+        return lambda name: not name.startswith("language_model.") or lm(name.removeprefix("language_model."))
+
+    def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
+        return super().build(hf_config.get_text_config(), tensors, device, dtype)

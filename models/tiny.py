@@ -85,6 +85,14 @@ def tiny_config(arch: str, **overrides):
             return Qwen3_5MoeTextConfig(**{**text, **overrides})
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, num_position_embeddings=64)
         return Qwen3_5MoeConfig(**{**dict(text_config=text, vision_config=vision), **overrides})
+    if arch == "nemotron_h_omni":  # transformers 5.23+: the NemotronH LM beside a tiny RADIO vision tower
+        from transformers.models.nemotron_h_omni.configuration_nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
+
+        text = tiny_config("nemotron_h").to_dict()
+        vision = dict(model_type="radio", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16, image_size=64,
+                      max_img_size=128, num_cls_tokens=1, num_registers=0, video_temporal_patch_size=2)
+        return NemotronH_Omni_Reasoning_V3_Config(**{**dict(text_config=text, vision_config=vision, vision_hidden_size=32,
+                                                            projector_hidden_size=48, image_token_id=2), **overrides})
     if arch == "deepseek_v4":
         from transformers import DeepseekV4Config
 

@@ -365,3 +365,33 @@ def test_hybrid_path_through_a_small_ram_cache(stores, refs, tmp_path):
     with sluice.load(store, device=DEVICE, schedule=str(path), ram_cache=3 * ExpertStore.open(store).block_bytes) as engine:
         assert engine.generate(PROMPT, 8) == refs.greedy("qwen3_moe", PROMPT, 8)
         assert engine.rt.stats.cpu_blocks > 0
+
+
+def test_nemotron_h_omni_language_model(tmp_path):
+    """A NemotronH vision-language checkpoint (transformers' nemotron_h_omni, its own saved names:
+    language_model.backbone.*, vision_model.radio_model.*) runs its language model through the spine:
+    text logits and greedy tokens equal transformers' whole omni model's on a text prompt."""
+    pytest.importorskip("transformers.models.nemotron_h_omni", reason="nemotron_h_omni needs transformers 5.23+")
+    from transformers import AutoModelForImageTextToText
+
+    from sluice.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "omni", "nemotron_h_omni", seed=11)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+    ids = list(PROMPT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+        for _ in range(12):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    with sluice.load(path, device=DEVICE, progress=False) as engine:
+        logits = engine.forward(PROMPT)
+        tokens = engine.generate(PROMPT, 12)
+        names = {s.name for s in engine.store.manifest.slots}
+        from safetensors import safe_open
+
+        with safe_open(str(engine.store.path / engine.store.manifest.resident), "pt") as f:
+            resident = set(f.keys())
+    assert names == {"up.weight", "down.weight"}
+    assert resident and all(k.startswith("language_model.backbone.") or k.startswith("language_model.lm_head") for k in resident)
+    assert (logits - ref).abs().max().item() <= LOGIT_ATOL
+    assert tokens == ids[len(PROMPT):]
