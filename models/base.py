@@ -186,6 +186,21 @@ class Architecture(ABC):
         return module_name
 
 
+class LanguageModelOf:
+    """Mixin for a vision-language config whose language model is an architecture Sluice runs: the
+    memory figures and the ignore rule are the LM's, read from its text config (a text config is its
+    own text config, so the same class serves both)."""
+
+    def kv_bytes_per_token(self, hf_config: Any, dtype_bytes: int) -> int:
+        return super().kv_bytes_per_token(hf_config.get_text_config(), dtype_bytes)
+
+    def recurrent_bytes(self, hf_config: Any, dtype_bytes: int) -> int:
+        return super().recurrent_bytes(hf_config.get_text_config(), dtype_bytes)
+
+    def ignored(self, hf_config: Any) -> Callable[[str], bool]:
+        return super().ignored(hf_config.get_text_config())
+
+
 class StreamedExperts(nn.Module):
     """Stands where transformers' fused experts were: routed experts come from the stage graph."""
 

@@ -19,6 +19,7 @@ from torch import nn
 from sluice.models.base import (
     Architecture,
     ExpertSpec,
+    LanguageModelOf,
     Layer,
     MoEBlock,
     ResidentModel,
@@ -161,7 +162,7 @@ class NemotronHResident(ResidentModel):
         return self.hf.lm_head(h[0]).float()
 
 
-class NemotronHOmni(NemotronH):
+class NemotronHOmni(LanguageModelOf, NemotronH):
     """The language model of a NemotronH vision-language checkpoint (`nemotron_h_omni`, transformers 5.23+):
     the LM's tensors under language_model.backbone. / language_model.lm_head, routed experts streamed as
     in nemotron_h. The RADIO vision tower, its projector and an audio tower, if any, are not part of the
@@ -175,14 +176,8 @@ class NemotronHOmni(NemotronH):
         text = config.get_text_config()
         return replace(super().expert_spec(text), **expert_names("language_model.backbone.", "mixer.experts"))
 
-    def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:
-        return super().kv_bytes_per_token(config.get_text_config(), dtype_bytes)
-
-    def recurrent_bytes(self, config, dtype_bytes: int) -> int:
-        return super().recurrent_bytes(config.get_text_config(), dtype_bytes)
-
     def ignored(self, config):
-        lm = super().ignored(config.get_text_config())
+        lm = super().ignored(config)  # the LM's rule, on names within the LM
         return lambda name: not name.startswith("language_model.") or lm(name.removeprefix("language_model."))
 
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 
 from sluice.errors import CheckpointError
-from sluice.models.base import ExpertSpec, ResidentModel, build_hf_model
+from sluice.models.base import ExpertSpec, LanguageModelOf, ResidentModel, build_hf_model
 from sluice.models.decoder import DecoderResident, strip_routed
 from sluice.models.qwen3_next import Qwen3Next, gated_shared_block
 from sluice.storage.safetensors_io import TensorInfo, TensorPart
@@ -42,7 +42,7 @@ def split_fused(name: str, info: TensorInfo) -> list[tuple[int, int, str, str, T
            [(layer, e, "up", "weight", TensorPart(info, e, start=half)) for e in experts]
 
 
-class Qwen3_5Moe(Qwen3Next):
+class Qwen3_5Moe(LanguageModelOf, Qwen3Next):
     """The vision-language config; its LM's tensors live under model.language_model."""
 
     model_type = "qwen3_5_moe"
@@ -63,15 +63,6 @@ class Qwen3_5Moe(Qwen3Next):
             top_k=text.num_experts_per_tok,
             split=split_fused,
         )
-
-    def kv_bytes_per_token(self, config, dtype_bytes: int) -> int:
-        return super().kv_bytes_per_token(config.get_text_config(), dtype_bytes)
-
-    def recurrent_bytes(self, config, dtype_bytes: int) -> int:
-        return super().recurrent_bytes(config.get_text_config(), dtype_bytes)
-
-    def ignored(self, config):
-        return super().ignored(config.get_text_config())
 
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
         hf = build_hf_model(self, hf_config, tensors, strip_routed(lambda i: True), device, dtype)

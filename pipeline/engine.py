@@ -160,7 +160,7 @@ class Engine:
         self.rt.close()
         self._loop.close()
         if self.config.vram_budget is not None and self.device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device.index if self.device.index is not None else torch.cuda.current_device())
+            torch.cuda.set_per_process_memory_fraction(1.0, _cuda_index(self.device))
 
     def __enter__(self) -> "Engine":
         return self
@@ -226,12 +226,17 @@ def budget_slots(budget: int, store: ExpertStore, device: torch.device) -> int:
     if slots < need:
         raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)} and {format_bytes(reserve)} "
                           f"stays free for activations, leaving room for {max(slots, 0)} expert slots; a MoE layer needs {need}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
     get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), reserve=format_bytes(reserve),
                       expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes))
     return int(slots)
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The CUDA device's index ('cuda' alone means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _check_ids(ids: list[int]) -> None:
