@@ -117,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--live", type=float, default=0.25, help="fraction of live 16-neuron groups for zero-copy down")
     bk.add_argument("--json", type=Path, help="also write the rows as JSON")
     bk.add_argument("--sweep", action="store_true", help="time each kernel over tile configurations instead")
+    bk.add_argument("--launch-timing", action="store_true",
+                    help="time single launches (do_bench) instead of calls captured in a CUDA graph, as decode runs them")
     bk.set_defaults(func=cmd_bench_kernels)
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (the conversation state is kept between turns)")
@@ -358,16 +360,18 @@ def cmd_bench_kernels(args) -> int:
 
     import torch
 
+    from sluice.kernels import bench as kbench
     from sluice.kernels.bench import FORMATS, SHAPES, bench, format_table, sweep
 
     if not torch.cuda.is_available():
         raise SluiceError("bench kernels needs a CUDA GPU")
+    kbench.TIMING = "launch" if args.launch_timing else "graph"
     if args.sweep:
         for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS)):
             print(line, flush=True)
         return 0
     ceil, rows = bench(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), args.live)
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | timing: {kbench.TIMING}")
     print(format_table(ceil, rows))
     if args.json:
         args.json.write_text(json.dumps({"ceilings": ceil, "rows": [r.__dict__ for r in rows]}, indent=1))

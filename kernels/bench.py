@@ -2,7 +2,8 @@
 
 Ceilings: HBM (a large device-to-device copy, bytes read + written) and pinned host-to-device
 (a large copy). Each kernel moves the bytes of the blocks it reads; those over its median time
-(triton.testing.do_bench) is its achieved GB/s. Banks rotate through more memory than the L2 holds,
+(a CUDA graph of 20 calls, as decode runs them; or do_bench per launch) is its achieved GB/s.
+Banks rotate through more memory than the L2 holds,
 so repeated launches do not measure the cache. Zero-copy down reads live 16-neuron groups from
 pinned host memory; its bytes are the live groups' bytes, compared with the host-to-device ceiling.
 """
@@ -107,17 +108,50 @@ def _decode_setup(kind: str, fmt: str, Dx: int, I: int, A: int, device) -> _Setu
     return _Setup(banks, L, offs, x, h, up_bytes, epi, gate, act)
 
 
+GRAPH_CALLS = 20  # calls per captured graph
+
+
 def _time(fns) -> float:
-    """Median microseconds of one call, rotating through fns (one per bank)."""
-    from triton.testing import do_bench
+    """Median microseconds of one call, rotating through fns (one per bank).
 
-    i = [0]
+    As decode runs them: GRAPH_CALLS calls captured in one CUDA graph and replayed, so the time is
+    the kernels' own and not the host's launch cost (which in-graph decode does not pay). With
+    TIMING = "launch": triton's do_bench, one launch (and its overhead) per timing."""
+    if TIMING == "launch":
+        from triton.testing import do_bench
 
-    def step():
-        fns[i[0] % len(fns)]()
-        i[0] += 1
+        i = [0]
 
-    return do_bench(step, return_mode="median") * 1000
+        def step():
+            fns[i[0] % len(fns)]()
+            i[0] += 1
+
+        return do_bench(step, return_mode="median") * 1000
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm every variant outside the capture
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_CALLS):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / GRAPH_CALLS)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+TIMING = "graph"  # or "launch" (set by `sluice bench kernels --launch-timing`)
 
 
 def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cuda") -> tuple[dict, list[Row]]:
@@ -166,7 +200,7 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
 
 
 MATVEC_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4), (32, 128, 4),
-                  (4, 512, 2), (2, 1024, 2), (16, 1024, 8)]  # (bn, bk, warps)
+                  (4, 512, 2), (2, 1024, 2), (16, 1024, 8), (32, 256, 4), (16, 1024, 4), (32, 1024, 4)]  # (bn, bk, warps)
 DOWN_CONFIGS = [(512, 16, 4), (1024, 8, 4), (1024, 16, 8), (256, 16, 4), (512, 32, 4), (1024, 32, 8)]  # (bd, splits, warps)
 PREFILL_CONFIGS = [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (32, 128, 128, 8)]  # (bm, bn, bk, warps)
 
@@ -183,8 +217,9 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
         for fmt in formats:
             su = _decode_setup(kind, fmt, Dx, I, A, device)
             banks, L, offs, x, h, up_bytes, epi, gate, act = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes, su.epi, su.gate, su.act
-            for (bn, bk, nw), words in [(c, w) for c in MATVEC_CONFIGS for w in ((False, True) if fmt in ("nvfp4", "mxfp4") else (False,))]:
-                name = "matvec-up-words" if words else "matvec-up"
+            fp4 = fmt in ("nvfp4", "mxfp4")
+            variants = [("matvec-up", False)] + ([("matvec-up-words", True)] if fp4 else [])
+            for (bn, bk, nw), (name, words) in [(c, v) for c in MATVEC_CONFIGS for v in variants]:
                 try:
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,
                                                    num_warps=nw, fp4_words=words) for b in banks])

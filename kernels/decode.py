@@ -2,7 +2,7 @@
 
 Shape legend: A active experts in the launch, Dx expert input size, I intermediate size.
 Every expert's block lives in a bank (one uint8 tensor: the VRAM slot bank, or the host arena);
-`offs` [A] int64 gives each block's byte offset in its bank.
+`offs` [A] int64 gives each block's byte offset in its bank: a multiple of 16 (blocks are 4 KiB-aligned).
 
     matvec        out[a, n] = epilogue(W_a[n, :] . v_a)    W [N, K] in the checkpoint's orientation
                   epilogues: relu2 (ReLU^2 up), swiglu (act(gate) * up, both projections in one
@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, SCALE_GROUPS, e2m1_scaled, group_scale,
-                                    block_scale, load_bias, tensor_scale)
+from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4,
+                                    SCALE_GROUPS, block_scale, e2m1_scaled, fp4_word_dot, group_scale, load_bias, tensor_scale)
 from sluice.kernels.layout import ProjLayout
 
 RELU2 = tl.constexpr(0)
@@ -41,14 +41,21 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 @triton.jit
+def _xw(vp, w, wm, I: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
+    """Element I of each word column's eight inputs, scaled for fp4_word_dot, as [BN, BW]."""
+    xi = tl.load(vp + w * 8 + I, mask=wm, other=0.0).to(tl.float32) * FP4_X_SCALE
+    return tl.broadcast_to(xi[None, :], [BN, BW])
+
+
+@triton.jit
 def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
               FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
               WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """W[n, :] . v for rows n [BN]; fp32. Products accumulate in registers; one reduction at the end."""
     nm = n < N
     if (FMT == NVFP4 or FMT == MXFP4) and WORDS:
-        # 32-bit words of 8 nibbles: word w of a row holds elements 8w..8w+7 (nibble i = element 8w+i),
-        # so every tensor stays 2-D [BN, BW] and each element costs a shift, two masks and a convert
+        # 32-bit words of 8 nibbles: word w of a row holds elements 8w..8w+7 (nibble i = element 8w+i);
+        # fp4_word_dot places each nibble's bits straight into an fp32 (no conversion instruction)
         BW: tl.constexpr = BK // 8
         NW = K // 8
         wi = tl.arange(0, BW)
@@ -59,12 +66,11 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
             wm = w < NW
             m2 = nm[:, None] & wm[None, :]
             word = tl.load(rows + w[None, :], mask=m2, other=0)
-            t = tl.zeros([BN, BW], dtype=tl.float32)
-            for i in tl.static_range(8):
-                xi = tl.load(vp + w * 8 + i, mask=wm, other=0.0).to(tl.float32)
-                t += e2m1_scaled((word >> (4 * i)) & 15) * xi[None, :]
+            t = fp4_word_dot(word, _xw(vp, w, wm, 0, BN, BW), _xw(vp, w, wm, 1, BN, BW), _xw(vp, w, wm, 2, BN, BW),
+                             _xw(vp, w, wm, 3, BN, BW), _xw(vp, w, wm, 4, BN, BW), _xw(vp, w, wm, 5, BN, BW),
+                             _xw(vp, w, wm, 6, BN, BW), _xw(vp, w, wm, 7, BN, BW))
             acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + w[None, :] // (SG // 8), m2, FMT)
-        r = tl.sum(acc, axis=1) * E2M1_UNSCALE
+        r = tl.sum(acc, axis=1) * FP4_WORD_UNSCALE
     elif FMT == NVFP4 or FMT == MXFP4:
         G: tl.constexpr = BK // SG  # scale groups per step; each is SG/2 bytes and one scale
         NG = K // SG
@@ -145,7 +151,7 @@ def _matvec_kernel(
 ):
     a = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
-    base = bank + tl.load(offs + a)
+    base = bank + tl.multiple_of(tl.load(offs + a), 16)  # blocks start 4 KiB-aligned in every bank
     vp = v + a * V_STRIDE
     acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK)
     acc = acc.to(X_DT).to(tl.float32)  # the reference rounds each linear's output to the activation dtype
@@ -177,7 +183,10 @@ def _down_relaid_kernel(
     sp = tl.program_id(1)
     d = tl.program_id(2) * BD + tl.arange(0, BD)
     dm = d < Dx
-    base = bank + tl.load(offs + a)
+    if FMT == DENSE:  # blocks start 4 KiB-aligned in every bank; telling the compiler so made FP4/FP8 rows slower (H200)
+        base = bank + tl.multiple_of(tl.load(offs + a), 16)
+    else:
+        base = bank + tl.load(offs + a)
     hp = h + a * I
     acc = tl.zeros([R, BD], dtype=tl.float32)  # R = rows of one group: 8 FP4 byte rows or 16 neurons
     g0 = sp * GROUPS_PER_SPLIT
@@ -223,12 +232,12 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     act_args: (alpha, limit) of gpt-oss's GLU. fp4_words: FP4 weights read as 32-bit words of eight
     nibbles (False: as bytes in [rows, groups, bytes] tiles, the earlier formulation, kept for the sweep).
 
-    Tiles (bn rows x bk inputs, 4 warps) were picked by `sluice bench kernels --sweep` on an H200
-    (BENCHMARKS.md): FP4 words 16 x 256 (4 x 1024 from 2048 inputs on), FP8 8 x 256, dense 16 x 256."""
+    Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
+    32 x 256 (16 x 1024 from 2048 inputs on), FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
     words = fp4_words and layout.fmt in SCALE_GROUPS
     wide = words and layout.k >= 2048
-    bn = bn or (4 if wide else 16 if words or layout.fmt == 0 else 8)
+    bn = bn or (16 if wide else 32 if words else 16 if layout.fmt == 0 else 8)
     bk = min(bk or (1024 if wide else 256), max(16, triton.next_power_of_2(layout.k)))
     if layout.block:  # FP8 blocks: a step must not straddle two scale blocks
         bk = min(bk, layout.block)

@@ -41,6 +41,39 @@ def e2m1_scaled(nib):
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+FP4_X_SCALE = tl.constexpr(2.0**64)  # fp4_word_dot's x values are multiplied by this first ...
+FP4_WORD_UNSCALE = tl.constexpr(2.0**62)  # ... and its sums by this after (2**126 / 2**64)
+_SIGN_MAG = tl.constexpr(-2118123520)  # 0x81C00000 as int32: fp32 sign and bits 22-24
+
+
+@triton.jit
+def _nibble_f32(word, I: tl.constexpr):
+    """Nibble I of each 32-bit word as fp32 bits: magnitude at 22-24, sign at 31 = E2M1 value * 2**-126
+    (the subnormal 0.5 included, as in e2m1_scaled)."""
+    J: tl.constexpr = I % 4
+    src = word if I < 4 else word >> 16
+    q = src & (15 << (4 * J))
+    return (((q << (22 - 4 * J)) | (q << (28 - 4 * J))) & _SIGN_MAG).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_word_dot(word, x0, x1, x2, x3, x4, x5, x6, x7):
+    """sum_i E2M1(nibble i of word) * x_i * 2**-126, elementwise over 32-bit words (int32) of eight
+    nibbles. x_i: fp32, scaled by FP4_X_SCALE so that the products stay normal; multiply the sums
+    by FP4_WORD_UNSCALE. Per nibble the compiler emits four instructions: an and, one multiply
+    that makes both shifted copies, an and, an FMA (no conversion instruction; the same count as
+    hand-written PTX, which was tried and dropped: BENCHMARKS.md)."""
+    t = _nibble_f32(word, 0) * x0
+    t += _nibble_f32(word, 1) * x1
+    t += _nibble_f32(word, 2) * x2
+    t += _nibble_f32(word, 3) * x3
+    t += _nibble_f32(word, 4) * x4
+    t += _nibble_f32(word, 5) * x5
+    t += _nibble_f32(word, 6) * x6
+    t += _nibble_f32(word, 7) * x7
+    return t
+
+
 @triton.jit
 def e2m1_to_f32(nib):
     """4-bit E2M1 codes (int32, 0..15) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives."""

@@ -93,7 +93,7 @@ def _grouped_gemm_kernel(
     xr = tl.load(xrows + j, mask=mm, other=0).to(tl.int64) * X_STRIDE
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
-    base = bank + tl.load(offs + a)
+    base = bank + tl.multiple_of(tl.load(offs + a), 16)  # blocks start 4 KiB-aligned in every bank
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc = _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, SG, KMAJOR, DOT_DT, IEEE, BK)
     if FMT == FP8_ROW:

@@ -268,3 +268,4 @@ def test_fp4_decode_both_formulations(fmt, A, Dx, I, words):
     matvec(bank, offs, x, lay["up"], "plain", torch.float32, h, fp4_words=words, bk=64)
     h_ref = torch.stack([d["up"].double() @ x.double().cpu() for d in dense])
     assert rel_err(h.cpu(), h_ref) < 1e-5
+
