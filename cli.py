@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--image", type=Path, action="append", default=[],
+                   help="an image before the prompt (vision-language models; repeat for several)")
+    g.add_argument("--doc", action="store_true", help="images at the processor's maximum resolution (for reading documents)")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -104,6 +107,14 @@ def _parser() -> argparse.ArgumentParser:
     bb.add_argument("--json", type=Path, help="also write the result as JSON")
     bb.set_defaults(func=cmd_bench_baseline)
 
+    bi = bsub.add_parser("images", help="seconds per image through a vision-language model's image encoder, per mode")
+    bi.add_argument("--model", help="a vision-language checkpoint or store (default: a RADIO-H tower + tiny LM, random weights)")
+    bi.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    bi.add_argument("--patches", default="1024,4096", help="image sizes in 16-pixel patches, comma-separated")
+    bi.add_argument("--modes", default="resident,stream,cpu", help="resident | stream (GPU) | cpu, comma-separated")
+    bi.add_argument("--json", type=Path, help="also write the rows as JSON")
+    bi.set_defaults(func=cmd_bench_images)
+
     bc = bsub.add_parser("cpu", help="the CPU expert kernels' GB/s against the memory read rate measured now")
     bc.add_argument("--shape", nargs="*", default=None, help="model shapes (default: nano qwen3-30b)")
     bc.add_argument("--format", nargs="*", default=None, help="nvfp4 mxfp4 fp8 bf16 (default: all)")
@@ -137,6 +148,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                                          "gets what the resident part and a reserve leave")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")
     p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path")
+    p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
+                   help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
     p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
@@ -157,7 +170,7 @@ def _open_engine(args):
     model = args.model or default_model_path()
     return sluice.load(
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
-        resident_graphs=not args.eager, schedule=args.schedule,
+        resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
     )
 
@@ -189,7 +202,7 @@ def cmd_verify(args) -> int:
     return 0 if not problems else 1
 
 
-def _stream_text(engine, tok, ids: list[int], args, seq=None) -> list[int]:
+def _stream_text(engine, tok, ids: list[int], args, seq=None, images=None) -> list[int]:
     """Generate, printing text as it forms; returns the new token ids."""
     out: list[int] = []
     shown = ""
@@ -197,7 +210,7 @@ def _stream_text(engine, tok, ids: list[int], args, seq=None) -> list[int]:
     t0 = time.perf_counter()
     before = engine.rt.stats.snapshot()
     first = None
-    for token in engine.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop, seq=seq):
+    for token in engine.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop, seq=seq, images=images):
         first = first or time.perf_counter()
         out.append(token)
         text = tok.decode(out, skip_special_tokens=True)
@@ -234,11 +247,29 @@ def _chat_ids(tok, messages: list[dict]) -> list[int]:
 def cmd_generate(args) -> int:
     with _open_engine(args) as engine:
         tok = _tokenizer(engine)
+        images = rows = None
+        if args.image:
+            from sluice.models.vision import ImageSettings, ImageTokens, prepare_images
+
+            data = []
+            for f in args.image:
+                try:
+                    data.append(f.read_bytes())
+                except OSError as e:
+                    raise SluiceError(f"--image {f}: {e.strerror}") from None
+            images = prepare_images(data, ImageSettings.of(engine.store.path), args.doc, where="--image")
+            marks = ImageTokens.of(tok, engine.image_encoder.image_token_id)
         if args.chat:
-            ids = _chat_ids(tok, [{"role": "user", "content": args.prompt}])
+            parts = [{"type": "image"} for _ in args.image] + [{"type": "text", "text": args.prompt}]
+            ids = _chat_ids(tok, [{"role": "user", "content": parts if args.image else args.prompt}])
         else:
-            ids = tok(args.prompt)["input_ids"]
-        _stream_text(engine, tok, list(ids), args)
+            placeholder = marks.text(tok) + "\n" if args.image else ""
+            ids = tok(placeholder * len(args.image) + args.prompt)["input_ids"]
+        ids = list(ids)
+        if images is not None:
+            ids = marks.expand(ids, images.counts)
+            rows = engine.encode_images(images.pixel_values, images.image_grid_hw)
+        _stream_text(engine, tok, ids, args, images=rows)
     return 0
 
 
@@ -341,6 +372,29 @@ def cmd_bench_baseline(args) -> int:
           f"{r['device_map_gpu_entries']} of {r['device_map_entries']} device-map entries on the GPU; load {r['load_s']:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
+    return 0
+
+
+def cmd_bench_images(args) -> int:
+    import json
+
+    from sluice.pipeline.bench import bench_images, radio_h_checkpoint
+    from sluice.pipeline.config import EngineConfig
+    from sluice.pipeline.engine import resolve_store
+
+    device = EngineConfig(device=args.device).torch_device
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if device.type != "cuda":
+        modes = tuple(m for m in modes if m == "cpu") or ("cpu",)
+    store = resolve_store(args.model or radio_h_checkpoint())
+    rows = bench_images(store, device, tuple(int(p) for p in args.patches.split(",") if p), modes)
+    print(f"{'mode':9} {'patches':>8} {'tokens':>7} {'s/image':>9} {'encoder MB':>11} {'PCIe floor s':>13} {'VRAM peak MB':>13}")
+    for r in rows:
+        floor = f"{r['pcie_floor_s']:.4f}" if r["pcie_floor_s"] else "-"
+        peak = f"{r['vram_peak_mb']:.0f}" if r["vram_peak_mb"] is not None else "-"
+        print(f"{r['mode']:9} {r['patches']:8d} {r['tokens']:7d} {r['s_per_image']:9.4f} {r['encoder_mb']:11.0f} {floor:>13} {peak:>13}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -44,6 +44,8 @@ class Served:
     worker: EngineWorker
     metrics: Metrics
     snapshots: SnapshotStore
+    doc_ids: frozenset[str] = frozenset()  # ids whose images use the processor's maximum resolution
+    images: bool = False  # whether the model takes images (its store has an image encoder)
 
 
 def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, context: int | None = None,
@@ -54,8 +56,11 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
     models = {model_id: False}
     if "enable_thinking" in (tokenizer.chat_template or ""):
         models[f"{model_id}-think"] = True
+    images = engine.store.manifest.encoder is not None
+    doc = frozenset({f"{model_id}-doc"} if images else ())
+    models.update(dict.fromkeys(doc, False))
     context = context or getattr(engine.model.config, "max_position_embeddings", None) or 4096
-    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots)
+    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, doc, images)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -133,10 +138,30 @@ def _render_chat(s: Served, messages, think: bool) -> list[int]:
 
 
 async def _chat(s: Served, request: Request) -> Response:
-    req = parse_chat(await _json(request), s.models)
+    req = parse_chat(await _json(request), s.models, s.images)
     ids = _render_chat(s, req.messages, req.think)
     thinking = s.tokenizer.decode(ids[-32:]).rstrip().endswith(THINK_OPEN)  # the template opened a think block
-    return await _generate(s, request, ids, req.params, req.model, chat=True, thinking=thinking)
+    images = key = None
+    if req.images:
+        images, ids, key = await asyncio.to_thread(_prompt_images, s, req, ids)
+    return await _generate(s, request, ids, req.params, req.model, chat=True, thinking=thinking, images=images, key=key)
+
+
+def _prompt_images(s: Served, req, ids: list[int]):
+    """Decode and preprocess a request's images, expand their placeholders: (PromptImages, ids, snapshot key)."""
+    from sluice.errors import SluiceError
+    from sluice.models.vision import ImageError, ImageSettings, ImageTokens, prepare_images
+
+    try:
+        images = prepare_images(list(req.images), ImageSettings.of(s.engine.store.path), req.model in s.doc_ids, where="image")
+    except ImageError as e:
+        raise APIError(e.status, str(e), "messages") from None
+    marks = ImageTokens.of(s.tokenizer, s.engine.image_encoder.image_token_id)
+    try:
+        ids = marks.expand(ids, images.counts)
+    except SluiceError as e:  # the chat template wrote no placeholder for an image part
+        raise APIError(400, f"the model's chat template did not place every image: {e}", "messages") from None
+    return images, ids, marks.key(ids, images.digests)
 
 
 async def _completions(s: Served, request: Request) -> Response:
@@ -145,7 +170,8 @@ async def _completions(s: Served, request: Request) -> Response:
     return await _generate(s, request, ids, req.params, req.model, chat=False, thinking=False)
 
 
-async def _generate(s: Served, request: Request, ids: list[int], p: Params, model: str, chat: bool, thinking: bool) -> Response:
+async def _generate(s: Served, request: Request, ids: list[int], p: Params, model: str, chat: bool, thinking: bool,
+                    images=None, key: list[int] | None = None) -> Response:
     if not ids:
         raise APIError(400, "the prompt is empty after tokenisation", "messages" if chat else "prompt")
     if len(ids) >= s.context:
@@ -162,7 +188,7 @@ async def _generate(s: Served, request: Request, ids: list[int], p: Params, mode
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     eos = {i for i in (s.tokenizer.eos_token_id, getattr(s.engine.model.config, "eos_token_id", None)) if isinstance(i, int)}
-    job = Job(ids, max_tokens, sampler, frozenset(eos), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    job = Job(ids, max_tokens, sampler, frozenset(eos), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), images, key)
     s.worker.submit(job)
     text = _TextStream(s.tokenizer, p.stop, thinking if chat else None)
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model}

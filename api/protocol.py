@@ -37,9 +37,10 @@ class Params:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str
-    messages: tuple[dict, ...]  # {"role": str, "content": str}
+    messages: tuple[dict, ...]  # {"role": str, "content": str | [{"type": "text", "text": str} | {"type": "image"}]}
     params: Params
     think: bool
+    images: tuple[bytes, ...] = ()  # the image parts' encoded bytes, in order
 
 
 @dataclass(frozen=True)
@@ -103,34 +104,81 @@ def _model(body: dict, models: dict[str, bool]) -> tuple[str, bool]:
     return model, models[model]
 
 
-def _content(value: Any, where: str) -> str:
+IMAGE_PARTS = ("image_url", "input_image")  # OpenAI's chat and responses spellings
+
+
+def image_bytes(url: Any, where: str) -> bytes:
+    """An image part's URL -> encoded bytes: data: URLs (base64) and local file: URLs; remote URLs are refused
+    (the server may have no network, and fetching for a client is not its job)."""
+    import base64
+    import binascii
+    from urllib.parse import unquote, urlparse
+
+    if not isinstance(url, str) or not url:
+        raise APIError(400, f"{where}: an image part needs a 'url' string", "messages")
+    if url.startswith("data:"):
+        head, sep, payload = url.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise APIError(400, f"{where}: a data: URL must be base64 (data:image/png;base64,...)", "messages")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError(400, f"{where}: the data: URL's base64 payload is malformed", "messages") from None
+    u = urlparse(url)
+    if u.scheme == "file":
+        path = unquote(u.path)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise APIError(400, f"{where}: cannot read {path}: {e.strerror}", "messages") from None
+    if u.scheme in ("http", "https"):
+        raise APIError(400, f"{where}: remote image URLs are not fetched (this server may have no network); "
+                            "send the image inline as a data: URL", "messages")
+    raise APIError(400, f"{where}: unsupported image URL scheme {u.scheme or url[:16]!r} (use data: or file:)", "messages")
+
+
+def _content(value: Any, where: str, images: list | None) -> str | list[dict]:
+    """A message's content: a string, or (with image parts, when `images` collects them) a list of
+    {"type": "text"} / {"type": "image"} parts for the chat template."""
     if value is None:
         return ""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        texts = []
-        for part in value:
+        parts = []
+        for i, part in enumerate(value):
             if not isinstance(part, dict) or "type" not in part:
                 raise APIError(400, f"{where}: content parts must be objects with a 'type'", "messages")
             if part["type"] == "text":
                 if not isinstance(part.get("text"), str):
                     raise APIError(400, f"{where}: a text part needs a string 'text'", "messages")
-                texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
+            elif part["type"] in IMAGE_PARTS and images is not None:
+                ref = part.get(part["type"])
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                images.append(image_bytes(url, f"{where}.content[{i}]"))
+                parts.append({"type": "image"})
+            elif part["type"] in IMAGE_PARTS:
+                raise APIError(400, f"{where}: this model takes no images (text only)", "messages")
+            elif part["type"] in ("input_audio", "audio_url"):
+                raise APIError(400, f"{where}: audio input is not supported (Sluice does not run audio towers)", "messages")
             else:
                 raise APIError(400, f"{where}: content part type '{part['type']}' is not supported by this model", "messages")
-        return "".join(texts)
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
     raise APIError(400, f"{where}: 'content' must be a string or a list of content parts", "messages")
 
 
-def parse_chat(body: Any, models: dict[str, bool]) -> ChatRequest:
-    """models: served model id -> whether it is the reasoning (-think) id."""
+def parse_chat(body: Any, models: dict[str, bool], images: bool = False) -> ChatRequest:
+    """models: served model id -> whether it is the reasoning (-think) id; images: whether the model takes them."""
     body = _body(body)
     model, think = _model(body, models)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
-    out = []
+    out, found = [], [] if images else None
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -138,8 +186,8 @@ def parse_chat(body: Any, models: dict[str, bool]) -> ChatRequest:
         role = m.get("role")
         if role not in ROLES:
             raise APIError(400, f"{where}: 'role' must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
-    return ChatRequest(model, tuple(out), _params(body), think)
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where, found)})
+    return ChatRequest(model, tuple(out), _params(body), think, tuple(found or ()))
 
 
 def parse_completion(body: Any, models: dict[str, bool]) -> CompletionRequest:

@@ -1,7 +1,9 @@
 """Conversation snapshots: sequence states after each reply, keyed by their tokens, LRU under a byte budget.
 
 A request whose prompt extends a snapshot's tokens restores that state and processes only the new
-tail. Only the worker thread touches this store.
+tail. With images the key is the token list with each image token replaced by a number of its own
+(ImageTokens.key), so two prompts alike but for their images never share a state. Only the worker
+thread touches this store.
 """
 
 from __future__ import annotations
@@ -22,28 +24,30 @@ class SnapshotStore:
     def __len__(self) -> int:
         return len(self._snaps)
 
-    def put(self, snap: Snapshot) -> None:
+    def put(self, snap: Snapshot, key: tuple[int, ...] | None = None) -> None:
+        """Keep snap under key (default: its tokens)."""
         if snap.nbytes > self.budget:
             return
-        old = self._snaps.pop(snap.tokens, None)
+        key = snap.tokens if key is None else tuple(key)
+        old = self._snaps.pop(key, None)
         if old is not None:
             self.bytes -= old.nbytes
-        self._snaps[snap.tokens] = snap
+        self._snaps[key] = snap
         self.bytes += snap.nbytes
         while self.bytes > self.budget:
             _, evicted = self._snaps.popitem(last=False)
             self.bytes -= evicted.nbytes
 
     def longest_prefix(self, tokens: list[int]) -> Snapshot | None:
-        """The snapshot with the most tokens that are a proper prefix of `tokens` (marked recently used)."""
+        """The snapshot whose key is the longest proper prefix of `tokens` (a key; marked recently used)."""
         best = None
-        for key, snap in self._snaps.items():
+        for key in self._snaps:
             n = len(key)
-            if n < len(tokens) and (best is None or n > len(best.tokens)) and tuple(tokens[:n]) == key:
-                best = snap
+            if n < len(tokens) and (best is None or n > len(best)) and tuple(tokens[:n]) == key:
+                best = key
         if best is None:
             self.misses += 1
-        else:
-            self.hits += 1
-            self._snaps.move_to_end(best.tokens)
-        return best
+            return None
+        self.hits += 1
+        self._snaps.move_to_end(best)
+        return self._snaps[best]

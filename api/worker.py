@@ -28,12 +28,15 @@ class Job:
     sampler: Sampler
     stop_ids: frozenset[int]
     emit: Callable[[tuple], None]  # ("token", id) | ("done", finish_reason, usage) | ("error", message)
+    images: Any = None  # models/vision.PromptImages of the prompt's image tokens, or None
+    key: list[int] | None = None  # the prompt as a snapshot key (image tokens told apart), default: the prompt
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker-owned
     seq: Any = None
     pending: list[int] = field(default_factory=list)
     logits: Any = None
     generated: list[int] = field(default_factory=list)
+    rows: Any = None  # the image rows of the prompt's image tokens not yet processed
     cached: int = 0
     io: dict = field(default_factory=dict)
     t_submit: float = field(default_factory=time.perf_counter)
@@ -97,15 +100,24 @@ class EngineWorker:
         """One step of a job. Returns its finish reason when it is done, else None."""
         engine = self.engine
         if job.seq is None:
-            snap = self.snapshots.longest_prefix(job.prompt)
+            snap = self.snapshots.longest_prefix(job.key or job.prompt)
             job.seq = engine.restore(snap) if snap is not None else engine.new_sequence()
             job.cached = len(job.seq.tokens)
             job.pending = job.prompt[job.cached :]
+            if job.images is not None:
+                token = engine.image_encoder.image_token_id
+                if token in job.pending:  # rows for the image tokens past the restored prefix
+                    rows = engine.encode_images(job.images.pixel_values, job.images.image_grid_hw)
+                    job.rows = rows[sum(1 for i in job.prompt[: job.cached] if i == token) :]
         before = engine.rt.stats.counters()
         try:
             if job.pending:
                 chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
-                job.logits = engine.extend(job.seq, chunk)[-1]
+                rows = None
+                if job.rows is not None:
+                    n = sum(1 for i in chunk if i == engine.image_encoder.image_token_id)
+                    rows, job.rows = job.rows[:n], job.rows[n:]
+                job.logits = engine.extend(job.seq, chunk, rows)[-1]
                 if job.pending:
                     return None
             else:
@@ -128,7 +140,7 @@ class EngineWorker:
     def _close(self, job: Job, finish: str | None) -> None:
         """Finish or drop a job; a finished reply's state is kept as a snapshot."""
         if finish is not None and job.seq is not None and not job.seq.broken:
-            self.snapshots.put(self.engine.snapshot(job.seq))
+            self.snapshots.put(self.engine.snapshot(job.seq), (job.key or job.prompt) + job.generated)
         if job.io:
             self.metrics.observe_io(job.io, self.engine.store.block_bytes)
         if finish is None:

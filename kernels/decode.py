@@ -177,14 +177,14 @@ def _down_relaid_kernel(
     bank, offs, h, part, Dx, I, GROUPS_PER_SPLIT, NSPLIT, live,
     W_OFF, S_OFF, S2_OFF, S_STRIDE,
     FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr,
-    R: tl.constexpr, BD: tl.constexpr,
+    HOST: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
 ):
     a = tl.program_id(0)
     sp = tl.program_id(1)
     d = tl.program_id(2) * BD + tl.arange(0, BD)
     dm = d < Dx
-    if FMT == DENSE:  # blocks start 4 KiB-aligned in every bank; telling the compiler so made FP4/FP8 rows slower (H200)
-        base = bank + tl.multiple_of(tl.load(offs + a), 16)
+    if FMT == DENSE or HOST:  # blocks start 4 KiB-aligned in every bank; telling the compiler so speeds up
+        base = bank + tl.multiple_of(tl.load(offs + a), 16)  # zero-copy reads but slows FP4/FP8 from HBM (H200)
     else:
         base = bank + tl.load(offs + a)
     hp = h + a * I
@@ -275,6 +275,6 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     _down_relaid_kernel[(A, splits, triton.cdiv(Dx, bd))](
         bank, offs, h, part, Dx, I, gps, splits, live, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride,
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
-        SKIP_BELOW=0.0 if skip else -1.0, R=8 if layout.fmt in SCALE_GROUPS else 16, BD=bd, num_warps=num_warps,
+        SKIP_BELOW=0.0 if skip else -1.0, HOST=bank.device.type == "cpu", R=8 if layout.fmt in SCALE_GROUPS else 16, BD=bd, num_warps=num_warps,
     )
     return part, live

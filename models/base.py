@@ -160,6 +160,11 @@ class Architecture(ABC):
         """Recurrent state bytes per sequence (Mamba / DeltaNet conv and SSM states)."""
         return 0
 
+    def encoder(self, hf_config: Any) -> Callable[[str], bool]:
+        """Which checkpoint tensors are a vision-language model's image encoder (the store keeps them in
+        encoder.safetensors, models/vision.py runs them); none for a language model."""
+        return lambda name: False
+
     def ignored(self, hf_config: Any) -> Callable[[str], bool]:
         """Which checkpoint tensors are not part of the LM: layers past num_hidden_layers (multi-token
         prediction heads) and what transformers' model class ignores on load (e.g. NemotronH's mtp.*)."""

@@ -163,10 +163,11 @@ class NemotronHResident(ResidentModel):
 
 
 class NemotronHOmni(LanguageModelOf, NemotronH):
-    """The language model of a NemotronH vision-language checkpoint (`nemotron_h_omni`, transformers 5.23+):
-    the LM's tensors under language_model.backbone. / language_model.lm_head, routed experts streamed as
-    in nemotron_h. The RADIO vision tower, its projector and an audio tower, if any, are not part of the
-    LM and are left out: text runs, images do not yet (the server refuses non-text content parts)."""
+    """A NemotronH vision-language checkpoint (`nemotron_h_omni`, transformers 5.23+): the LM's tensors
+    under language_model.backbone. / language_model.lm_head, routed experts streamed as in nemotron_h.
+    The RADIO vision tower and its projector (checkpoint names vision_model.*, mlp1.*,
+    vision_projector.*) are the image encoder, kept in the store's encoder.safetensors and run by
+    models/vision.py. An audio tower, if any, is left out (audio input is not supported)."""
 
     model_type = "nemotron_h_omni"
     renames = ((r"^language_model\.backbone\.", "model."), (r"^language_model\.", ""))
@@ -175,6 +176,11 @@ class NemotronHOmni(LanguageModelOf, NemotronH):
     def expert_spec(self, config) -> ExpertSpec:
         text = config.get_text_config()
         return replace(super().expert_spec(text), **expert_names("language_model.backbone.", "mixer.experts"))
+
+    ENCODER_PREFIXES = ("vision_model.", "mlp1.", "vision_projector.", "multi_modal_projector.", "vision_final_layernorm.")
+
+    def encoder(self, config):
+        return lambda name: name.startswith(self.ENCODER_PREFIXES)
 
     def ignored(self, config):
         lm = super().ignored(config)  # the LM's rule, on names within the LM

@@ -9,6 +9,8 @@ the NemotronH router a non-zero correction bias so that path is exercised.
 
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import shutil
@@ -23,6 +25,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+IMAGE_SPECIALS = ("<image>", "<img>", "</img>")  # a vision-language tiny model's, after the characters
+# a vision-language template: content may be a list of parts, an image part written as its placeholder
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 VOCAB_SIZE = len(SPECIALS) + len(CHARS)  # 99
 
@@ -88,11 +97,11 @@ def tiny_config(arch: str, **overrides):
     if arch == "nemotron_h_omni":  # transformers 5.23+: the NemotronH LM beside a tiny RADIO vision tower
         from transformers.models.nemotron_h_omni.configuration_nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
 
-        text = tiny_config("nemotron_h").to_dict()
+        text = tiny_config("nemotron_h", vocab_size=VOCAB_SIZE + len(IMAGE_SPECIALS)).to_dict()
         vision = dict(model_type="radio", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16, image_size=64,
                       max_img_size=128, num_cls_tokens=1, num_registers=0, video_temporal_patch_size=2)
         return NemotronH_Omni_Reasoning_V3_Config(**{**dict(text_config=text, vision_config=vision, vision_hidden_size=32,
-                                                            projector_hidden_size=48, image_token_id=2), **overrides})
+                                                            projector_hidden_size=48, image_token_id=VOCAB_SIZE), **overrides})
     if arch == "deepseek_v4":
         from transformers import DeepseekV4Config
 
@@ -149,27 +158,31 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "nemotron_h", seed: int =
         mxfp4_experts(path)
     elif experts_format is not None:
         raise ValueError(f"unknown experts_format {experts_format!r}")
-    save_char_tokenizer(path)
+    save_char_tokenizer(path, images=hasattr(config, "vision_config"))
+    if hasattr(config, "vision_config"):  # the image processor's settings, scaled to the tiny tower (64 patches at most)
+        (path / "preprocessor_config.json").write_text(json.dumps(
+            {"patch_size": 16, "downsample_ratio": 0.5, "min_num_patches": 4, "max_num_patches": 64, "max_model_len": 64}))
     return path
 
 
-def save_char_tokenizer(path: Path) -> None:
+def save_char_tokenizer(path: Path, images: bool = False) -> None:
     """A character tokenizer (newline + printable ASCII + chat specials; VOCAB_SIZE ids) with a
     ChatML-style template. Every id decodes to text that encodes back to the same ids, so a
-    conversation's history re-tokenises exactly (what snapshot reuse needs)."""
+    conversation's history re-tokenises exactly (what snapshot reuse needs). images: the image
+    placeholders too (ids from VOCAB_SIZE on) and a template that writes image parts."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {s: i for i, s in enumerate(SPECIALS)}
-    for ch in CHARS:
+    for ch in CHARS + (list(IMAGE_SPECIALS) if images else []):
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *(IMAGE_SPECIALS if images else ())],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = VL_CHAT_TEMPLATE if images else CHAT_TEMPLATE
     fast.save_pretrained(path)
 
 

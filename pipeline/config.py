@@ -64,12 +64,15 @@ class EngineConfig:
     trace: str | None = None  # path for Chrome trace JSON (+ .jsonl stage lines)
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
+    image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device: {self.device!r} is not auto, cpu, cuda or cuda:N")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device: {self.device!r} asked for, but CUDA is not available here")
+        if self.image_encoder not in ("auto", "resident", "stream"):
+            raise ConfigError(f"image_encoder: {self.image_encoder!r} is not auto, resident or stream")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
         if self.vram_slots is not None and self.vram_budget is not None:

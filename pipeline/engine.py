@@ -50,6 +50,7 @@ class Engine:
         graphs = self.device.type == "cuda" and config.resident_graphs
         self.graphs = DecodeGraphs() if graphs else None
         self._loop = asyncio.new_event_loop()
+        self._images = None  # the ImageEncoder, built on first use
         blocks = model.moe_blocks
         self._next: list[MoEBlock | None] = blocks[1:] + [None]
         # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
@@ -132,17 +133,40 @@ class Engine:
         """Logits [T, V] (fp32, CPU) for a fresh sequence of input_ids."""
         return self.extend(self.new_sequence(), input_ids).cpu()
 
-    def extend(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
-        """Append ids to seq; returns their logits [T, V] fp32 on the device."""
-        return self._loop.run_until_complete(self._guarded_step(seq, ids))
+    def extend(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ids to seq; returns their logits [T, V] fp32 on the device. images: `encode_images` rows,
+        one per image token in ids, in order; they replace those tokens' embeddings."""
+        return self._loop.run_until_complete(self._guarded_step(seq, ids, images))
+
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
+        """The image encoder's rows for a prompt's images (models/vision.py)."""
+        return self.image_encoder.encode(pixel_values, image_grid_hw)
+
+    @property
+    def image_encoder(self):
+        """The store's ImageEncoder, built on first use (a SluiceError for a store without one): resident on the
+        GPU when it fits twice over in the VRAM left (within the budget), else streamed layer by layer."""
+        if self._images is None:
+            from sluice.models.vision import ImageEncoder
+
+            free = None
+            if self.device.type == "cuda":
+                index = _cuda_index(self.device)
+                limit = self.config.vram_budget or torch.cuda.get_device_properties(index).total_memory
+                free = limit - torch.cuda.memory_reserved(index) - VRAM_RESERVE // 2
+            self._images = ImageEncoder(self.store.path, self.store.manifest.encoder, self.device, self.model.dtype,
+                                        self.config.image_encoder, free)
+        return self._images
 
     def stream(self, input_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, stop_ids: tuple[int, ...] = (), seq: Sequence | None = None) -> Iterator[int]:
-        """Yield new tokens one at a time: prefill input_ids, then decode one token per step from the cache."""
+               seed: int | None = None, stop_ids: tuple[int, ...] = (), seq: Sequence | None = None,
+               images: torch.Tensor | None = None) -> Iterator[int]:
+        """Yield new tokens one at a time: prefill input_ids (with `images` rows at their image tokens), then
+        decode one token per step from the cache."""
         _check_ids(input_ids)
         seq = seq or self.new_sequence()
         sampler = Sampler(temperature, top_p, seed)
-        logits = self.extend(seq, input_ids)
+        logits = self.extend(seq, input_ids, images)
         for i in range(max_new_tokens):
             token = sampler(logits[-1])
             yield token
@@ -151,9 +175,9 @@ class Engine:
             logits = self.extend(seq, [token])
 
     def generate(self, input_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop_ids: tuple[int, ...] = ()) -> list[int]:
+                 seed: int | None = None, stop_ids: tuple[int, ...] = (), images: torch.Tensor | None = None) -> list[int]:
         """The new tokens (greedy when temperature is 0)."""
-        return list(self.stream(input_ids, max_new_tokens, temperature, top_p, seed, stop_ids))
+        return list(self.stream(input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images=images))
 
     def close(self) -> None:
         self.coordinator.close()
@@ -170,23 +194,36 @@ class Engine:
 
     # -- the token step -----------------------------------------------------------------------
 
-    async def _guarded_step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+    async def _guarded_step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
         if seq.broken:
             raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
+        if images is not None:
+            self._check_images(ids, images)
         try:
-            return await self._step(seq, ids)
+            return await self._step(seq, ids, images)
         except BaseException:
             seq.broken = True
             await self.rt.recover()
             raise
 
-    async def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
-        """Embed ids, run every layer (MoE layers through the stage graph), return logits [T, V]."""
+    def _check_images(self, ids: list[int], images: torch.Tensor) -> None:
+        token = self.image_encoder.image_token_id
+        n = sum(1 for i in ids if i == token)
+        D = self.model.config.hidden_size
+        if images.dim() != 2 or images.shape != (n, D):
+            raise SluiceError(f"the prompt has {n} image tokens (id {token}); image rows must be [{n}, {D}], got {tuple(images.shape)}")
+
+    async def _step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
+        """Embed ids (image rows in place of image tokens), run every layer (MoE layers through the stage
+        graph), return logits [T, V]."""
         model, recorder = self.model, self.rt.recorder
         if recorder is not None:
             recorder.begin_step(len(ids))
         with torch.inference_mode():
             h, ctx = model.begin(torch.tensor([ids], device=self.device), seq.cache, len(seq.tokens))
+            if images is not None and images.shape[0]:
+                mask = torch.tensor(ids, device=self.device) == self._images.image_token_id
+                h[0, mask] = images.to(h.device, h.dtype)
             graphs = self.graphs if len(ids) == 1 else None
             for i, layer in enumerate(model.layers):
                 if layer.moe is None:

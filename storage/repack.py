@@ -41,17 +41,22 @@ class ExpertTensors:
     slots: tuple[TensorSlot, ...]
     formats: dict[str, WeightFormat]
     block_bytes: int
+    encoder: dict[str, TensorInfo]  # an image encoder's tensors (vision-language checkpoints), kept apart
 
 
-def classify(ckpt: Checkpoint, spec: ExpertSpec, ignore=lambda name: False) -> ExpertTensors:
+def classify(ckpt: Checkpoint, spec: ExpertSpec, ignore=lambda name: False, encoder=lambda name: False) -> ExpertTensors:
     """Split tensors into routed experts and resident ones; check every expert is complete and alike.
 
-    Tensors `ignore` names (not part of the LM) are left out of both. Fused expert tensors are cut
-    into per-expert parts by the spec's `split`."""
+    Tensors `encoder` names (a vision-language model's image encoder) are kept apart; other tensors
+    `ignore` names (not part of the LM) are left out. Fused expert tensors are cut into per-expert
+    parts by the spec's `split`."""
     blocks: dict[tuple[int, int], dict[str, TensorInfo | TensorPart]] = {}
-    resident = {}
+    resident, enc = {}, {}
     moe = set(spec.moe_layers)
     for name, info in ckpt.tensors.items():
+        if encoder(name):
+            enc[name] = info
+            continue
         if ignore(name):
             continue
         parts = spec.split(name, info) if spec.split is not None else None
@@ -101,7 +106,7 @@ def classify(ckpt: Checkpoint, spec: ExpertSpec, ignore=lambda name: False) -> E
             extra = set(found) - set(names)
             if extra:
                 raise CheckpointError(f"{ckpt.path}: layer {layer} expert {expert}: unexpected tensors {sorted(extra)}")
-    return ExpertTensors(spec, blocks, resident, slots, formats, block_bytes)
+    return ExpertTensors(spec, blocks, resident, slots, formats, block_bytes, enc)
 
 
 def build_block(tensors: dict[str, TensorInfo | TensorPart], slots: tuple[TensorSlot, ...], block_bytes: int, fds: dict) -> bytearray:
@@ -117,7 +122,7 @@ def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, p
     arch = get_architecture(ckpt.model_type)
     hf = ckpt.hf_config()
     spec = arch.expert_spec(hf)
-    ex = classify(ckpt, spec, arch.ignored(hf))
+    ex = classify(ckpt, spec, arch.ignored(hf), arch.encoder(hf))
     source = ckpt.fingerprint()
     store_path = Path(store_path)
 
@@ -162,12 +167,15 @@ def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, p
         for fd in fds.values():
             os.close(fd)
 
-    tmp = work / "resident.safetensors.tmp"
-    write_file(tmp, [RawTensor(i.name, i.dtype, i.shape, source=i) for i in ex.resident.values()], {"format": "pt"})
-    os.replace(tmp, work / "resident.safetensors")
+    for name, part in (("resident.safetensors", ex.resident), ("encoder.safetensors", ex.encoder)):
+        if part or name == "resident.safetensors":
+            tmp = work / (name + ".tmp")
+            write_file(tmp, [RawTensor(i.name, i.dtype, i.shape, source=i) for i in part.values()], {"format": "pt"})
+            os.replace(tmp, work / name)
     for f in ckpt.side_files():
         shutil.copyfile(f, work / f.name)
-    manifest = Manifest(arch.model_type, spec.kind, spec.num_experts, spec.top_k, ex.block_bytes, ex.slots, ex.formats, tuple(layers), source)
+    manifest = Manifest(arch.model_type, spec.kind, spec.num_experts, spec.top_k, ex.block_bytes, ex.slots, ex.formats, tuple(layers), source,
+                        encoder="encoder.safetensors" if ex.encoder else None)
     _write_json(work / "manifest.json", manifest.to_json())
     (work / "progress.json").unlink()
     _swap_into_place(work, store_path)

@@ -127,6 +127,7 @@ class Manifest:
     layers: tuple[StoreLayer, ...]
     source: dict
     resident: str = "resident.safetensors"
+    encoder: str | None = None  # a vision-language model's image encoder tensors, in the checkpoint's names and bytes
 
     def to_json(self) -> dict:
         return {
@@ -143,6 +144,7 @@ class Manifest:
             "layers": [{"layer": l.layer, "file": l.file, "checksums": list(l.checksums)} for l in self.layers],
             "source": self.source,
             "resident": self.resident,
+            **({"encoder": self.encoder} if self.encoder else {}),
         }
 
     @classmethod
@@ -155,7 +157,8 @@ class Manifest:
             slots = tuple(TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
             formats = {p: WeightFormat.from_json(f) for p, f in d["formats"].items()}
             layers = tuple(StoreLayer(l["layer"], l["file"], tuple(l["checksums"])) for l in d["layers"])
-            return cls(d["architecture"], d["expert_kind"], d["num_experts"], d["top_k"], d["block_bytes"], slots, formats, layers, d["source"], d.get("resident", "resident.safetensors"))
+            return cls(d["architecture"], d["expert_kind"], d["num_experts"], d["top_k"], d["block_bytes"], slots, formats, layers, d["source"], d.get("resident", "resident.safetensors"),
+                       d.get("encoder"))
         except (KeyError, TypeError) as e:
             raise StoreError(f"{where}: malformed manifest ({e!r})") from None
 
@@ -192,8 +195,9 @@ class ExpertStore:
                 raise StoreError(f"{f}: {size} bytes, expected {expected} ({manifest.num_experts} blocks of {manifest.block_bytes}); truncated store?")
             if len(l.checksums) != manifest.num_experts:
                 raise StoreError(f"{mf}: layer {l.layer} has {len(l.checksums)} checksums for {manifest.num_experts} experts")
-        if not (path / manifest.resident).is_file():
-            raise StoreError(f"{path}: {manifest.resident} is missing")
+        for part in (manifest.resident, manifest.encoder):
+            if part is not None and not (path / part).is_file():
+                raise StoreError(f"{path}: {part} is missing")
         return store
 
     @property

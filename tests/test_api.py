@@ -172,7 +172,9 @@ def test_completions_and_models(server):
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "'top_p' is out of range"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]}, 400, "context"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}, 400, "exceeds the context"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "not supported"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "takes no images"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+         400, "audio input is not supported"),
         ({"model": MODEL, "prompt": ""}, 400, "'prompt' must be a non-empty string"),
     ],
 )
