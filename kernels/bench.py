@@ -292,10 +292,12 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
             x = torch.randn(Dx)
             blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(experts)]
             cpu.run(blocks[0], x)  # compile
-            t = time.perf_counter()
-            for b in blocks:
-                cpu.run(b, x)
-            dt = (time.perf_counter() - t) / experts
+            dt = float("inf")
+            for _ in range(3):  # the best of three passes: shared machines are noisy
+                t = time.perf_counter()
+                for b in blocks:
+                    cpu.run(b, x)
+                dt = min(dt, (time.perf_counter() - t) / experts)
             nbytes = sum(s.nbytes for s in slots)
             gbps = nbytes / dt / 1e9
             rows.append(Row(f"cpu expert ({kind})", shape, fmt, nbytes / 1e6, dt * 1e6, gbps, "RAM read", 100 * gbps / read))

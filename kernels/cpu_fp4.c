@@ -1,8 +1,11 @@
 /* FP4 (NVFP4 / MXFP4) matvec on the CPU over a block's stored bytes: kernels/cpu.py's native path.
  *
  * Built at first use with the machine's C compiler (-O3 -march=native -fopenmp) and called through
- * ctypes, which releases the GIL for the call. Plain C loops: E2M1 codes through a 16-entry table,
- * scales applied once per group. Same arithmetic as kernels/cpu.py's fp4_matvec up to summation order.
+ * ctypes, which releases the GIL for the call. E2M1 codes through a 16-entry table, scale bytes through
+ * a 256-entry table, scales applied once per group. Vector paths: AVX-512 (codes zero-extended to 32-bit
+ * lanes and looked up as floats by a permute; a re-laid down keeps 64 outputs' sums in registers per
+ * scale group), else AVX2 (pshufb on a 2 x E2M1 int8 table), else plain loops. Same arithmetic as
+ * kernels/cpu.py's fp4_matvec up to summation order.
  *
  * Layouts (bytes as stored, row-major):
  *   n-major  packed [N, K2] (K2 = K/2, low nibble = even input), scales [N, *] row stride s_stride
@@ -26,7 +29,7 @@ static inline float bits_f32(uint32_t u) {
     return f;
 }
 
-static inline float scale_f32(uint8_t b, int e8m0) {
+static inline float scale_decode(uint8_t b, int e8m0) {
     if (e8m0)
         return bits_f32((uint32_t)b << 23);
     uint32_t e = (b >> 3) & 15, m = b & 7;
@@ -35,7 +38,24 @@ static inline float scale_f32(uint8_t b, int e8m0) {
     return bits_f32(((uint32_t)(b & 128) << 24) | ((e + 120) << 23) | (m << 20));
 }
 
+/* every scale byte's value, per kind (E4M3, E8M0): a table lookup instead of a branchy decode per
+ * group (a re-laid down decodes one scale per output per group: ~300k per Nano expert) */
+static float SCALES[2][256];
+static int scales_ready;
+
+static void init_scales(void) {
+    if (scales_ready)
+        return;
+    for (int k = 0; k < 2; k++)
+        for (int b = 0; b < 256; b++)
+            SCALES[k][b] = scale_decode((uint8_t)b, k);
+    __atomic_store_n(&scales_ready, 1, __ATOMIC_RELEASE);
+}
+
+#define scale_f32(b, e8m0) SCALES[(e8m0) != 0][(b)]
+
 void sluice_set_threads(int n) {
+    init_scales();
     if (n > 0)
         omp_set_num_threads(n);
 }
@@ -58,6 +78,11 @@ static inline __m256 dot8(__m128i bytes, const float *xe, const float *xo, __m12
     return _mm256_fmadd_ps(i8_ps(hi), _mm256_loadu_ps(xo), _mm256_mul_ps(i8_ps(lo), _mm256_loadu_ps(xe)));
 }
 
+#ifdef __AVX512BW__
+/* 16 int8 lanes -> 16 floats */
+static inline __m512 i8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+#endif
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -68,13 +93,30 @@ static inline float hsum(__m256 v) {
 
 void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
+    init_scales();
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) {
         const uint8_t *row = p + n * K2;
         const uint8_t *srow = s + n * s_stride;
         float acc = 0.0f;
         long g0 = 0, g = 0;
-#ifdef __AVX2__
+#if defined(__AVX512BW__)
+        {  /* 16 bytes (32 codes, one or two scale groups) a step; codes looked up as floats by permutes */
+            const __m512 table = _mm512_loadu_ps(E2M1);
+            const float *lut = SCALES[e8m0 != 0];
+            __m512 vacc = _mm512_setzero_ps();
+            for (; g0 + 16 <= K2; g0 += 16) {
+                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g0)));
+                __m512 lo = _mm512_permutexvar_ps(c, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+                __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + g0), _mm512_mul_ps(lo, _mm512_loadu_ps(xe + g0)));
+                __m512 sv = half == 16 ? _mm512_set1_ps(lut[srow[g0 / 16]])
+                                       : _mm512_insertf32x8(_mm512_set1_ps(lut[srow[g0 / 8]]), _mm256_set1_ps(lut[srow[g0 / 8 + 1]]), 1);
+                vacc = _mm512_fmadd_ps(t, sv, vacc);
+            }
+            g = g0 / half;
+            acc = _mm512_reduce_add_ps(vacc);
+        }
+#elif defined(__AVX2__)
         {
             const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
             __m256 vacc = _mm256_setzero_ps();
@@ -107,10 +149,52 @@ void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const 
 
 #define CHUNK 256
 
+#ifdef __AVX512BW__
+
+/* k-major, 64 outputs n0..n0+63 (all present): per scale group, the outputs' partial sums stay in four
+ * registers while the group's rows stream by (64 bytes = 128 codes a row; each code looked up as a float
+ * by a 16-entry permute), then are scaled (16 scale bytes at a time through the table) into four
+ * accumulators. */
+static void kmajor64(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
+                     long N, long K2, int half, int e8m0, float *y, long n0) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    const float *lut = SCALES[e8m0 != 0];
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (long g0 = 0, g = 0; g0 < K2; g0 += half, g++) {
+        long end = g0 + half < K2 ? g0 + half : K2;
+        __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (long j = g0; j < end; j++) {
+            const uint8_t *r = p + j * N + n0;
+            const __m512 va = _mm512_set1_ps(xe[j]), vb = _mm512_set1_ps(xo[j]);
+            for (int q = 0; q < 4; q++) {  /* 16 outputs: a byte each, zero-extended to a lane */
+                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 16 * q)));
+                part[q] = _mm512_fmadd_ps(_mm512_permutexvar_ps(c, table), va, part[q]);  /* low nibble: the lane's low 4 bits */
+                part[q] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), vb, part[q]);
+            }
+        }
+        const uint8_t *sr = s + g * s_stride + n0;
+        for (int q = 0; q < 4; q++) {
+            __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sr + 16 * q)));
+            acc[q] = _mm512_fmadd_ps(part[q], _mm512_i32gather_ps(idx, lut, 4), acc[q]);
+        }
+    }
+    for (int q = 0; q < 4; q++)
+        _mm512_storeu_ps(y + n0 + 16 * q, acc[q]);
+}
+#endif
+
 void sluice_fp4_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
+    init_scales();
+    long done = 0;
+#ifdef __AVX512BW__
+    done = N / 64 * 64;
 #pragma omp parallel for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += CHUNK) {
+    for (long n0 = 0; n0 < done; n0 += 64)
+        kmajor64(p, s, s_stride, xe, xo, N, K2, half, e8m0, y, n0);
+#endif
+#pragma omp parallel for schedule(static)
+    for (long n0 = done; n0 < N; n0 += CHUNK) {
         long w = N - n0 < CHUNK ? N - n0 : CHUNK;
         float acc[CHUNK], part[CHUNK];
         for (long i = 0; i < w; i++)
