@@ -7,10 +7,11 @@ Each projection is a matvec written as elementwise torch ops and one reduction o
 (nibbles looked up in the E2M1 table, scales applied per group, products summed), which
 torch.compile's C++ backend fuses into one vectorised, multi-threaded pass over the weights
 (`compile=False` runs the same ops eagerly: slower, same arithmetic up to summation order).
-FP4 projections take a native path when the machine has a C compiler: kernels/cpu_fp4.c, built once
-per machine under SLUICE_HOME/build (-O3 -march=native -fopenmp) and called through ctypes, which
-releases the GIL; torch.compile's loops keep a short inner reduction per scale group that does not
-vectorise well (BENCHMARKS.md). Without a compiler the torch path serves.
+FP4 and FP8 projections take a native path when the machine has a C compiler: kernels/cpu_native.c,
+built once per machine under SLUICE_HOME/build (-O3 -march=native -fopenmp) and called through ctypes,
+which releases the GIL; torch.compile's loops keep a short inner reduction per scale group that does
+not vectorise well, and its E4M3 decode stays scalar (BENCHMARKS.md). Without a compiler the torch
+path serves.
 Reference: kernels/formats.py's dequantisation + kernels/experts_ref.py (tests/test_cpu_kernels.py).
 
 Shapes, as stored: FP4 weight [N, K/2] bytes (re-laid [K/2, N]), group scales [N, K/g] (re-laid
@@ -97,8 +98,8 @@ _KERNELS: dict[tuple[str, bool], Callable] = {}
 _NATIVE: list = []  # [ctypes library or None], once tried
 
 
-def native_fp4():
-    """The C FP4 kernels (kernels/cpu_fp4.c) for this machine, built on first use; None without a compiler."""
+def native_kernels():
+    """The C FP4 / FP8 kernels (kernels/cpu_native.c) for this machine, built on first use; None without a compiler."""
     if _NATIVE:
         return _NATIVE[0]
     from sluice.log import get_logger
@@ -106,7 +107,7 @@ def native_fp4():
 
     lib = None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    src = Path(__file__).with_name("cpu_fp4.c")
+    src = Path(__file__).with_name("cpu_native.c")
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
     if cc is not None:
         cpu = platform.processor() + platform.machine()
@@ -116,7 +117,7 @@ def native_fp4():
         except OSError:
             pass
         key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags, cpu]).encode()).hexdigest()[:16]
-        out = sluice_home() / "build" / f"cpu_fp4-{key}.so"
+        out = sluice_home() / "build" / f"cpu_native-{key}.so"
         try:
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,10 +129,14 @@ def native_fp4():
                     ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
             for fn in (lib.sluice_fp4_nmajor, lib.sluice_fp4_kmajor):
                 fn.argtypes, fn.restype = args, None
+            fp8 = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+            for fn in (lib.sluice_fp8_nmajor, lib.sluice_fp8_kmajor):
+                fn.argtypes, fn.restype = fp8, None
             lib.sluice_set_threads.argtypes = [ctypes.c_int]
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
-            get_logger().warning("CPU FP4 kernels: building the native path failed; using torch.compile's",
+            get_logger().warning("CPU FP4/FP8 kernels: building the native path failed; using torch.compile's",
                                  error=(str(e) + " " + detail.decode(errors="replace"))[:300])
             lib = None
     _NATIVE.append(lib)
@@ -140,7 +145,7 @@ def native_fp4():
 
 def fp4_matvec_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.Tensor, xo: torch.Tensor, group: int,
                       e8m0: bool, kmajor: bool) -> torch.Tensor:
-    """fp4_matvec through kernels/cpu_fp4.c: the same result up to summation order."""
+    """fp4_matvec through kernels/cpu_native.c: the same result up to summation order."""
     p, s = packed.contiguous(), scale.contiguous()
     n = p.shape[0] if not kmajor else p.shape[1]
     k2 = p.shape[1] if not kmajor else p.shape[0]
@@ -148,6 +153,21 @@ def fp4_matvec_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.
     lib.sluice_set_threads(torch.get_num_threads())
     fn = lib.sluice_fp4_kmajor if kmajor else lib.sluice_fp4_nmajor
     fn(p.data_ptr(), s.data_ptr(), s.stride(0), xe.data_ptr(), xo.data_ptr(), n, k2, group // 2, int(e8m0), y.data_ptr())
+    return y
+
+
+def fp8_matvec_native(lib, w: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, block: int, kmajor: bool) -> torch.Tensor:
+    """E4M3 weights (with block scales, F32 or E8M0, or none: the caller applies a tensor / row scale)
+    dotted with x through kernels/cpu_native.c; the same result as the torch path up to summation order."""
+    w = w.contiguous()
+    n, k = (w.shape[1], w.shape[0]) if kmajor else (w.shape[0], w.shape[1])
+    y = torch.empty(n, dtype=torch.float32)
+    e8m0 = scale is not None and scale.dtype == torch.float8_e8m0fnu
+    s = None if scale is None else (scale.view(torch.uint8) if e8m0 else scale.float()).contiguous()
+    lib.sluice_set_threads(torch.get_num_threads())
+    fn = lib.sluice_fp8_kmajor if kmajor else lib.sluice_fp8_nmajor
+    fn(w.data_ptr(), s.data_ptr() if s is not None else None, s.stride(0) if s is not None else 0, block, int(e8m0),
+       x.contiguous().data_ptr(), n, k, y.data_ptr())
     return y
 
 
@@ -166,7 +186,7 @@ def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: 
     if fmt.kind in ("nvfp4", "mxfp4"):
         mx = fmt.kind == "mxfp4"
         xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
-        lib = native_fp4() if native else None
+        lib = native_kernels() if native else None
         fp4 = (lambda *a: fp4_matvec_native(lib, *a)) if lib is not None else _kernel("fp4", fp4_matvec, compiled)
         y = fp4(w, t[fmt.scale], xe, xo, MXFP4_GROUP if mx else NVFP4_GROUP, mx, kmajor)
         if not mx:
@@ -174,9 +194,17 @@ def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: 
             y = y * (1.0 / s2 if fmt.scale2_inverted else s2)
     elif fmt.kind == "fp8_block":
         s = t[fmt.scale]
-        y = _kernel("fp8_block", fp8_block_matvec, compiled)(w, s, x, fmt.block, s.dtype == torch.float8_e8m0fnu, kmajor)
+        lib = native_kernels() if native else None
+        if lib is not None:
+            y = fp8_matvec_native(lib, w, s, x, fmt.block, kmajor)
+        else:
+            y = _kernel("fp8_block", fp8_block_matvec, compiled)(w, s, x, fmt.block, s.dtype == torch.float8_e8m0fnu, kmajor)
     else:
-        y = _kernel("dense", dense_matvec, compiled)(w, x, kmajor)
+        lib = native_kernels() if native and w.dtype == torch.float8_e4m3fn else None
+        if lib is not None:
+            y = fp8_matvec_native(lib, w, None, x, 0, kmajor)
+        else:
+            y = _kernel("dense", dense_matvec, compiled)(w, x, kmajor)
         if fmt.kind == "fp8":
             s = t[fmt.scale].float()
             y = y * (s.reshape(-1) if s.numel() > 1 else s.reshape(()))

@@ -1,6 +1,6 @@
 """CPU expert kernels (kernels/cpu.py) against the plain-torch reference, every format and expert kind,
-the re-laid K-major `down` included: the torch ops eagerly and through torch.compile, and FP4 through
-the native C path (kernels/cpu_fp4.c)."""
+the re-laid K-major `down` included: the torch ops eagerly and through torch.compile, and FP4 / FP8
+through the native C path (kernels/cpu_native.c)."""
 
 from __future__ import annotations
 
@@ -49,14 +49,15 @@ def test_cpu_experts_compiled(fmt, kind):
     _check(kind, fmt, 64, 96, compiled=True)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0"])
 @pytest.mark.parametrize("kind", ["relu2", "swiglu"])
 @pytest.mark.parametrize("Dx, I", SIZES + [(320, 544)])
-def test_native_fp4_matches_the_reference(kind, fmt, Dx, I):
-    """The C kernels (both layouts, both scale kinds, rows beyond one 256-wide chunk)."""
-    from sluice.kernels.cpu import native_fp4
+def test_native_kernels_match_the_reference(kind, fmt, Dx, I):
+    """The C kernels: both layouts, every scale kind (FP4 E4M3 / E8M0 groups; FP8 per tensor, per row, in
+    blocks with F32 or E8M0 scales, blocks that end mid-row), outputs in whole 64-wide chunks and not."""
+    from sluice.kernels.cpu import native_kernels
 
-    if native_fp4() is None:
+    if native_kernels() is None:
         pytest.skip("no C compiler here: the native FP4 path is not built")
     Dx, I = fit(fmt, Dx, I)
     _check(kind, fmt, Dx, I, compiled=False, native=True)
@@ -73,12 +74,32 @@ def _swap_nibbles(bank, manifest):
 @pytest.mark.parametrize("native", [False, True])
 def test_wrong_nibble_order_must_fail(native):
     """Bytes whose nibbles are read the wrong way round break the match: the tests above can tell."""
-    from sluice.kernels.cpu import native_fp4
+    from sluice.kernels.cpu import native_kernels
 
-    if native and native_fp4() is None:
+    if native and native_kernels() is None:
         pytest.skip("no C compiler here")
     with pytest.raises(AssertionError, match="relative error"):
         _check("relu2", "nvfp4", 64, 96, compiled=False, native=native, mutate=_swap_nibbles)
+
+
+def _shift_block_scales(bank, manifest):
+    """Rotate `down`'s FP8 block scales by one tile along each row of tiles (scales applied to the wrong block)."""
+    s = next(s for s in manifest.slots if s.name.startswith("down.") and s.name != "down.weight")
+    for a in range(2):
+        raw = bank[a * manifest.block_bytes + s.offset : a * manifest.block_bytes + s.offset + s.nbytes]
+        t = raw.view(torch.float32).view(s.shape) if s.dtype == "F32" else raw.view(s.shape)
+        t.copy_(t.roll(1, dims=-1))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_fp8_scales_on_the_wrong_blocks_must_fail(native):
+    """FP8 block scales read one tile off break the match, in both paths."""
+    from sluice.kernels.cpu import native_kernels
+
+    if native and native_kernels() is None:
+        pytest.skip("no C compiler here")
+    with pytest.raises(AssertionError, match="relative error"):
+        _check("relu2", "fp8_block", 320, 544, compiled=False, native=native, mutate=_shift_block_scales)
 
 
 def test_fp8_decodes_match_torch():
@@ -100,5 +121,5 @@ def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu, "_NATIVE", [])
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
-    assert cpu.native_fp4() is None
+    assert cpu.native_kernels() is None
     _check("relu2", "nvfp4", 64, 96, compiled=False, native=True)

@@ -232,3 +232,93 @@ void sluice_fp4_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const 
             y[n0 + i] = acc[i];
     }
 }
+
+/* ---- FP8 (E4M3) matvec: weights [N, K] (n-major) or a re-laid down [K, N] (k-major), bytes as stored.
+ * Block scales (s != NULL): one per block x block tile, in the weight's orientation, F32 or E8M0, row
+ * stride s_stride (elements); without them (per-tensor / per-row FP8) the caller scales y. x [K], y [N]. */
+
+static inline float block_scale(const uint8_t *s, long idx, int e8m0) {
+    return e8m0 ? SCALES[1][s[idx]] : ((const float *)s)[idx];
+}
+
+#ifdef __AVX512F__
+/* 16 E4M3 bytes -> 16 floats / 256: sign to bit 15 and exponent + mantissa to bits 7-14 make an fp16 of
+ * the same value / 2**8 (biases 7 and 15; subnormals too), converted by vcvtph2ps */
+static inline __m512 e4m3x16(const uint8_t *p) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(f);
+}
+#endif
+
+void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
+                       long N, long K, float *y) {
+    init_scales();
+    const long B = s ? block : K;
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = w + n * K;
+        float acc = 0.0f;
+        for (long k0 = 0, kb = 0; k0 < K; k0 += B, kb++) {
+            long end = k0 + B < K ? k0 + B : K, k = k0;
+            float part = 0.0f;
+#ifdef __AVX512F__
+            __m512 v = _mm512_setzero_ps();
+            for (; k + 16 <= end; k += 16)
+                v = _mm512_fmadd_ps(e4m3x16(row + k), _mm512_loadu_ps(x + k), v);
+            part = 256.0f * _mm512_reduce_add_ps(v);
+#endif
+            for (; k < end; k++)
+                part += SCALES[0][row[k]] * x[k];
+            acc += s ? part * block_scale(s, (n / block) * s_stride + kb, e8m0) : part;
+        }
+        y[n] = acc;
+    }
+}
+
+void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
+                       long N, long K, float *y) {
+    init_scales();
+    const long B = s ? block : K;
+#pragma omp parallel for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += 64) {
+        long wd = N - n0 < 64 ? N - n0 : 64;
+        float acc[64], part[64];
+        for (long i = 0; i < wd; i++)
+            acc[i] = 0.0f;
+        for (long k0 = 0, kb = 0; k0 < K; k0 += B, kb++) {
+            long end = k0 + B < K ? k0 + B : K;
+#ifdef __AVX512F__
+            if (wd == 64) {  /* 64 outputs' sums in four registers while the block's rows stream by */
+                __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+                for (long k = k0; k < end; k++) {
+                    const uint8_t *r = w + k * N + n0;
+                    const __m512 xk = _mm512_set1_ps(256.0f * x[k]);
+                    p0 = _mm512_fmadd_ps(e4m3x16(r), xk, p0);
+                    p1 = _mm512_fmadd_ps(e4m3x16(r + 16), xk, p1);
+                    p2 = _mm512_fmadd_ps(e4m3x16(r + 32), xk, p2);
+                    p3 = _mm512_fmadd_ps(e4m3x16(r + 48), xk, p3);
+                }
+                _mm512_storeu_ps(part, p0);
+                _mm512_storeu_ps(part + 16, p1);
+                _mm512_storeu_ps(part + 32, p2);
+                _mm512_storeu_ps(part + 48, p3);
+            } else
+#endif
+            {
+                for (long i = 0; i < wd; i++)
+                    part[i] = 0.0f;
+                for (long k = k0; k < end; k++) {
+                    const uint8_t *r = w + k * N + n0;
+                    for (long i = 0; i < wd; i++)
+                        part[i] += SCALES[0][r[i]] * x[k];
+                }
+            }
+            for (long i = 0; i < wd; i++)
+                acc[i] += s ? part[i] * block_scale(s, kb * s_stride + (n0 + i) / block, e8m0) : part[i];
+        }
+        for (long i = 0; i < wd; i++)
+            y[n0 + i] = acc[i];
+    }
+}
