@@ -241,14 +241,21 @@ static inline float block_scale(const uint8_t *s, long idx, int e8m0) {
     return e8m0 ? SCALES[1][s[idx]] : ((const float *)s)[idx];
 }
 
+/* E4M3 bytes -> floats / 256, vectorised: sign to bit 15 and exponent + mantissa to bits 7-14 make an
+ * fp16 of the same value / 2**8 (biases 7 and 15; subnormals too), converted by vcvtph2ps */
 #ifdef __AVX512F__
-/* 16 E4M3 bytes -> 16 floats / 256: sign to bit 15 and exponent + mantissa to bits 7-14 make an fp16 of
- * the same value / 2**8 (biases 7 and 15; subnormals too), converted by vcvtph2ps */
 static inline __m512 e4m3x16(const uint8_t *p) {
     __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
     __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
                                 _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
     return _mm512_cvtph_ps(f);
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline __m256 e4m3x8(const uint8_t *p) {
+    __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i f = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(f);
 }
 #endif
 
@@ -268,6 +275,11 @@ void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
             for (; k + 16 <= end; k += 16)
                 v = _mm512_fmadd_ps(e4m3x16(row + k), _mm512_loadu_ps(x + k), v);
             part = 256.0f * _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__F16C__)
+            __m256 v = _mm256_setzero_ps();
+            for (; k + 8 <= end; k += 8)
+                v = _mm256_fmadd_ps(e4m3x8(row + k), _mm256_loadu_ps(x + k), v);
+            part = 256.0f * hsum(v);
 #endif
             for (; k < end; k++)
                 part += SCALES[0][row[k]] * x[k];
@@ -311,7 +323,13 @@ void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
                     part[i] = 0.0f;
                 for (long k = k0; k < end; k++) {
                     const uint8_t *r = w + k * N + n0;
-                    for (long i = 0; i < wd; i++)
+                    long i = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
+                    const __m256 xk = _mm256_set1_ps(256.0f * x[k]);
+                    for (; i + 8 <= wd; i += 8)
+                        _mm256_storeu_ps(part + i, _mm256_fmadd_ps(e4m3x8(r + i), xk, _mm256_loadu_ps(part + i)));
+#endif
+                    for (; i < wd; i++)
                         part[i] += SCALES[0][r[i]] * x[k];
                 }
             }
