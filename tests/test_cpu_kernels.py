@@ -71,17 +71,6 @@ def _swap_nibbles(bank, manifest):
         b.copy_(((b & 15) << 4) | (b >> 4))
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_wrong_nibble_order_must_fail(native):
-    """Bytes whose nibbles are read the wrong way round break the match: the tests above can tell."""
-    from sluice.kernels.cpu import native_kernels
-
-    if native and native_kernels() is None:
-        pytest.skip("no C compiler here")
-    with pytest.raises(AssertionError, match="relative error"):
-        _check("relu2", "nvfp4", 64, 96, compiled=False, native=native, mutate=_swap_nibbles)
-
-
 def _shift_block_scales(bank, manifest):
     """Rotate `down`'s FP8 block scales by one tile along each row of tiles (scales applied to the wrong block)."""
     s = next(s for s in manifest.slots if s.name.startswith("down.") and s.name != "down.weight")
@@ -92,14 +81,17 @@ def _shift_block_scales(bank, manifest):
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_fp8_scales_on_the_wrong_blocks_must_fail(native):
-    """FP8 block scales read one tile off break the match, in both paths."""
+@pytest.mark.parametrize("fmt, Dx, I, mutate", [("nvfp4", 64, 96, _swap_nibbles), ("fp8_block", 320, 544, _shift_block_scales)],
+                         ids=["nibbles-swapped", "fp8-scales-one-tile-off"])
+def test_wrong_unpacking_must_fail(native, fmt, Dx, I, mutate):
+    """Bytes read wrongly (FP4 nibbles the wrong way round, FP8 block scales one tile off) break the match
+    in both paths: the tests above can tell."""
     from sluice.kernels.cpu import native_kernels
 
     if native and native_kernels() is None:
         pytest.skip("no C compiler here")
     with pytest.raises(AssertionError, match="relative error"):
-        _check("relu2", "fp8_block", 320, 544, compiled=False, native=native, mutate=_shift_block_scales)
+        _check("relu2", fmt, Dx, I, compiled=False, native=native, mutate=mutate)
 
 
 def test_fp8_decodes_match_torch():
