@@ -6,6 +6,8 @@ through the `gguf` package's tensor table). The figures:
 - resident bytes (everything that is not a routed expert, as stored) -> VRAM;
 - KV bytes per token (attention layers only) and recurrent state per sequence (Mamba, DeltaNet);
 - bytes per format tier; whether VRAM and RAM suffice;
+- a vision-language model's image encoder: its bytes, and whether it stays resident beside the rest
+  or streams layer by layer (models/vision.py's rule: resident when it fits twice over in what is left);
 - a decode rate from bytes over bandwidths: each token moves its expert blocks over PCIe, and
   the RAM misses also from disk. Without a routing trace the RAM hit rate is taken as the cached
   share of all blocks (uniform routing, a pessimistic guess); with one, it is simulated.
@@ -47,6 +49,12 @@ class Plan:
     pcie_gbps: float = 0.0
     disk_gbps: float = 0.0
     hit_source: str = "uniform"
+    encoder_bytes: int = 0  # a vision-language model's image encoder (0: none)
+
+    @property
+    def encoder_resident(self) -> bool:
+        """The image encoder stays on the GPU (else it streams from pinned RAM, two layers at a time)."""
+        return 2 * self.encoder_bytes <= self.vram - self.vram_needed
 
     @property
     def expert_bytes_per_token(self) -> int:
@@ -86,6 +94,7 @@ def plan(path: str | Path, vram: int, ram: int, pcie_gbps: float = 28.0, disk_gb
         arch = get_architecture(hf.model_type)
         spec = arch.expert_spec(hf)
         block_bytes, total, resident, tiers = _gguf_sizes(ggufs, spec)
+        encoder = 0
     else:
         from sluice.storage.repack import classify
 
@@ -93,7 +102,8 @@ def plan(path: str | Path, vram: int, ram: int, pcie_gbps: float = 28.0, disk_gb
         hf = ckpt.hf_config()
         arch = get_architecture(ckpt.model_type)
         spec = arch.expert_spec(hf)
-        ex = classify(ckpt, spec, arch.ignored(hf))
+        ex = classify(ckpt, spec, arch.ignored(hf), arch.encoder(hf))
+        encoder = sum(i.nbytes for i in ex.encoder.values())
         block_bytes = ex.block_bytes
         total = block_bytes * spec.num_experts * len(spec.moe_layers)
         resident = sum(i.nbytes for i in ex.resident.values())
@@ -107,7 +117,8 @@ def plan(path: str | Path, vram: int, ram: int, pcie_gbps: float = 28.0, disk_gb
     dtype_bytes = 2 if str(getattr(hf, "dtype", "bfloat16")) not in ("float32", "torch.float32") else 4
     p = Plan(hf.model_type, len(spec.moe_layers), spec.num_experts, spec.top_k, block_bytes, total, resident,
              arch.kv_bytes_per_token(hf, dtype_bytes), arch.recurrent_bytes(hf, dtype_bytes), dict(tiers),
-             vram, ram, context, vram_slots if vram_slots is not None else 2 * spec.top_k, pcie_gbps=pcie_gbps, disk_gbps=disk_gbps)
+             vram, ram, context, vram_slots if vram_slots is not None else 2 * spec.top_k, pcie_gbps=pcie_gbps, disk_gbps=disk_gbps,
+             encoder_bytes=encoder)
     cache = max(0, ram - resident)  # host RAM left for the expert cache once the resident copy is loaded
     p.ram_blocks = min(total // block_bytes, cache // block_bytes)
     if trace is not None:
@@ -170,6 +181,9 @@ def format_plan(p: Plan) -> str:
         f"bytes per format   {tiers}",
         f"VRAM               need {g(p.vram_needed)} (resident + {p.vram_slots} expert slots + KV + state) of {g(p.vram)}: "
         + ("fits" if p.fits_vram else "DOES NOT FIT"),
+        *([f"image encoder      {g(p.encoder_bytes)}: " + ("resident on the GPU" if p.encoder_resident else
+                                                             "streamed from pinned RAM layer by layer (does not fit twice in the VRAM left)")]
+          if p.encoder_bytes else []),
         f"RAM cache          {p.ram_blocks:,} blocks ({g(p.ram_blocks * p.block_bytes)}) -> hit rate {p.ram_hit_rate:.1%} ({p.hit_source})",
         f"decode estimate    {p.ms_per_token:.1f} ms/token = {p.tokens_per_s:.1f} tok/s (PCIe {p.pcie_gbps} GB/s, disk {p.disk_gbps} GB/s; expert I/O only)",
     ]

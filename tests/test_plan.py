@@ -161,3 +161,23 @@ def test_plan_each_family(checkpoints):
     assert figures["deepseek_v4"].kv_bytes_per_token == (2 * (32 + 16) // 4 + 32 // 8) * 4  # compressed entries of 2 CSA, 1 HCA layers
     windows, buffers = 4 * 7 * 32, 7 * 2 * 32 + 2 * (3 * 4 + 4 * 2) * (32 + 16)  # HCA's buffer; CSA's buffers and overlaps
     assert figures["deepseek_v4"].recurrent_bytes == (windows + buffers) * 4
+
+
+def test_plan_counts_the_image_encoder(tmp_path):
+    """A vision-language checkpoint's plan names its image encoder's bytes, resident when it fits twice over
+    in the VRAM left, else streamed; a language model's plan has none."""
+    pytest.importorskip("transformers.models.nemotron_h_omni", reason="nemotron_h_omni needs transformers 5.23+")
+    from safetensors.torch import load_file
+
+    from sluice.models.tiny import make_tiny_checkpoint
+    from sluice.storage.plan import format_plan
+
+    path = make_tiny_checkpoint(tmp_path / "omni", "nemotron_h_omni", seed=2)
+    encoder = sum(t.numel() * t.element_size() for k, t in load_file(path / "model.safetensors").items()
+                  if k.startswith(("vision_model.", "mlp1.")))
+    roomy = plan(path, vram=GiB, ram=GiB)
+    assert roomy.encoder_bytes == encoder > 0 and roomy.encoder_resident
+    tight = plan(path, vram=roomy.vram_needed + roomy.encoder_bytes, ram=GiB)
+    assert not tight.encoder_resident
+    assert "image encoder" in format_plan(roomy) and "streamed" in format_plan(tight)
+    assert plan(make_tiny_checkpoint(tmp_path / "lm", "nemotron_h", seed=2), vram=GiB, ram=GiB).encoder_bytes == 0
