@@ -190,6 +190,13 @@ class LayerStream:
 
 
 MODES = ("auto", "resident", "stream")
+ENCODER_MARGIN = 1 << 30  # VRAM kept free beside a resident encoder, for its activations and the LM's
+
+
+def stays_resident(nbytes: int, vram_left: int | None) -> bool:
+    """The "auto" rule: the encoder stays on the GPU when it fits twice over in the VRAM left (within the
+    budget) beyond a margin; else it streams. `sluice plan` applies the same rule."""
+    return vram_left is None or 2 * nbytes <= vram_left - ENCODER_MARGIN
 
 
 class ImageEncoder:
@@ -228,7 +235,7 @@ class ImageEncoder:
             raise SluiceError(f"image encoder mode {mode!r}: expected one of {', '.join(MODES)}")
         self.nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         if device.type == "cuda" and mode == "auto":
-            mode = "resident" if vram_free is None or 2 * self.nbytes <= vram_free else "stream"
+            mode = "resident" if stays_resident(self.nbytes, vram_free) else "stream"
         self.mode = mode if device.type == "cuda" else "cpu"
         self.stream = None
         if self.mode == "stream":

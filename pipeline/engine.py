@@ -153,7 +153,7 @@ class Engine:
             if self.device.type == "cuda":
                 index = _cuda_index(self.device)
                 limit = self.config.vram_budget or torch.cuda.get_device_properties(index).total_memory
-                free = limit - torch.cuda.memory_reserved(index) - VRAM_RESERVE // 2
+                free = limit - torch.cuda.memory_reserved(index)
             self._images = ImageEncoder(self.store.path, self.store.manifest.encoder, self.device, self.model.dtype,
                                         self.config.image_encoder, free)
         return self._images

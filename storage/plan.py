@@ -54,7 +54,9 @@ class Plan:
     @property
     def encoder_resident(self) -> bool:
         """The image encoder stays on the GPU (else it streams from pinned RAM, two layers at a time)."""
-        return 2 * self.encoder_bytes <= self.vram - self.vram_needed
+        from sluice.models.vision import stays_resident
+
+        return stays_resident(self.encoder_bytes, self.vram - self.vram_needed)
 
     @property
     def expert_bytes_per_token(self) -> int:
