@@ -74,7 +74,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
         return HTMLResponse(PAGE.read_text())
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": model_id})
+        return JSONResponse({"status": "ok", "model": model_id, "images": s.images})
 
     async def metrics_route(request):
         return _metrics(s)
@@ -156,6 +156,8 @@ def _prompt_images(s: Served, req, ids: list[int]):
         images = prepare_images(list(req.images), ImageSettings.of(s.engine.store.path), req.model in s.doc_ids, where="image")
     except ImageError as e:
         raise APIError(e.status, str(e), "messages") from None
+    s.metrics.images.inc(len(images.counts))
+    s.metrics.image_tokens.inc(sum(images.counts))
     marks = ImageTokens.of(s.tokenizer, s.engine.image_encoder.image_token_id)
     try:
         ids = marks.expand(ids, images.counts)

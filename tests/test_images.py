@@ -266,3 +266,22 @@ def test_streamed_encoder_equals_resident(omni):
     for _ in range(2):  # twice: the hooks leave every layer as they found it
         assert torch.equal(streamed.encode(pix, grid), a)
     assert all(p.device.type == "cpu" for layer in streamed.stream.layers for p in layer.parameters())
+
+
+@pytest.mark.skipif(not __import__("shutil").which("chromium"), reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_chat_page_sends_an_image_in_headless_chromium(server, tmp_path):
+    """The chat page offers image attachments for a vision-language model and sends them as image_url parts:
+    the user's bubble shows the image, and the server received it (its image counters move)."""
+    import subprocess
+    from urllib.parse import quote
+
+    import httpx
+
+    assert httpx.get(server.url + "/health").json()["images"] is True
+    before = server.metric("sluice_images_total")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000"]
+    url = server.url + "/?image=" + quote(_url(_png(8, size=(40, 40))), safe="") + "&q=" + quote("What is it?") + "&max_tokens=4"
+    dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert 'class="msg user"><img class="thumb" src="data:image/png;base64,' in dom and "What is it?</div>" in dom
+    assert server.metric("sluice_images_total") == before + 1 and server.metric("sluice_image_tokens_total") > 0
