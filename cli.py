@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     bm.add_argument("--cold", action="store_true", help="do not warm the RAM cache before timing decode")
     bm.add_argument("--json", type=Path, help="also write the results as JSON")
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
+    bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths) run one after another "
+                                                           "and compared in one table, e.g. overlap,vram-lfu,hybrid,hybrid-vram")
     bm.set_defaults(func=cmd_bench_model)
     bb = bsub.add_parser("baseline", help="transformers + accelerate offloading at a VRAM budget, for the speedup ratio")
     bb.add_argument("--model", required=True, help="a Hugging Face checkpoint transformers can load")
@@ -344,6 +346,8 @@ def cmd_bench_model(args) -> int:
     from sluice.pipeline.bench import bench_model, format_bench, profile_decode
 
     lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
+    if args.compare:
+        return _bench_compare(args, lengths)
     with _open_engine(args) as engine:
         r = bench_model(engine, lengths, args.decode_tokens, warm=not args.cold)
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name} | "
@@ -353,6 +357,26 @@ def cmd_bench_model(args) -> int:
             print(profile_decode(engine))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
+    return 0
+
+
+def _bench_compare(args, lengths) -> int:
+    import json
+
+    from sluice.pipeline.bench import bench_model, format_compare, ram_read_bandwidth
+
+    results, block = [], 0
+    for name in [n for n in args.compare.split(",") if n]:
+        args.schedule = name
+        with _open_engine(args) as engine:
+            r = bench_model(engine, lengths, args.decode_tokens, warm=not args.cold)
+            if engine.rt.cpu_s_per_block:
+                r["cpu_gbps"] = engine.store.block_bytes / engine.rt.cpu_s_per_block / 1e9
+            block = engine.store.block_bytes
+            results.append((Path(name).stem if name.endswith((".yaml", ".yml")) else name, r))
+    print(format_compare(results, block, ram_read_bandwidth()))
+    if args.json:
+        args.json.write_text(json.dumps(dict(results), indent=1))
     return 0
 
 

@@ -270,15 +270,11 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
 
     from sluice.kernels.cpu import CpuExperts
 
+    from sluice.pipeline.bench import ram_read_bandwidth
+
     if threads:
         torch.set_num_threads(threads)
-    big = torch.ones(1 << 28, dtype=torch.float32)
-    big.sum()
-    t = time.perf_counter()
-    for _ in range(3):
-        big.sum()
-    read = 3 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
-    del big
+    read = ram_read_bandwidth() / 1e9
     rows = []
     for shape in shapes:
         kind, Dx, I, _ = SHAPES[shape]

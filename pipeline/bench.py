@@ -129,6 +129,43 @@ def format_bench(r: dict, block_bytes: int) -> str:
     return "\n".join(lines)
 
 
+def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Host memory read rate (bytes/s) with torch's threads: the best of three sums over nbytes of fp32."""
+    big = torch.ones(nbytes // 4, dtype=torch.float32)
+    big.sum()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: float) -> str:
+    """Schedules side by side (`sluice bench model --compare`): decode, prefill, where blocks came from, and the
+    bandwidths measured in the same run (pinned host-to-device, host RAM read, the hybrid path's CPU rate)."""
+    lengths = list(results[0][1]["prefill"])
+    head = (f"{'schedule':14} {'ms/token':>9} {'tok/s':>7} {'x roofline':>10} " + " ".join(f"{'prefill ' + str(n):>13}" for n in lengths)
+            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'hit':>6} {'stall ms':>8}")
+    lines = [head]
+    for name, r in results:
+        d = r["decode"]
+        b = d["blocks_per_token"]
+        roof = f"{d['ms_per_token_median'] / d['roofline_ms_per_token']:.2f}" if d.get("roofline_ms_per_token") else "-"
+        hit = f"{d['hit_rate']:.1%}" if d["hit_rate"] is not None else "n/a"
+        tiers = f"{b['vram']:.2f} / {b['ram']:.2f} / {b['disk']:.2f} / {d['cpu_blocks_per_token']:.2f}"
+        lines.append(f"{name:14} {d['ms_per_token_median']:9.2f} {d['tok_s']:7.1f} {roof:>10} "
+                     + " ".join(f"{r['prefill'][n]['tok_s']:>9.1f} t/s" for n in lengths) + f" {tiers:>36} {hit:>6} {d['stall_ms_per_token']:8.2f}")
+    rates = [f"host RAM read {ram_read / 1e9:.1f} GB/s"]
+    h2d = [r["decode"]["h2d_gbps"] for _, r in results if "h2d_gbps" in r["decode"]]
+    if h2d:
+        rates.append(f"pinned host-to-device {min(h2d):.1f}-{max(h2d):.1f} GB/s")
+    cpu = [(n, r["cpu_gbps"]) for n, r in results if r.get("cpu_gbps")]
+    rates += [f"{n}: CPU experts {g:.2f} GB/s" for n, g in cpu]
+    lines.append(f"measured in this run: {', '.join(rates)}; block {block_bytes:,} bytes")
+    return "\n".join(lines)
+
+
 def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str:
     """Where a decode step's time goes: host Python functions (cProfile, by own time) and, on CUDA, the
     GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the gap."""
