@@ -163,7 +163,7 @@ def _prompt_images(s: Served, req, ids: list[int]):
         ids = marks.expand(ids, images.counts)
     except SluiceError as e:  # the chat template wrote no placeholder for an image part
         raise APIError(400, f"the model's chat template did not place every image: {e}", "messages") from None
-    return images, ids, marks.key(ids, images.digests)
+    return images, ids, marks.key(ids, images)
 
 
 async def _completions(s: Served, request: Request) -> Response:

@@ -323,16 +323,18 @@ class ImageTokens:
             raise SluiceError(f"{len(counts)} image(s) given but the prompt has {k} image placeholder(s)")
         return out
 
-    def key(self, ids: list[int], digests: tuple[str, ...]) -> list[int]:
-        """ids with each image token replaced by a number of its own (negative, from the image's digest and
-        its place in the image), so equal token lists with different images never look alike."""
-        out, k, j = [], -1, 0
-        for n, i in enumerate(ids):
-            if i == self.image:
-                if n == 0 or ids[n - 1] != self.image:
-                    k, j = k + 1, 0
-                out.append(-1 - (int(digests[k], 16) * 1_000_003 + j) % (1 << 62))
-                j += 1
-            else:
+    def key(self, ids: list[int], images: PromptImages) -> list[int]:
+        """ids (expanded) with each image token replaced by a number of its own (negative, from its image's
+        digest and its place in that image), so equal token lists with different images never look alike.
+        Images are told apart by their token counts, not by what surrounds them: two images back to back
+        (a vocabulary without start / end tokens) keep their own numbers."""
+        out, k, j = [], 0, 0
+        for i in ids:
+            if i != self.image:
                 out.append(i)
+                continue
+            out.append(-1 - (int(images.digests[k], 16) * 1_000_003 + j) % (1 << 62))
+            j += 1
+            if j == images.counts[k]:
+                k, j = k + 1, 0
         return out

@@ -285,3 +285,18 @@ def test_chat_page_sends_an_image_in_headless_chromium(server, tmp_path):
     dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
     assert 'class="msg user"><img class="thumb" src="data:image/png;base64,' in dom and "What is it?</div>" in dom
     assert server.metric("sluice_images_total") == before + 1 and server.metric("sluice_image_tokens_total") > 0
+
+
+def test_snapshot_keys_tell_back_to_back_images_apart():
+    """Without start / end tokens two images sit back to back; the second image still has numbers of its own,
+    so prompts that differ only in it never share a snapshot key."""
+    from sluice.models.vision import ImageTokens, PromptImages
+
+    marks = ImageTokens(image=7)
+    def images(*digests):
+        return PromptImages(torch.empty(0), torch.empty(0), (2, 3), digests)
+    ids = marks.expand([1, 7, 7, 2], (2, 3))
+    assert ids == [1, 7, 7, 7, 7, 7, 2]
+    a, b = marks.key(ids, images("aa", "bb")), marks.key(ids, images("aa", "cc"))
+    assert a[:3] == b[:3] and a[3:6] != b[3:6] and a[6] == b[6] == 2
+    assert len(set(a[1:6])) == 5 and all(x < 0 for x in a[1:6])
