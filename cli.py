@@ -120,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("cpu", help="the CPU expert kernels' GB/s against the memory read rate measured now")
     bc.add_argument("--shape", nargs="*", default=None, help="model shapes (default: nano qwen3-30b)")
     bc.add_argument("--format", nargs="*", default=None, help="nvfp4 mxfp4 fp8 bf16 (default: all)")
-    bc.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    bc.add_argument("--threads", type=int, nargs="*", help="CPU threads (default: torch's); several: one table each, "
+                    "to see how the kernels scale")
     bc.add_argument("--eager", action="store_true", help="without torch.compile")
     bc.set_defaults(func=cmd_bench_cpu)
 
@@ -427,9 +428,10 @@ def cmd_bench_cpu(args) -> int:
 
     from sluice.kernels.bench import FORMATS, bench_cpu, format_table
 
-    read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), args.threads, not args.eager)
-    print(format_table({"RAM read": read}, rows))
-    print(f"threads {torch.get_num_threads()}")
+    for threads in args.threads or [None]:
+        read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), threads, not args.eager)
+        print(f"threads {torch.get_num_threads()}")
+        print(format_table({"RAM read": read}, rows), flush=True)
     return 0
 
 

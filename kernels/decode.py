@@ -33,6 +33,7 @@ SWIGLU = tl.constexpr(1)
 WEIGHTED = tl.constexpr(2)
 PLAIN = tl.constexpr(3)
 EPILOGUES = {"relu2": 0, "swiglu": 1, "weighted": 2, "plain": 3}
+FP4_WORDS = 2  # matvec's FP4 formulation (see matvec)
 GPT_OSS = tl.constexpr(2)
 SILU_CLAMPED = tl.constexpr(3)
 ACTS = {"relu2": 0, "silu": 1, "gpt_oss_glu": 2, "silu_clamped": 3}  # activation name (MoEBlock.act_name) -> ACT code
@@ -53,9 +54,10 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
               WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """W[n, :] . v for rows n [BN]; fp32. Products accumulate in registers; one reduction at the end."""
     nm = n < N
-    if (FMT == NVFP4 or FMT == MXFP4) and WORDS:
+    if (FMT == NVFP4 or FMT == MXFP4) and WORDS > 0:
         # 32-bit words of 8 nibbles: word w of a row holds elements 8w..8w+7 (nibble i = element 8w+i);
-        # fp4_word_dot places each nibble's bits straight into an fp32 (no conversion instruction)
+        # fp4_word_dot places each nibble's bits straight into an fp32 (no conversion instruction).
+        # WORDS 1: each word gathers its group's scale; 2: a row's scales load as one contiguous run
         BW: tl.constexpr = BK // 8
         NW = K // 8
         wi = tl.arange(0, BW)
@@ -69,7 +71,16 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
             t = fp4_word_dot(word, _xw(vp, w, wm, 0, BN, BW), _xw(vp, w, wm, 1, BN, BW), _xw(vp, w, wm, 2, BN, BW),
                              _xw(vp, w, wm, 3, BN, BW), _xw(vp, w, wm, 4, BN, BW), _xw(vp, w, wm, 5, BN, BW),
                              _xw(vp, w, wm, 6, BN, BW), _xw(vp, w, wm, 7, BN, BW))
-            acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + w[None, :] // (SG // 8), m2, FMT)
+            if WORDS == 2:  # the step's scales as one contiguous run per row, each repeated for its words
+                BG: tl.constexpr = BW // (SG // 8)
+                g = w0 // (SG // 8) + tl.arange(0, BG)
+                s = group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], nm[:, None] & (g < NW // (SG // 8))[None, :], FMT)
+                s = tl.reshape(tl.join(s, s), [BN, 2 * BG])
+                if SG == 32:
+                    s = tl.reshape(tl.join(s, s), [BN, BW])
+            else:  # each word gathers its scale
+                s = group_scale(base + S_OFF, n[:, None] * S_STRIDE + w[None, :] // (SG // 8), m2, FMT)
+            acc += t * s
         r = tl.sum(acc, axis=1) * FP4_WORD_UNSCALE
     elif FMT == NVFP4 or FMT == MXFP4:
         G: tl.constexpr = BK // SG  # scale groups per step; each is SG/2 bytes and one scale
@@ -227,15 +238,16 @@ def _down_relaid_kernel(
 def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: ProjLayout, epilogue: str, x_dtype: torch.dtype,
            out: torch.Tensor, gate: ProjLayout | None = None, act: int = 0, rows: torch.Tensor | None = None,
            wts: torch.Tensor | None = None, act_args: tuple[float, float] = (0.0, 0.0), bn: int = 0, bk: int = 0,
-           num_warps: int = 4, fp4_words: bool = True) -> torch.Tensor:
+           num_warps: int = 4, fp4_words: int = FP4_WORDS) -> torch.Tensor:
     """Launch `_matvec_kernel` for A = len(offs) experts. v [K] shared or [A, K]; out [A, N] or y [rows, N].
     act_args: (alpha, limit) of gpt-oss's GLU. fp4_words: FP4 weights read as 32-bit words of eight
-    nibbles (False: as bytes in [rows, groups, bytes] tiles, the earlier formulation, kept for the sweep).
+    nibbles, their scales loaded as contiguous runs (2) or gathered word by word (1); 0: as bytes in
+    [rows, groups, bytes] tiles, the earlier formulation. 1 and 0 are kept for the sweep.
 
     Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
     32 x 256 (16 x 1024 from 2048 inputs on), FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
-    words = fp4_words and layout.fmt in SCALE_GROUPS
+    words = fp4_words if layout.fmt in SCALE_GROUPS else 0
     wide = words and layout.k >= 2048
     bn = bn or (16 if wide else 32 if words else 16 if layout.fmt == 0 else 8)
     bk = min(bk or (1024 if wide else 256), max(16, triton.next_power_of_2(layout.k)))

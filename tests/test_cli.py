@@ -56,3 +56,19 @@ def test_bench_model_compares_schedules_in_one_table(stores, tmp_path, capsys):
     figures = json.loads(out.read_text())
     assert set(figures) == {"serial", "overlap", "hybrid"} and all(f["decode"]["tokens"] == 3 for f in figures.values())
     assert figures["hybrid"]["decode"]["cpu_blocks_per_token"] > 0 and figures["serial"]["decode"]["cpu_blocks_per_token"] == 0
+
+
+def test_bench_cpu_one_table_per_thread_count(capsys):
+    """`bench cpu --threads 1 2` measures the CPU expert kernels at each thread count, each table with the
+    memory read rate measured at that count."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["bench", "cpu", "--threads", "1", "2", "--shape", "qwen3-30b", "--format", "nvfp4"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    text = capsys.readouterr().out
+    assert text.count("ceilings: RAM read") == 2 and "threads 1\n" in text and "threads 2\n" in text
+    rows = [line for line in text.splitlines() if line.startswith("cpu expert (swiglu)")]
+    assert len(rows) == 2 and all(float(r.split()[5]) > 0 for r in rows)
