@@ -144,19 +144,20 @@ def native_kernels():
 
 
 def fp4_matvec_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.Tensor, xo: torch.Tensor, group: int,
-                      e8m0: bool, kmajor: bool) -> torch.Tensor:
+                      e8m0: bool, kmajor: bool, threads: int = 0) -> torch.Tensor:
     """fp4_matvec through kernels/cpu_native.c: the same result up to summation order."""
     p, s = packed.contiguous(), scale.contiguous()
     n = p.shape[0] if not kmajor else p.shape[1]
     k2 = p.shape[1] if not kmajor else p.shape[0]
     y = torch.empty(n, dtype=torch.float32)
-    lib.sluice_set_threads(torch.get_num_threads())
+    lib.sluice_set_threads(threads or torch.get_num_threads())
     fn = lib.sluice_fp4_kmajor if kmajor else lib.sluice_fp4_nmajor
     fn(p.data_ptr(), s.data_ptr(), s.stride(0), xe.data_ptr(), xo.data_ptr(), n, k2, group // 2, int(e8m0), y.data_ptr())
     return y
 
 
-def fp8_matvec_native(lib, w: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, block: int, kmajor: bool) -> torch.Tensor:
+def fp8_matvec_native(lib, w: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, block: int, kmajor: bool,
+                      threads: int = 0) -> torch.Tensor:
     """E4M3 weights (with block scales, F32 or E8M0, or none: the caller applies a tensor / row scale)
     dotted with x through kernels/cpu_native.c; the same result as the torch path up to summation order."""
     w = w.contiguous()
@@ -164,7 +165,7 @@ def fp8_matvec_native(lib, w: torch.Tensor, scale: torch.Tensor | None, x: torch
     y = torch.empty(n, dtype=torch.float32)
     e8m0 = scale is not None and scale.dtype == torch.float8_e8m0fnu
     s = None if scale is None else (scale.view(torch.uint8) if e8m0 else scale.float()).contiguous()
-    lib.sluice_set_threads(torch.get_num_threads())
+    lib.sluice_set_threads(threads or torch.get_num_threads())
     fn = lib.sluice_fp8_kmajor if kmajor else lib.sluice_fp8_nmajor
     fn(w.data_ptr(), s.data_ptr() if s is not None else None, s.stride(0) if s is not None else 0, block, int(e8m0),
        x.contiguous().data_ptr(), n, k, y.data_ptr())
@@ -180,14 +181,15 @@ def _kernel(name: str, fn: Callable, compiled: bool) -> Callable:
 
 
 def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: torch.Tensor, compiled: bool = True,
-                native: bool = True) -> torch.Tensor:
-    """One projection of one expert: tensors by suffix as stored, x [K] fp32 -> [N] fp32 (bias added)."""
+                native: bool = True, threads: int = 0) -> torch.Tensor:
+    """One projection of one expert: tensors by suffix as stored, x [K] fp32 -> [N] fp32 (bias added).
+    threads: the native kernels' OpenMP threads (0: torch's count)."""
     w = t[fmt.weight]
     if fmt.kind in ("nvfp4", "mxfp4"):
         mx = fmt.kind == "mxfp4"
         xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
         lib = native_kernels() if native else None
-        fp4 = (lambda *a: fp4_matvec_native(lib, *a)) if lib is not None else _kernel("fp4", fp4_matvec, compiled)
+        fp4 = (lambda *a: fp4_matvec_native(lib, *a, threads=threads)) if lib is not None else _kernel("fp4", fp4_matvec, compiled)
         y = fp4(w, t[fmt.scale], xe, xo, MXFP4_GROUP if mx else NVFP4_GROUP, mx, kmajor)
         if not mx:
             s2 = t[fmt.scale2].float().reshape(())
@@ -196,13 +198,13 @@ def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: 
         s = t[fmt.scale]
         lib = native_kernels() if native else None
         if lib is not None:
-            y = fp8_matvec_native(lib, w, s, x, fmt.block, kmajor)
+            y = fp8_matvec_native(lib, w, s, x, fmt.block, kmajor, threads)
         else:
             y = _kernel("fp8_block", fp8_block_matvec, compiled)(w, s, x, fmt.block, s.dtype == torch.float8_e8m0fnu, kmajor)
     else:
         lib = native_kernels() if native and w.dtype == torch.float8_e4m3fn else None
         if lib is not None:
-            y = fp8_matvec_native(lib, w, None, x, 0, kmajor)
+            y = fp8_matvec_native(lib, w, None, x, 0, kmajor, threads)
         else:
             y = _kernel("dense", dense_matvec, compiled)(w, x, kmajor)
         if fmt.kind == "fp8":
@@ -218,8 +220,9 @@ class _Fp4Call:
     as fp4_matvec_native without building tensor views per call (their Python cost, ~40 us an expert, is
     a tenth of a Nano expert's time on 16 cores)."""
 
-    def __init__(self, lib, fmt: WeightFormat, slots: dict, kmajor: bool):
+    def __init__(self, lib, fmt: WeightFormat, slots: dict, kmajor: bool, threads: int):
         w, sc = slots[fmt.weight], slots[fmt.scale]
+        self.threads = threads
         self.fn = lib.sluice_fp4_kmajor if kmajor else lib.sluice_fp4_nmajor
         self.set_threads = lib.sluice_set_threads
         rows, cols = w.stored_shape
@@ -235,7 +238,7 @@ class _Fp4Call:
         xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
         y = torch.empty(self.n, dtype=torch.float32)
         base = block.data_ptr()
-        self.set_threads(torch.get_num_threads())
+        self.set_threads(self.threads or torch.get_num_threads())
         self.fn(base + self.w_off, base + self.s_off, self.s_stride, xe.data_ptr(), xo.data_ptr(), self.n, self.k2, self.half,
                 self.e8m0, y.data_ptr())
         if self.s2_off >= 0:
@@ -246,12 +249,13 @@ class _Fp4Call:
 
 class CpuExperts:
     """A store's experts on the CPU, one token and one expert at a time, from block buffers (uint8 views of
-    RAM slots). `act` / `glu` are the MoE block's own (transformers' activation, the model's gated unit)."""
+    RAM slots). `act` / `glu` are the MoE block's own (transformers' activation, the model's gated unit).
+    threads: the native kernels' OpenMP threads (0: torch's count)."""
 
     def __init__(self, manifest, kind: str, act: Callable, glu: Callable | None = None, compiled: bool = True,
-                 native: bool = True):
+                 native: bool = True, threads: int = 0):
         m = manifest
-        self.kind, self.act, self.glu, self.compiled, self.native = kind, act, glu, compiled, native
+        self.kind, self.act, self.glu, self.compiled, self.native, self.threads = kind, act, glu, compiled, native, threads
         self.formats: dict[str, WeightFormat] = m.formats
         self.slots = {proj: [s for s in m.slots if s.proj == proj] for proj in m.formats}
         self.kmajor = {proj: any(s.relaid and s.suffix == f.weight for s in self.slots[proj]) for proj, f in m.formats.items()}
@@ -262,13 +266,13 @@ class CpuExperts:
             for proj, f in m.formats.items():
                 slots = {s.suffix: s for s in self.slots[proj]}
                 if f.kind in ("nvfp4", "mxfp4") and not f.bias and (f.kind == "mxfp4" or slots[f.scale2].dtype == "F32"):
-                    self.fp4[proj] = _Fp4Call(lib, f, slots, self.kmajor[proj])
+                    self.fp4[proj] = _Fp4Call(lib, f, slots, self.kmajor[proj], threads)
 
     def _proj(self, block: torch.Tensor, proj: str, x: torch.Tensor) -> torch.Tensor:
         if proj in self.fp4:
             return self.fp4[proj](block, x)
         t = {s.suffix: s.view(block) for s in self.slots[proj]}
-        return proj_matvec(t, self.formats[proj], self.kmajor[proj], x, self.compiled, self.native)
+        return proj_matvec(t, self.formats[proj], self.kmajor[proj], x, self.compiled, self.native, self.threads)
 
     @torch.inference_mode()
     def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

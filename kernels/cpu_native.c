@@ -149,16 +149,33 @@ void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const 
 
 #define CHUNK 256
 
+/* E4M3 bytes -> floats / 256, vectorised: sign to bit 15 and exponent + mantissa to bits 7-14 make an
+ * fp16 of the same value / 2**8 (biases 7 and 15; subnormals too), converted by vcvtph2ps */
+#ifdef __AVX512F__
+static inline __m512 e4m3x16(const uint8_t *p) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(f);
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline __m256 e4m3x8(const uint8_t *p) {
+    __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i f = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(f);
+}
+#endif
+
 #ifdef __AVX512BW__
 
 /* k-major, 64 outputs n0..n0+63 (all present): per scale group, the outputs' partial sums stay in four
  * registers while the group's rows stream by (64 bytes = 128 codes a row; each code looked up as a float
- * by a 16-entry permute), then are scaled (16 scale bytes at a time through the table) into four
+ * by a 16-entry permute), then are scaled (16 scale bytes at a time, decoded in registers) into four
  * accumulators. */
 static void kmajor64(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                      long N, long K2, int half, int e8m0, float *y, long n0) {
     const __m512 table = _mm512_loadu_ps(E2M1);
-    const float *lut = SCALES[e8m0 != 0];
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (long g0 = 0, g = 0; g0 < K2; g0 += half, g++) {
         long end = g0 + half < K2 ? g0 + half : K2;
@@ -173,9 +190,10 @@ static void kmajor64(const uint8_t *p, const uint8_t *s, long s_stride, const fl
             }
         }
         const uint8_t *sr = s + g * s_stride + n0;
-        for (int q = 0; q < 4; q++) {
-            __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sr + 16 * q)));
-            acc[q] = _mm512_fmadd_ps(part[q], _mm512_i32gather_ps(idx, lut, 4), acc[q]);
+        for (int q = 0; q < 4; q++) {  /* 16 scale bytes decoded in registers (a gather is slow on some CPUs) */
+            __m512 sv = e8m0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sr + 16 * q))), 23))
+                             : _mm512_mul_ps(e4m3x16(sr + 16 * q), _mm512_set1_ps(256.0f));
+            acc[q] = _mm512_fmadd_ps(part[q], sv, acc[q]);
         }
     }
     for (int q = 0; q < 4; q++)
@@ -241,23 +259,6 @@ static inline float block_scale(const uint8_t *s, long idx, int e8m0) {
     return e8m0 ? SCALES[1][s[idx]] : ((const float *)s)[idx];
 }
 
-/* E4M3 bytes -> floats / 256, vectorised: sign to bit 15 and exponent + mantissa to bits 7-14 make an
- * fp16 of the same value / 2**8 (biases 7 and 15; subnormals too), converted by vcvtph2ps */
-#ifdef __AVX512F__
-static inline __m512 e4m3x16(const uint8_t *p) {
-    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_cvtph_ps(f);
-}
-#elif defined(__AVX2__) && defined(__F16C__)
-static inline __m256 e4m3x8(const uint8_t *p) {
-    __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i f = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_cvtph_ps(f);
-}
-#endif
 
 void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
                        long N, long K, float *y) {

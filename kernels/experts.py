@@ -90,7 +90,9 @@ class TritonExperts:
             static = {"offs": offs.clone(), "down_offs": down_offs.clone(), "x": x.clone(), "wts": wts.clone()}
             out = self._decode(bank, static["offs"], down_bank, static["down_offs"], static["x"], static["wts"], y_dtype, zero_skip)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records, runs nothing (live_groups counts at replays only)
+            # records, runs nothing (live_groups counts at replays only); thread-local: the hybrid path's worker
+            # thread may allocate pinned memory meanwhile, which a global-mode capture would turn into an error
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static["out"] = self._decode(bank, static["offs"], down_bank, static["down_offs"], static["x"], static["wts"],
                                              y_dtype, zero_skip)
             self._graphs[key] = (graph, static)

@@ -86,6 +86,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "prefetch_recall": io["predicted_right"] / io["routed_predicted"] if io["routed_predicted"] else None,
         "stall_ms_per_token": 1000 * io["stall_s"] / n,
         "cpu_blocks_per_token": io["cpu_blocks"] / n,
+        "cpu_ms_per_block": 1000 * engine.rt.cpu_s_per_block if engine.rt.cpu_s_per_block else None,
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
     }
     d["vram_slots"] = engine.rt.vram.capacity if engine.rt.vram is not None else 0
@@ -116,7 +117,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
     rec = f"{d['prefetch_recall']:.1%}" if d["prefetch_recall"] is not None else "n/a"
     lines.append(f"  hit rate {hit}, prefetch recall {rec}, fetch stall {d['stall_ms_per_token']:.2f} ms/token")
     if d["cpu_blocks_per_token"]:
-        lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied)")
+        each = f", {d['cpu_ms_per_block']:.2f} ms each (moving average)" if d.get("cpu_ms_per_block") else ""
+        lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
     lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"
                  + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB" if "vram_peak_bytes" in d else ""))
     if "disk_roofline_ms_per_token" in d:

@@ -13,9 +13,11 @@ kernel skip 16-neuron groups whose activations are all zero; `graphs` replays on
 as CUDA graphs (kernels/experts.py), cutting the host's launch cost.
 
 Blocks h2d left to the CPU (the hybrid miss path, `on_cpu`) run on a worker thread through the CPU
-kernels (kernels/cpu.py, compiled by torch.compile unless `cpu_compile` is off) while the GPU runs
-the rest; their outputs are weighted on the device and written to their own rows of y like any
-other expert's, so combine's fixed order holds. Each CPU block's time feeds the runtime's moving
+kernels (kernels/cpu.py, compiled by torch.compile unless `cpu_compile` is off; the native ones on
+`cpu_threads` threads, by default all cores but two, which stay with the event loop and the readers)
+while the GPU runs the rest. Their outputs come back through pinned memory (a copy from pageable
+memory would first wait for everything queued on the stream), are weighted on the device and written
+to their own rows of y like any other expert's, so combine's fixed order holds. Each CPU block's time feeds the runtime's moving
 average of seconds per block (h2d's `cpu_balance`).
 """
 
@@ -41,6 +43,7 @@ class ComputeKnobs:
     zero_skip: bool = False  # ReLU^2 down reads only live 16-neuron groups (triton backend)
     graphs: bool = True  # one-token batches replay a CUDA graph of the expert kernels (triton backend on CUDA)
     cpu_compile: bool = True  # the hybrid path's CPU kernels through torch.compile (else eager torch ops)
+    cpu_threads: int = 0  # the hybrid path's native CPU kernels' threads; 0: all cores but two (the host's own work)
 
 
 class Compute(Stage):
@@ -116,10 +119,13 @@ class Compute(Stage):
         key = (block.kind, block.act_name)
         first = key not in self._cpu
         if first:
-            self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile)
+            threads = self.knobs.cpu_threads or max(1, (os.cpu_count() or 1) - 2)
+            self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile, threads=threads)
         t = time.perf_counter()
         block_view = db.bank.narrow(0, db.offset, rt.store.block_bytes)
         out = torch.stack([self._cpu[key].run(block_view, row) for row in x])
+        if rt.device.type == "cuda":  # pinned: the copy to the GPU then waits for nothing queued before it
+            out = out.pin_memory()
         dt = (time.perf_counter() - t) / x.shape[0]  # seconds per block and token
         if not first:  # the first call compiles the kernels: not a rate
             rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt

@@ -106,6 +106,32 @@ def test_fp8_decodes_match_torch():
     assert e2m1(torch.arange(16, dtype=torch.int32)).tolist() == list(E2M1)
 
 
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_native_fp4_every_scale_byte(kmajor, e8m0):
+    """Every scale byte (E4M3 subnormals and E8M0 extremes included; not NaN) scales its group in the C
+    kernels as in the torch path, in both layouts (the re-laid one decodes scales 16 at a time in registers)."""
+    from sluice.kernels.cpu import fp4_matvec, fp4_matvec_native, native_kernels
+
+    lib = native_kernels()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(7)
+    group = 32 if e8m0 else 16
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes >= 100) & (codes <= 154)] if e8m0 else codes[(codes & 0x7F) != 0x7F]  # E8M0: sums stay finite
+    N, G = 64, -(-codes.numel() // 64) * 2  # every code appears in some (output, group)
+    K2 = G * group // 2
+    packed = torch.randint(0, 256, (N, K2) if not kmajor else (K2, N), dtype=torch.uint8, generator=g)
+    sc = codes.repeat(-(-N * G // codes.numel()))[: N * G].reshape(N, G)
+    sc = sc if not kmajor else sc.t().contiguous()
+    scale = sc.view(torch.float8_e8m0fnu) if e8m0 else sc.view(torch.float8_e4m3fn)
+    xe, xo = torch.randn(K2, generator=g), torch.randn(K2, generator=g)
+    want = fp4_matvec(packed, scale, xe, xo, group, e8m0, kmajor).double()
+    got = fp4_matvec_native(lib, packed, scale, xe, xo, group, e8m0, kmajor).double()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     """A compiler that fails leaves the torch path serving FP4, with a warning, not an error."""
     import sluice.kernels.cpu as cpu

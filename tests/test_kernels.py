@@ -270,3 +270,42 @@ def test_fp4_decode_every_formulation(fmt, A, Dx, I, words):
     h_ref = torch.stack([d["up"].double() @ x.double().cpu() for d in dense])
     assert rel_err(h.cpu(), h_ref) < 1e-5
 
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs")
+def test_expert_graph_capture_while_another_thread_pins_memory():
+    """A one-token expert batch is captured as a CUDA graph while the hybrid path's worker thread may be
+    allocating pinned memory for its outputs: the capture must not fail (nor break the other thread)."""
+    import threading
+
+    from sluice.kernels.experts import TritonExperts
+
+    bank, offs, manifest, dense = make_bank("relu2", "nvfp4", 4, 64, 96, seed=3)
+    bank, offs = bank.to(DEVICE), offs.to(DEVICE)
+    kern = TritonExperts(manifest, "relu2", "relu2", torch.device(DEVICE), graphs=True)
+    errors, stop = [], threading.Event()
+
+    def pin():
+        n = 1
+        try:
+            while not stop.is_set():
+                torch.empty(4096 * n, dtype=torch.uint8).pin_memory()  # a new size: a fresh host allocation
+                n += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=pin)
+    worker.start()
+    try:
+        for A in range(1, 5):  # each batch size is a new capture
+            x = torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16)
+            w = torch.rand(A, device=DEVICE)
+            for _ in range(2):  # eager then captured
+                y = torch.zeros(A, 64, device=DEVICE, dtype=torch.bfloat16)
+                kern.run(bank, offs[:A], bank, offs[:A], [1] * A, torch.arange(A, device=DEVICE), A, x, w, y, False)
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors
+    assert len(kern._graphs) == 4

@@ -47,6 +47,7 @@ def test_serial_waits_and_overlap_streams():
         (with_stage("h2d", {"hot_set": 3}), "'hot_set' must be str"),
         (with_stage("h2d", {"cpu_share": 1.5}), "'cpu_share' must be between 0 and 1, got 1.5"),
         (with_stage("h2d", {"cpu_prefill": -2}), "'cpu_prefill' must be -1 \\(where cheaper\\), 0 \\(never\\) or a token count"),
+        (with_stage("compute", {"cpu_threads": -1}), "stage 'compute': 'cpu_threads' must be >= 0, got -1"),
         (with_stage("compute", {"after": ["shuffle"]}), "runs after 'shuffle', which is not in the schedule"),
         (with_stage("route", {"after": ["combine"]}), "cycle in the stage graph: route -> combine -> .* -> route"),
         (with_stage("combine", {"after": ["fetch"]}), "streaming stage whose output it does not consume"),
