@@ -283,19 +283,21 @@ def test_expert_graph_capture_while_another_thread_pins_memory():
     bank, offs, manifest, dense = make_bank("relu2", "nvfp4", 4, 64, 96, seed=3)
     bank, offs = bank.to(DEVICE), offs.to(DEVICE)
     kern = TritonExperts(manifest, "relu2", "relu2", torch.device(DEVICE), graphs=True)
-    errors, stop = [], threading.Event()
+    errors, stop, started = [], threading.Event(), threading.Event()
 
-    def pin():
-        n = 1
+    def pin():  # as the hybrid worker does: pin a fresh output, copy it to the GPU, drop it (its block is reused)
+        side = torch.cuda.Stream()
         try:
-            while not stop.is_set():
-                torch.empty(4096 * n, dtype=torch.uint8).pin_memory()  # a new size: a fresh host allocation
-                n += 1
+            with torch.cuda.stream(side):
+                while not stop.is_set():
+                    torch.randn(8, 64).pin_memory().to(DEVICE, non_blocking=True)
+                    started.set()
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     worker = threading.Thread(target=pin)
     worker.start()
+    started.wait(30)
     try:
         for A in range(1, 5):  # each batch size is a new capture
             x = torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16)
