@@ -284,7 +284,7 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
             bank = block.repeat(experts)
             manifest = types.SimpleNamespace(formats=fmts, slots=slots)
             cpu = CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
-                             compiled=compiled)
+                             compiled=compiled, act_name="relu2" if kind == "relu2" else "silu")  # as the engine builds it
             x = torch.randn(Dx)
             blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(experts)]
             cpu.run(blocks[0], x)  # compile

@@ -133,6 +133,10 @@ def native_kernels():
                    ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
             for fn in (lib.sluice_fp8_nmajor, lib.sluice_fp8_kmajor):
                 fn.argtypes, fn.restype = fp8, None
+            ptr, long_, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+            lib.sluice_fp4_relu2_expert.argtypes = [ptr, ptr, long_, f32, ptr, ptr, long_, f32, ptr, ptr, long_, long_,
+                                                    ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr]
+            lib.sluice_fp4_relu2_expert.restype = None
             lib.sluice_set_threads.argtypes = [ctypes.c_int]
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
@@ -222,9 +226,8 @@ class _Fp4Call:
 
     def __init__(self, lib, fmt: WeightFormat, slots: dict, kmajor: bool, threads: int):
         w, sc = slots[fmt.weight], slots[fmt.scale]
-        self.threads = threads
+        self.lib, self.kmajor, self.threads = lib, kmajor, threads
         self.fn = lib.sluice_fp4_kmajor if kmajor else lib.sluice_fp4_nmajor
-        self.set_threads = lib.sluice_set_threads
         rows, cols = w.stored_shape
         self.n, self.k2 = (cols, rows) if kmajor else (rows, cols)
         self.w_off, self.s_off, self.s_stride = w.offset, sc.offset, sc.stored_shape[1]
@@ -233,27 +236,49 @@ class _Fp4Call:
         self.s2_off = -1 if mx else slots[fmt.scale2].offset
         self.s2_inv = fmt.scale2_inverted
 
+    def factor(self, base: int) -> float:
+        """The projection's second-level scale (NVFP4's weight_scale_2, or its inverse) as the output's factor."""
+        if self.s2_off < 0:
+            return 1.0
+        s2 = ctypes.c_float.from_address(base + self.s2_off).value
+        return 1.0 / s2 if self.s2_inv else s2
+
     def __call__(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         assert block.is_contiguous() and block.dtype == torch.uint8
         xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
         y = torch.empty(self.n, dtype=torch.float32)
         base = block.data_ptr()
-        self.set_threads(self.threads or torch.get_num_threads())
+        self.lib.sluice_set_threads(self.threads or torch.get_num_threads())
         self.fn(base + self.w_off, base + self.s_off, self.s_stride, xe.data_ptr(), xo.data_ptr(), self.n, self.k2, self.half,
                 self.e8m0, y.data_ptr())
         if self.s2_off >= 0:
-            s2 = ctypes.c_float.from_address(base + self.s2_off).value
-            y.mul_(1.0 / s2 if self.s2_inv else s2)
+            y.mul_(self.factor(base))
         return y
+
+
+def _relu2_expert(up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A ReLU^2 FP4 expert in one native call (up, the activation, the re-laid down): the result of
+    up -> relu^2 -> down through _Fp4Call, with the GIL released for all of it."""
+    assert block.is_contiguous() and block.dtype == torch.uint8
+    I, Dx = up.n, down.n
+    xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
+    h, he, ho, y = torch.empty(I), torch.empty(I // 2), torch.empty(I // 2), torch.empty(Dx)
+    base = block.data_ptr()
+    up.lib.sluice_set_threads(up.threads or torch.get_num_threads())
+    up.lib.sluice_fp4_relu2_expert(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off, base + down.s_off,
+                                   down.s_stride, down.factor(base), xe.data_ptr(), xo.data_ptr(), Dx, I, up.half, up.e8m0,
+                                   h.data_ptr(), he.data_ptr(), ho.data_ptr(), y.data_ptr())
+    return y
 
 
 class CpuExperts:
     """A store's experts on the CPU, one token and one expert at a time, from block buffers (uint8 views of
     RAM slots). `act` / `glu` are the MoE block's own (transformers' activation, the model's gated unit).
-    threads: the native kernels' OpenMP threads (0: torch's count)."""
+    threads: the native kernels' OpenMP threads (0: torch's count). act_name "relu2" (with FP4 up and
+    re-laid down) lets the native path run the whole expert in one call."""
 
     def __init__(self, manifest, kind: str, act: Callable, glu: Callable | None = None, compiled: bool = True,
-                 native: bool = True, threads: int = 0):
+                 native: bool = True, threads: int = 0, act_name: str = ""):
         m = manifest
         self.kind, self.act, self.glu, self.compiled, self.native, self.threads = kind, act, glu, compiled, native, threads
         self.formats: dict[str, WeightFormat] = m.formats
@@ -267,6 +292,9 @@ class CpuExperts:
                 slots = {s.suffix: s for s in self.slots[proj]}
                 if f.kind in ("nvfp4", "mxfp4") and not f.bias and (f.kind == "mxfp4" or slots[f.scale2].dtype == "F32"):
                     self.fp4[proj] = _Fp4Call(lib, f, slots, self.kmajor[proj], threads)
+        up, down = self.fp4.get("up"), self.fp4.get("down")
+        self.fused = (kind == "relu2" and act_name == "relu2" and up is not None and down is not None and not up.kmajor and down.kmajor
+                      and (up.half, up.e8m0) == (down.half, down.e8m0) and up.n == 2 * down.k2)
 
     def _proj(self, block: torch.Tensor, proj: str, x: torch.Tensor) -> torch.Tensor:
         if proj in self.fp4:
@@ -277,6 +305,8 @@ class CpuExperts:
     @torch.inference_mode()
     def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [Dx] fp32 -> the expert's output [Dx] fp32."""
+        if self.fused:
+            return _relu2_expert(self.fp4["up"], self.fp4["down"], block, x)
         if self.kind == "relu2":
             h = self.act(self._proj(block, "up", x))
         else:

@@ -341,3 +341,24 @@ void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
             y[n0 + i] = acc[i];
     }
 }
+
+/* A ReLU^2 expert in one call: FP4 `up` [I, Dx/2] n-major, FP4 `down` re-laid k-major [I/2, Dx];
+ * y = down_s2 * down(relu(up_s2 * up(x))^2), the arithmetic of the two matvecs with the activation
+ * between them in kernels/cpu.py, with the GIL released for the whole expert rather than taken back
+ * between the steps. h: scratch [I]; he, ho: scratch [I/2]. */
+void sluice_fp4_relu2_expert(const uint8_t *up, const uint8_t *up_s, long up_s_stride, float up_s2,
+                             const uint8_t *down, const uint8_t *down_s, long down_s_stride, float down_s2,
+                             const float *xe, const float *xo, long Dx, long I, int half, int e8m0,
+                             float *h, float *he, float *ho, float *y) {
+    sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, h);
+    for (long i = 0; i < I / 2; i++) {
+        float a = h[2 * i] * up_s2, b = h[2 * i + 1] * up_s2;
+        a = a > 0.0f ? a : 0.0f;
+        b = b > 0.0f ? b : 0.0f;
+        he[i] = a * a;
+        ho[i] = b * b;
+    }
+    sluice_fp4_kmajor(down, down_s, down_s_stride, he, ho, Dx, I / 2, half, e8m0, y);
+    for (long n = 0; n < Dx; n++)
+        y[n] *= down_s2;
+}

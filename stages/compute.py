@@ -128,7 +128,8 @@ class Compute(Stage):
         first = key not in self._cpu
         if first:
             threads = self.knobs.cpu_threads or max(1, (os.cpu_count() or 1) - 2)
-            self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile, threads=threads)
+            self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile, threads=threads,
+                                        act_name=block.act_name)
         t = time.perf_counter()
         block_view = db.bank.narrow(0, db.offset, rt.store.block_bytes)
         out = torch.stack([self._cpu[key].run(block_view, row) for row in x])

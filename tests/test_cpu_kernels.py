@@ -20,12 +20,14 @@ def relu2(v):
     return torch.relu(v) ** 2
 
 
-def _check(kind: str, fmt: str, Dx: int, I: int, compiled: bool, bias: bool = False, native: bool = False, mutate=None):
+def _check(kind: str, fmt: str, Dx: int, I: int, compiled: bool, bias: bool = False, native: bool = False, mutate=None,
+           fused: str = ""):
     bank, offs, manifest, dense = make_bank(kind, fmt, 2, Dx, I, seed=Dx + I, bias=bias)
     if mutate is not None:
         mutate(bank, manifest)
     act = relu2 if kind == "relu2" else F.silu
-    cpu = CpuExperts(manifest, kind, act, compiled=compiled, native=native)
+    cpu = CpuExperts(manifest, kind, act, compiled=compiled, native=native, act_name=fused)
+    assert cpu.fused == bool(fused), "the one-call ReLU^2 expert path was (not) taken"
     for a in range(2):
         block = bank[int(offs[a]) : int(offs[a]) + manifest.block_bytes]
         x = torch.randn(Dx, generator=torch.Generator().manual_seed(a))
@@ -50,17 +52,21 @@ def test_cpu_experts_compiled(fmt, kind):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0"])
-@pytest.mark.parametrize("kind", ["relu2", "swiglu"])
+@pytest.mark.parametrize("kind", ["relu2", "relu2-one-call", "swiglu"])
 @pytest.mark.parametrize("Dx, I", SIZES + [(320, 544)])
 def test_native_kernels_match_the_reference(kind, fmt, Dx, I):
     """The C kernels: both layouts, every scale kind (FP4 E4M3 / E8M0 groups; FP8 per tensor, per row, in
-    blocks with F32 or E8M0 scales, blocks that end mid-row), outputs in whole 64-wide chunks and not."""
+    blocks with F32 or E8M0 scales, blocks that end mid-row), outputs in whole 64-wide chunks and not;
+    a ReLU^2 FP4 expert also in one call (up, activation, down)."""
     from sluice.kernels.cpu import native_kernels
 
     if native_kernels() is None:
         pytest.skip("no C compiler here: the native FP4 path is not built")
+    one_call = kind == "relu2-one-call"
+    if one_call and "fp4" not in fmt:
+        pytest.skip("the one-call expert is FP4's")
     Dx, I = fit(fmt, Dx, I)
-    _check(kind, fmt, Dx, I, compiled=False, native=True)
+    _check(kind.removesuffix("-one-call"), fmt, Dx, I, compiled=False, native=True, fused="relu2" if one_call else "")
 
 
 def _swap_nibbles(bank, manifest):
@@ -80,7 +86,7 @@ def _shift_block_scales(bank, manifest):
         t.copy_(t.roll(1, dims=-1))
 
 
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("native", [False, True, "one-call"])
 @pytest.mark.parametrize("fmt, Dx, I, mutate", [("nvfp4", 64, 96, _swap_nibbles), ("fp8_block", 320, 544, _shift_block_scales)],
                          ids=["nibbles-swapped", "fp8-scales-one-tile-off"])
 def test_wrong_unpacking_must_fail(native, fmt, Dx, I, mutate):
@@ -90,8 +96,10 @@ def test_wrong_unpacking_must_fail(native, fmt, Dx, I, mutate):
 
     if native and native_kernels() is None:
         pytest.skip("no C compiler here")
+    if native == "one-call" and fmt != "nvfp4":
+        pytest.skip("the one-call expert is FP4's")
     with pytest.raises(AssertionError, match="relative error"):
-        _check("relu2", fmt, Dx, I, compiled=False, native=native, mutate=mutate)
+        _check("relu2", fmt, Dx, I, compiled=False, native=bool(native), mutate=mutate, fused="relu2" if native == "one-call" else "")
 
 
 def test_fp8_decodes_match_torch():
