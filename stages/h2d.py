@@ -13,12 +13,15 @@ With zero-skip in compute, only the 16-neuron groups live after ReLU^2 cross the
 
 Hybrid miss path (`cpu_share` > 0, one-token steps): that fraction of the blocks the layer would copy
 stays in its RAM slot, and compute runs those experts on the CPU (kernels/cpu.py) while the GPU
-runs the copied ones. With `cpu_balance` the fraction follows the measured rates, so that the CPU
-and the copies finish together: a block costs block_bytes / (pinned H2D rate) on the copy path and
-the CPU's measured seconds per block on the other, and the CPU takes tg / (tg + tc) of them (at
-least MIN_SHARE, so the CPU's rate keeps being measured). Each block that would be copied adds the
-share to a credit carried across layers; a whole credit sends the block to the CPU: a small share
-still sends one now and then, and a changed share takes effect at once.
+runs the copied ones. With `cpu_balance` the split follows the measured rates, so that the CPU and
+the copies finish together: a block costs tg = its copied bytes / (pinned H2D rate) on the copy path
+and tc = the CPU's measured seconds per block on the other, and of the layer's VRAM misses the CPU takes the
+count that finishes both soonest (`balance_cpu_blocks`), the first to arrive: none when a CPU block
+would end after the copies of all the others (few misses, a slow CPU), about tg / (tg + tc) of
+them when the misses are many; and one now and then (MIN_SHARE of the misses) so that the CPU's rate
+keeps being measured. Before the CPU's first measurement, and without `cpu_balance`, the share is
+`cpu_share`: each block that would be copied adds it to a credit carried across layers, and a whole
+credit sends the block to the CPU.
 In prompt steps (`cpu_prefill`), an expert routed only a few of the prompt's tokens is computed on the
 CPU rather than copied: with -1, where that beats the copy (tokens x tc <= tg, from the same rates).
 
@@ -60,6 +63,19 @@ class H2DKnobs:
 MIN_SHARE = 0.005  # one block in 200: enough to keep measuring the CPU, little to wait for when it is slow
 
 
+def balance_cpu_blocks(misses: int, tg: float, tc: float) -> int:
+    """Of a layer's `misses` blocks to copy (tg seconds each over PCIe), how many the CPU computes instead
+    (tc seconds each, one after another, alongside the copies): the count that finishes both soonest,
+    max(c * tc, (misses - c) * tg), the fewer on a tie. A whole block that the CPU finishes after the
+    copies of all the others would have is not worth sending: with tc = 7 tg and three misses, none goes."""
+    best, best_t = 0, misses * tg
+    for c in range(1, misses + 1):
+        t = max(c * tc, (misses - c) * tg)
+        if t < best_t - 1e-12:
+            best, best_t = c, t
+    return best
+
+
 class H2D(Stage):
     name = "h2d"
     consumes = ("layer", "blocks", "routing")
@@ -79,8 +95,13 @@ class H2D(Stage):
     async def run(self, io: StageIO) -> None:
         li = await io.value("layer")
         layer = li.block.layer
-        share = self._cpu_share() if li.x.shape[0] == 1 else 0.0
-        limit = self._prefill_limit() if li.x.shape[0] > 1 else 0
+        one_token = li.x.shape[0] == 1
+        share = cpu_left = 0
+        if one_token and self._balanced():
+            cpu_left = await self._cpu_blocks(io, layer)
+        elif one_token:
+            share = self.knobs.cpu_share
+        limit = self._prefill_limit() if not one_token else 0
         tokens = {}
         if limit:
             r = await io.value("routing")
@@ -88,6 +109,10 @@ class H2D(Stage):
         async for batch in io.batches("blocks"):
             pending: list[tuple[HostBlock, object]] = []  # blocks whose copies go out together, with their VRAM slot
             for hb in batch:
+                if cpu_left and hb.vram is None:  # the first blocks to arrive: the CPU starts on them soonest
+                    cpu_left -= 1
+                    io.emit(self._on_cpu(hb))
+                    continue
                 if share and hb.vram is None:
                     self._credit += share
                     if self._credit >= 1.0 - 1e-9:
@@ -114,12 +139,25 @@ class H2D(Stage):
             self._copy(io, pending)
             io.end_wave()  # pass the upstream wave boundary on
 
-    def _cpu_share(self) -> float:
-        k, rt = self.knobs, self.rt
-        if not k.cpu_balance or rt.cpu_s_per_block is None or rt.device.type != "cuda":
-            return k.cpu_share
-        tg = self._copy_seconds()
-        return max(MIN_SHARE, tg / (tg + rt.cpu_s_per_block))
+    def _balanced(self) -> bool:
+        """Whether this layer's CPU blocks follow the measured rates (else the fixed cpu_share)."""
+        rt = self.rt
+        return self.knobs.cpu_balance and rt.cpu_s_per_block is not None and rt.device.type == "cuda"
+
+    async def _cpu_blocks(self, io: StageIO, layer: int) -> int:
+        """How many of this one-token layer's blocks to copy the CPU takes (cpu_balance): `balance_cpu_blocks`
+        over the layer's VRAM misses, or one now and then (MIN_SHARE of the misses) so that the CPU's rate
+        keeps being measured."""
+        r = await io.value("routing")
+        vram = self.rt.vram
+        misses = sum(1 for e in r.experts if vram is None or (layer, e) not in vram)
+        c = balance_cpu_blocks(misses, self._copy_seconds(), self.rt.cpu_s_per_block)
+        self._credit += MIN_SHARE * misses
+        if c == 0 and misses and self._credit >= 1.0:
+            c = 1
+        if c:
+            self._credit = max(0.0, self._credit - 1.0)
+        return c
 
     def _prefill_limit(self) -> int:
         """Most prompt tokens an expert may have for the CPU to take it: the knob, or from the rates."""
@@ -136,7 +174,7 @@ class H2D(Stage):
             from sluice.pipeline.bench import h2d_bandwidth
 
             rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
-        return rt.store.block_bytes / rt.h2d_bps
+        return self._nbytes / rt.h2d_bps
 
     def _on_cpu(self, hb: HostBlock) -> DeviceBlock:
         """The block where it sits in RAM, for compute's CPU path; its pin is held until the CPU is done."""

@@ -329,6 +329,53 @@ def test_hybrid_cpu_path_matches_transformers(variant, share, stores, refs, tmp_
     assert diff <= LOGIT_ATOL, f"max |dlogit| {diff:.3g}"
 
 
+def test_balance_sends_a_block_to_the_cpu_only_where_both_finish_sooner():
+    """h2d's split of a layer's misses between the CPU and the copies: the count that finishes both
+    soonest, none when one CPU block outlasts all the copies, equal to a brute-force search."""
+    import itertools
+
+    from sluice.stages.h2d import balance_cpu_blocks
+
+    assert balance_cpu_blocks(3, 0.1, 0.7) == 0  # a CPU block (0.7) ends after the other copies (0.2)
+    assert balance_cpu_blocks(20, 0.1, 0.3) == 5  # 5 x 0.3 = 15 x 0.1
+    assert balance_cpu_blocks(10, 0.1, 0.1) == 5
+    assert balance_cpu_blocks(1, 0.1, 0.05) == 1 and balance_cpu_blocks(0, 0.1, 0.05) == 0
+    for n, tg, tc in itertools.product(range(0, 25), (0.05, 0.1, 0.3), (0.01, 0.1, 0.25, 0.7, 3.0)):
+        best = min(range(n + 1), key=lambda c: (round(max(c * tc, (n - c) * tg), 9), c))  # ties: fewer
+        assert balance_cpu_blocks(n, tg, tc) == best, (n, tg, tc)
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="cpu_balance follows the host-to-device rate: CUDA only")
+def test_balanced_hybrid_path_follows_the_cpu_rate(stores, refs, tmp_path):
+    """With cpu_balance the CPU takes none of a layer's misses when it is far slower than the copies
+    (bar the rare probe that keeps its rate measured), and all of them when it is far faster; tokens as
+    transformers' either way."""
+    import yaml
+
+    variant = "nemotron_h_latent"
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    doc["stages"]["h2d"] = {**(doc["stages"]["h2d"] or {}), "cpu_share": 1.0, "cpu_balance": True}
+    doc["stages"]["compute"] = {**(doc["stages"]["compute"] or {}), "cpu_compile": False}
+    path = tmp_path / "balanced.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    ref_tokens = refs.greedy(variant, PROMPT, 12)
+    with sluice.load(stores[variant], device=DEVICE, schedule=str(path), vram_slots=4) as engine:
+        seq = engine.new_sequence()
+        tokens = [int(engine.extend(seq, PROMPT)[-1].argmax())]
+        tokens.append(int(engine.extend(seq, tokens[-1:])[-1].argmax()))  # cpu_share 1: the CPU's first rate
+        assert engine.rt.cpu_s_per_block is not None
+        counts = []
+        for rate in (1e3, 1e-9):  # seconds per block: far slower than a copy, then far faster
+            before = engine.rt.stats.cpu_blocks
+            for _ in range(5):
+                engine.rt.cpu_s_per_block = rate  # keep the forced rate over the measured one
+                tokens.append(int(engine.extend(seq, tokens[-1:])[-1].argmax()))
+            counts.append(engine.rt.stats.cpu_blocks - before)
+    assert tokens == ref_tokens
+    slow, fast = counts
+    assert slow <= 1 and fast >= 2, counts  # fast: the first layer with misses in each step sends them all
+
+
 @pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
 def test_hybrid_prefill_matches_transformers(variant, stores, refs, tmp_path):
     """Prompt steps on the hybrid path: experts routed few of the prompt's tokens (here at most 2) are
