@@ -218,7 +218,7 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
             su = _decode_setup(kind, fmt, Dx, I, A, device)
             banks, L, offs, x, h, up_bytes, epi, gate, act = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes, su.epi, su.gate, su.act
             fp4 = fmt in ("nvfp4", "mxfp4")
-            variants = [("matvec-up", False)] + ([("matvec-up-words", True)] if fp4 else [])
+            variants = [("matvec-up", 0)] + ([("matvec-up-words-gather", 1), ("matvec-up-words", 2)] if fp4 else [])
             for (bn, bk, nw), (name, words) in [(c, v) for c in MATVEC_CONFIGS for v in variants]:
                 try:
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,

@@ -284,7 +284,6 @@ class CpuExperts:
         self.formats: dict[str, WeightFormat] = m.formats
         self.slots = {proj: [s for s in m.slots if s.proj == proj] for proj in m.formats}
         self.kmajor = {proj: any(s.relaid and s.suffix == f.weight for s in self.slots[proj]) for proj, f in m.formats.items()}
-
         self.fp4 = {}  # proj -> _Fp4Call, where the native FP4 kernel takes it straight from the block's bytes
         lib = native_kernels() if native else None
         if lib is not None:

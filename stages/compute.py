@@ -127,7 +127,8 @@ class Compute(Stage):
         key = (block.kind, block.act_name)
         first = key not in self._cpu
         if first:
-            threads = self.knobs.cpu_threads or max(1, (os.cpu_count() or 1) - 2)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            threads = self.knobs.cpu_threads or max(1, cores - 2)
             self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile, threads=threads,
                                         act_name=block.act_name)
         t = time.perf_counter()
