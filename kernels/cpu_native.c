@@ -3,8 +3,8 @@
  * Built at first use with the machine's C compiler (-O3 -march=native -fopenmp) and called through
  * ctypes, which releases the GIL for the call. E2M1 codes through a 16-entry table, scale bytes through
  * a 256-entry table, scales applied once per group. Vector paths: AVX-512 (codes zero-extended to 32-bit
- * lanes and looked up as floats by a permute; a re-laid down keeps 64 outputs' sums in registers per
- * scale group), else AVX2 (pshufb on a 2 x E2M1 int8 table), else plain loops. Same arithmetic as
+ * lanes and looked up as floats by a permute; a re-laid down streams whole rows, each thread a run of
+ * scale groups, all outputs' sums in L1), else AVX2 (pshufb on a 2 x E2M1 int8 table), else plain loops. Same arithmetic as
  * kernels/cpu.py's fp4_matvec up to summation order.
  *
  * Layouts (bytes as stored, row-major):
@@ -167,52 +167,100 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 }
 #endif
 
-#ifdef __AVX512BW__
 
-/* k-major, 64 outputs n0..n0+63 (all present): per scale group, the outputs' partial sums stay in four
- * registers while the group's rows stream by (64 bytes = 128 codes a row; each code looked up as a float
- * by a 16-entry permute), then are scaled (16 scale bytes at a time, decoded in registers) into four
- * accumulators. */
-static void kmajor64(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
-                     long N, long K2, int half, int e8m0, float *y, long n0) {
-    const __m512 table = _mm512_loadu_ps(E2M1);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (long g0 = 0, g = 0; g0 < K2; g0 += half, g++) {
-        long end = g0 + half < K2 ? g0 + half : K2;
-        __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (long j = g0; j < end; j++) {
-            const uint8_t *r = p + j * N + n0;
-            const __m512 va = _mm512_set1_ps(xe[j]), vb = _mm512_set1_ps(xo[j]);
-            for (int q = 0; q < 4; q++) {  /* 16 outputs: a byte each, zero-extended to a lane */
-                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 16 * q)));
-                part[q] = _mm512_fmadd_ps(_mm512_permutexvar_ps(c, table), va, part[q]);  /* low nibble: the lane's low 4 bits */
-                part[q] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), vb, part[q]);
+#ifdef __AVX512BW__
+#include <stdlib.h>
+
+/* per calling thread: the OpenMP team's partial sums and accumulators, [2 * threads * N] floats */
+static __thread float *rows_buf;
+static __thread long rows_cap;
+
+/* k-major by rows: each thread takes a run of scale groups and streams their rows whole (contiguous
+ * bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), keeping all N
+ * outputs' partial sums in L1 (part, per group) and its running sums (acc); the threads' sums are
+ * added at the end. N a multiple of 16. */
+static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
+                       long N, long K2, int half, int e8m0, float *y) {
+    int T = omp_get_max_threads();
+    long need = 2L * T * N;
+    if (need > rows_cap) {
+        free(rows_buf);
+        rows_buf = aligned_alloc(64, (size_t)need * sizeof(float));
+        rows_cap = rows_buf ? need : 0;
+        if (!rows_buf)
+            return 0;
+    }
+    long G = (K2 + half - 1) / half;
+    float *buf = rows_buf;  /* the caller's: rows_buf is thread-local, the team's threads would see their own */
+    int used = T;
+#pragma omp parallel num_threads(T)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+        used = nt;
+        float *acc = buf + 2L * t * N, *part = acc + N;
+        const __m512 table = _mm512_loadu_ps(E2M1);
+        for (long n = 0; n < N; n++)
+            acc[n] = 0.0f;
+        for (long g = G * t / nt; g < G * (t + 1) / nt; g++) {
+            long j = g * half, end = j + half < K2 ? j + half : K2;
+            for (long n = 0; n < N; n++)
+                part[n] = 0.0f;
+            for (; j + 1 < end; j += 2) {  /* two rows a pass: each output's partial sum loaded and stored once */
+                const uint8_t *r0 = p + j * N, *r1 = r0 + N;
+                const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
+                const __m512 a1 = _mm512_set1_ps(xe[j + 1]), b1 = _mm512_set1_ps(xo[j + 1]);
+                for (long n = 0; n < N; n += 16) {
+                    __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+                    __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + n)));
+                    __m512 v = _mm512_loadu_ps(part + n);
+                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
+                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
+                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c1, table), a1, v);
+                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), table), b1, v);
+                    _mm512_storeu_ps(part + n, v);
+                }
+            }
+            for (; j < end; j++) {
+                const uint8_t *r0 = p + j * N;
+                const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
+                for (long n = 0; n < N; n += 16) {
+                    __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+                    __m512 v = _mm512_loadu_ps(part + n);
+                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
+                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
+                    _mm512_storeu_ps(part + n, v);
+                }
+            }
+            const uint8_t *sr = s + g * s_stride;
+            for (long n = 0; n < N; n += 16) {  /* the group's scales, 16 bytes decoded in registers */
+                __m128i b = _mm_loadu_si128((const __m128i *)(sr + n));
+                __m512 sv = e8m0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23))
+                                 : _mm512_mul_ps(e4m3x16(sr + n), _mm512_set1_ps(256.0f));
+                _mm512_storeu_ps(acc + n, _mm512_fmadd_ps(_mm512_loadu_ps(part + n), sv, _mm512_loadu_ps(acc + n)));
             }
         }
-        const uint8_t *sr = s + g * s_stride + n0;
-        for (int q = 0; q < 4; q++) {  /* 16 scale bytes decoded in registers (a gather is slow on some CPUs) */
-            __m512 sv = e8m0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sr + 16 * q))), 23))
-                             : _mm512_mul_ps(e4m3x16(sr + 16 * q), _mm512_set1_ps(256.0f));
-            acc[q] = _mm512_fmadd_ps(part[q], sv, acc[q]);
-        }
     }
-    for (int q = 0; q < 4; q++)
-        _mm512_storeu_ps(y + n0 + 16 * q, acc[q]);
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n += 16) {
+        __m512 v = _mm512_loadu_ps(buf + n);
+        for (int t = 1; t < used; t++)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(buf + 2L * t * N + n));
+        _mm512_storeu_ps(y + n, v);
+    }
+    return 1;
 }
 #endif
 
 void sluice_fp4_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
     init_scales();
-    long done = 0;
 #ifdef __AVX512BW__
-    done = N / 64 * 64;
-#pragma omp parallel for schedule(static)
-    for (long n0 = 0; n0 < done; n0 += 64)
-        kmajor64(p, s, s_stride, xe, xo, N, K2, half, e8m0, y, n0);
+    if (N % 16 == 0 && kmajor_rows(p, s, s_stride, xe, xo, N, K2, half, e8m0, y))
+        return;
 #endif
 #pragma omp parallel for schedule(static)
-    for (long n0 = done; n0 < N; n0 += CHUNK) {
+    for (long n0 = 0; n0 < N; n0 += CHUNK) {
         long w = N - n0 < CHUNK ? N - n0 : CHUNK;
         float acc[CHUNK], part[CHUNK];
         for (long i = 0; i < w; i++)
