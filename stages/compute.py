@@ -69,6 +69,7 @@ class Compute(Stage):
         self._kernels = {}  # (kind, act) -> TritonExperts
         self._cpu = {}  # (kind, act) -> CpuExperts
         self._pool: ThreadPoolExecutor | None = None
+        self._switch = sys.getswitchinterval()  # Python's, put back when the CPU worker stops
 
     async def run(self, io: StageIO) -> ExpertOutputs:
         li: LayerInput = await io.value("layer")
@@ -116,7 +117,8 @@ class Compute(Stage):
             # the worker takes the GIL back between its kernel calls while the event loop's thread, busy
             # launching the GPU's work, holds it: at Python's default 5 ms switch interval a CPU expert
             # took 3 ms in the engine against 0.3 ms alone (H200 host, BENCHMARKS.md)
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch, GIL_SWITCH_S))
         return self._pool
 
     def _cpu_block(self, li: LayerInput, db: DeviceBlock, x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +147,7 @@ class Compute(Stage):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+            sys.setswitchinterval(self._switch)
 
     def _torch(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
         store, K, block = self.rt.store, r.ids.shape[1], li.block

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import sluice
 from sluice.models.base import cache_kw
 from sluice.errors import CorruptBlockError
 from sluice.pipeline.schedule import SCHEDULES_DIR
+from sluice.stages.compute import GIL_SWITCH_S
 from tests.common import DEVICE, PROMPT, VARIANTS
 
 LOGIT_ATOL = 1e-4
@@ -316,6 +318,7 @@ def test_hybrid_cpu_path_matches_transformers(variant, share, stores, refs, tmp_
     path = tmp_path / "hybrid.yaml"
     path.write_text(yaml.safe_dump(doc))
     ref_tokens = refs.greedy(variant, PROMPT, 16)
+    switch = sys.getswitchinterval()
     with sluice.load(stores[variant], device=DEVICE, schedule=str(path)) as engine:
         seq = engine.new_sequence()
         tokens = [int(engine.extend(seq, PROMPT)[-1].argmax())]
@@ -324,6 +327,8 @@ def test_hybrid_cpu_path_matches_transformers(variant, share, stores, refs, tmp_
         for _ in range(14):
             tokens.append(int(engine.extend(seq, [tokens[-1]])[-1].argmax()))
         assert engine.rt.cpu_s_per_block is not None  # the CPU path ran
+        assert sys.getswitchinterval() <= GIL_SWITCH_S  # the worker's GIL hand-offs made short
+    assert sys.getswitchinterval() == switch  # and Python's own put back
     assert tokens == ref_tokens
     diff = (first - refs.logits(variant, PROMPT + tokens[:1])[-1]).abs().max().item()
     assert diff <= LOGIT_ATOL, f"max |dlogit| {diff:.3g}"
