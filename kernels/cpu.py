@@ -262,7 +262,8 @@ def _relu2_expert(up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch.Te
     assert block.is_contiguous() and block.dtype == torch.uint8
     I, Dx = up.n, down.n
     xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
-    h, he, ho, y = torch.empty(I), torch.empty(I // 2), torch.empty(I // 2), torch.empty(Dx)
+    f32 = torch.float32
+    h, he, ho, y = torch.empty(I, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(Dx, dtype=f32)
     base = block.data_ptr()
     up.lib.sluice_set_threads(up.threads or torch.get_num_threads())
     up.lib.sluice_fp4_relu2_expert(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off, base + down.s_off,

@@ -401,8 +401,8 @@ void sluice_fp4_relu2_expert(const uint8_t *up, const uint8_t *up_s, long up_s_s
     sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, h);
     for (long i = 0; i < I / 2; i++) {
         float a = h[2 * i] * up_s2, b = h[2 * i + 1] * up_s2;
-        a = a > 0.0f ? a : 0.0f;
-        b = b > 0.0f ? b : 0.0f;
+        a = a > 0.0f || a != a ? a : 0.0f;  /* NaN stays NaN, as torch's relu keeps it */
+        b = b > 0.0f || b != b ? b : 0.0f;
         he[i] = a * a;
         ho[i] = b * b;
     }

@@ -251,6 +251,8 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     wide = words and layout.k >= 2048
     bn = bn or (16 if wide else 32 if words else 16 if layout.fmt == 0 else 8)
     bk = min(bk or (1024 if wide else 256), max(16, triton.next_power_of_2(layout.k)))
+    if words == 2 and bk < layout.sg:  # a step narrower than a scale group: each word gathers its scale
+        words = 1
     if layout.block:  # FP8 blocks: a step must not straddle two scale blocks
         bk = min(bk, layout.block)
         assert layout.block % bk == 0, (layout.block, bk)

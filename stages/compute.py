@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +39,21 @@ from sluice.stages.base import Stage, StageIO
 from sluice.stages.types import DeviceBlock, ExpertOutputs, LayerInput, Routing
 
 
-GIL_SWITCH_S = 0.0002  # Python's GIL switch interval while the hybrid path's CPU worker runs
+GIL_SWITCH_S = 0.0002  # Python's GIL switch interval while a hybrid path's CPU worker runs
+_gil = {"users": 0, "saved": 0.0}
+_gil_lock = threading.Lock()
+
+
+def _short_gil_switch(delta: int) -> None:
+    """Count CPU workers (of every engine in the process) in (+1) and out (-1): the first one shortens
+    Python's switch interval, the last one puts Python's own back."""
+    with _gil_lock:
+        if delta > 0 and _gil["users"] == 0:
+            _gil["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_gil["saved"], GIL_SWITCH_S))
+        _gil["users"] += delta
+        if delta < 0 and _gil["users"] == 0:
+            sys.setswitchinterval(_gil["saved"])
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,6 @@ class Compute(Stage):
         self._kernels = {}  # (kind, act) -> TritonExperts
         self._cpu = {}  # (kind, act) -> CpuExperts
         self._pool: ThreadPoolExecutor | None = None
-        self._switch = sys.getswitchinterval()  # Python's, put back when the CPU worker stops
 
     async def run(self, io: StageIO) -> ExpertOutputs:
         li: LayerInput = await io.value("layer")
@@ -117,8 +131,7 @@ class Compute(Stage):
             # the worker takes the GIL back between its kernel calls while the event loop's thread, busy
             # launching the GPU's work, holds it: at Python's default 5 ms switch interval a CPU expert
             # took 3 ms in the engine against 0.3 ms alone (H200 host, BENCHMARKS.md)
-            self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch, GIL_SWITCH_S))
+            _short_gil_switch(+1)
         return self._pool
 
     def _cpu_block(self, li: LayerInput, db: DeviceBlock, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +160,7 @@ class Compute(Stage):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-            sys.setswitchinterval(self._switch)
+            _short_gil_switch(-1)
 
     def _torch(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
         store, K, block = self.rt.store, r.ids.shape[1], li.block

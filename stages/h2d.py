@@ -14,7 +14,7 @@ With zero-skip in compute, only the 16-neuron groups live after ReLU^2 cross the
 Hybrid miss path (`cpu_share` > 0, one-token steps): that fraction of the blocks the layer would copy
 stays in its RAM slot, and compute runs those experts on the CPU (kernels/cpu.py) while the GPU
 runs the copied ones. With `cpu_balance` the split follows the measured rates, so that the CPU and
-the copies finish together: a block costs tg = its copied bytes / (pinned H2D rate) on the copy path
+the copies finish together: a block costs tg = its bytes / (pinned H2D rate) on the copy path
 and tc = the CPU's measured seconds per block on the other, and of the layer's VRAM misses the CPU takes the
 count that finishes both soonest (`balance_cpu_blocks`), the first to arrive: none when a CPU block
 would end after the copies of all the others (few misses, a slow CPU), about tg / (tg + tc) of
@@ -174,7 +174,7 @@ class H2D(Stage):
             from sluice.pipeline.bench import h2d_bandwidth
 
             rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
-        return self._nbytes / rt.h2d_bps
+        return rt.store.block_bytes / rt.h2d_bps  # with `copy: up` the GPU still reads `down` over PCIe
 
     def _on_cpu(self, hb: HostBlock) -> DeviceBlock:
         """The block where it sits in RAM, for compute's CPU path; its pin is held until the CPU is done."""

@@ -334,6 +334,20 @@ def test_hybrid_cpu_path_matches_transformers(variant, share, stores, refs, tmp_
     assert diff <= LOGIT_ATOL, f"max |dlogit| {diff:.3g}"
 
 
+def test_gil_switch_interval_is_shared_by_every_engines_workers():
+    """Two engines' CPU workers in one process: the interval stays short until the last one stops, then
+    Python's own comes back (not the first engine's view of it)."""
+    from sluice.stages.compute import _short_gil_switch
+
+    own = sys.getswitchinterval()
+    _short_gil_switch(+1)
+    _short_gil_switch(+1)
+    _short_gil_switch(-1)
+    assert sys.getswitchinterval() <= GIL_SWITCH_S
+    _short_gil_switch(-1)
+    assert sys.getswitchinterval() == own
+
+
 def test_balance_sends_a_block_to_the_cpu_only_where_both_finish_sooner():
     """h2d's split of a layer's misses between the CPU and the copies: the count that finishes both
     soonest, none when one CPU block outlasts all the copies, equal to a brute-force search."""

@@ -272,6 +272,19 @@ def test_fp4_decode_every_formulation(fmt, A, Dx, I, words):
 
 
 
+def test_fp4_words_step_narrower_than_a_scale_group():
+    """MXFP4 (32-input groups) in 16-input steps: the contiguous-scale formulation has no whole group in a
+    step, so matvec reads it with per-word scales; the rows still equal the reference."""
+    bank, offs, manifest, dense = make_bank("swiglu", "mxfp4", 2, 64, 32, seed=11)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)
+    x = torch.randn(64, device=DEVICE)
+    h = torch.empty(2, 32, device=DEVICE)
+    matvec(bank, offs, x, lay["up"], "plain", torch.float32, h, fp4_words=2, bk=16)
+    h_ref = torch.stack([d["up"].double() @ x.double().cpu() for d in dense])
+    assert rel_err(h.cpu(), h_ref) < 1e-5
+
+
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs")
 def test_expert_graph_capture_while_another_thread_pins_memory():
     """A one-token expert batch is captured as a CUDA graph while the hybrid path's worker thread may be
