@@ -243,12 +243,15 @@ class _Fp4Call:
         s2 = ctypes.c_float.from_address(base + self.s2_off).value
         return 1.0 / s2 if self.s2_inv else s2
 
-    def __call__(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def inputs(self, block: torch.Tensor, x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A native call's inputs: the block's address and x's even and odd elements; sets the threads."""
         assert block.is_contiguous() and block.dtype == torch.uint8
-        xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
-        y = torch.empty(self.n, dtype=torch.float32)
-        base = block.data_ptr()
         self.lib.sluice_set_threads(self.threads or torch.get_num_threads())
+        return block.data_ptr(), x[0::2].contiguous(), x[1::2].contiguous()
+
+    def __call__(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        base, xe, xo = self.inputs(block, x)
+        y = torch.empty(self.n, dtype=torch.float32)
         self.fn(base + self.w_off, base + self.s_off, self.s_stride, xe.data_ptr(), xo.data_ptr(), self.n, self.k2, self.half,
                 self.e8m0, y.data_ptr())
         if self.s2_off >= 0:
@@ -259,13 +262,10 @@ class _Fp4Call:
 def _relu2_expert(up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A ReLU^2 FP4 expert in one native call (up, the activation, the re-laid down): the result of
     up -> relu^2 -> down through _Fp4Call, with the GIL released for all of it."""
-    assert block.is_contiguous() and block.dtype == torch.uint8
+    base, xe, xo = up.inputs(block, x)
     I, Dx = up.n, down.n
-    xe, xo = x[0::2].contiguous(), x[1::2].contiguous()
     f32 = torch.float32
     h, he, ho, y = torch.empty(I, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(Dx, dtype=f32)
-    base = block.data_ptr()
-    up.lib.sluice_set_threads(up.threads or torch.get_num_threads())
     up.lib.sluice_fp4_relu2_expert(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off, base + down.s_off,
                                    down.s_stride, down.factor(base), xe.data_ptr(), xo.data_ptr(), Dx, I, up.half, up.e8m0,
                                    h.data_ptr(), he.data_ptr(), ho.data_ptr(), y.data_ptr())

@@ -17,8 +17,8 @@ kernels (kernels/cpu.py, compiled by torch.compile unless `cpu_compile` is off; 
 `cpu_threads` threads, by default all cores but two, which stay with the event loop and the readers)
 while the GPU runs the rest. Their outputs come back through pinned memory (a copy from pageable
 memory would first wait for everything queued on the stream), are weighted on the device and written
-to their own rows of y like any other expert's, so combine's fixed order holds. Each CPU block's time feeds the runtime's moving
-average of seconds per block (h2d's `cpu_balance`).
+to their own rows of y like any other expert's, so combine's fixed order holds. Each CPU block's time
+feeds the runtime's moving average of seconds per block (h2d's `cpu_balance`).
 """
 
 from __future__ import annotations
