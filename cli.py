@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--vram-slots", type=int, help="VRAM expert slots (default: the recorded run's)")
     sm.add_argument("--policy", default="lru", help="lru | lfu | fifo | belady")
     sm.add_argument("--no-prefetch", action="store_true", help="replay without the recorded guesses' prefetch")
+    sm.add_argument("--vram-prefetch", choices=["recorded", "on", "off"], default="recorded",
+                    help="copy the guesses in RAM into VRAM ahead, as `h2d: {prefetch: true}` does (default: as recorded)")
     sm.add_argument("--sweep", type=Path, metavar="PREFIX", help="hit rate vs RAM size: write PREFIX.csv and PREFIX.png")
     sm.set_defaults(func=cmd_simulate)
 
@@ -87,7 +89,6 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-id", help="the id clients use (default: the model folder's name)")
     sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots (LRU)")
     sv.add_argument("--context", type=int, help="context length limit (default: the model's max_position_embeddings)")
-    sv.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per engine step (fairness between requests)")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (on a GPU)")
@@ -156,6 +157,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
     p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
+    p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs (the server also takes turns between "
+                                                     "requests by it); default: the largest power of two <= 512 whose "
+                                                     "scratch fits the VRAM budget's reserve")
     p.add_argument("--record-routing", metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
 
 
@@ -175,6 +179,7 @@ def _open_engine(args):
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
         resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
+        prefill_chunk=args.prefill_chunk,
     )
 
 
@@ -295,6 +300,7 @@ def cmd_simulate(args) -> int:
     ram = parse_size(args.ram_cache, "--ram-cache") // block if args.ram_cache else h["ram_blocks"]
     vram = args.vram_slots if args.vram_slots is not None else h.get("vram_blocks", 0)
     prefetch = False if args.no_prefetch else None
+    vram_prefetch = {"recorded": None, "on": True, "off": False}[args.vram_prefetch]
     if args.sweep:
         total = h["num_experts"] * len(h["moe_layers"])
         sizes = sorted({max(1, round(total * f)) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)})
@@ -304,11 +310,14 @@ def cmd_simulate(args) -> int:
             print(f"{r.ram_blocks:7d} blocks {format_bytes(r.ram_blocks * block):>12}  hit {r.hit_rate:6.1%}  disk reads/token {r.disk_per_token:7.2f}")
         print(f"wrote {args.sweep.with_suffix('.csv')} and {args.sweep.with_suffix('.png')}")
         return 0
-    r = simulate(trace, ram, vram, args.policy, prefetch)
+    r = simulate(trace, ram, vram, args.policy, prefetch, vram_prefetch=vram_prefetch)
     print(f"{trace.tokens} tokens in {trace.steps} steps; RAM {ram} blocks ({format_bytes(ram * block)}), VRAM {vram} slots, policy {args.policy}")
     for tier, n in r.per_token().items():
         print(f"  {tier:5} {n:8.2f} blocks/token  {n * block / 1e6:9.2f} MB/token")
     print(f"  hit rate {r.hit_rate:.1%}; disk reads per token {r.disk_per_token:.2f}; prefetch reads {r.prefetch_reads}")
+    if r.vram_prefetches:
+        print(f"  guesses copied into VRAM {r.vram_prefetches / max(r.tokens, 1):.2f}/token, "
+              f"{r.vram_prefetch_hits / max(r.tokens, 1):.2f}/token of them then routed")
     return 0
 
 
@@ -332,7 +341,7 @@ def cmd_serve(args) -> int:
     engine = _open_engine(args)
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
     app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=parse_size(args.snapshot_ram, "--snapshot-ram"),
-                     context=args.context, prefill_chunk=args.prefill_chunk)
+                     context=args.context)
     print(f"serving {model_id} on http://{args.host}:{args.port} (OpenAI base URL: http://{args.host}:{args.port}/v1)", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -49,10 +49,10 @@ class Served:
 
 
 def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, context: int | None = None,
-               prefill_chunk: int = 512) -> Starlette:
+               prefill_chunk: int | None = None) -> Starlette:
     metrics = Metrics()
     snapshots = SnapshotStore(snapshot_bytes)
-    worker = EngineWorker(engine, snapshots, metrics, prefill_chunk)
+    worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk)
     models = {model_id: False}
     if "enable_thinking" in (tokenizer.chat_template or ""):
         models[f"{model_id}-think"] = True

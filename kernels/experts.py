@@ -17,6 +17,7 @@ import torch
 from sluice.kernels.decode import ACTS, down_relaid, matvec
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
+from sluice.pipeline.graphs import shared_pool
 
 BM = 64  # prefill row tile: the H200 sweep's best for FP8 / BF16 at ~32 rows per expert (BENCHMARKS.md)
 
@@ -66,6 +67,40 @@ class TritonExperts:
         hrows = torch.arange(R, device=xe.device)
         grouped_gemm(down_bank, down_offs, h, hrows, items, L["down"], "weighted", x_dtype, y, orows=flat_rows, wts=wts, bm=bm)
 
+    def run_token(self, bank, offs: list[int], down_bank, down_offs: list[int], positions: list[int], x: torch.Tensor,
+                  w: torch.Tensor, y: torch.Tensor, zero_skip: bool) -> None:
+        """A one-token step's batch of A experts, their block offsets and output positions given as host ints:
+        expert a's weighted output goes to y[positions[a]]. x [Dx]; w [K] the token's routing weights.
+
+        With graphs the three lists reach the GPU in one small copy into the graph's static input, and the
+        weights are gathered inside the graph: a replay costs the host four calls."""
+        A = len(offs)
+        if self.kind == "relu2":
+            self.total_groups += A * (self.layouts["down"].k // 16)
+        meta = torch.tensor(offs + down_offs + positions, dtype=torch.int64).view(3, A)
+        if not self.graphs:
+            meta = meta.to(x.device, non_blocking=True)
+            y[meta[2]] = self._decode(bank, meta[0], down_bank, meta[1], x, w[meta[2]], y.dtype, zero_skip)
+            return
+        key = ("token", A, bank.data_ptr(), down_bank.data_ptr(), x.dtype, w.dtype, w.numel(), y.dtype, zero_skip)
+        found = self._graphs.get(key)
+        if found is None:
+            static = {"meta": meta.to(x.device), "x": x.clone(), "w": w.clone()}
+            m = static["meta"]
+            out = self._decode(bank, m[0], down_bank, m[1], static["x"], static["w"][m[2]], y.dtype, zero_skip)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):  # thread-local: see _decode_graphed
+                static["out"] = self._decode(bank, m[0], down_bank, m[1], static["x"], static["w"][m[2]], y.dtype, zero_skip)
+            self._graphs[key] = (graph, static)
+            y.index_copy_(0, m[2], out)
+            return
+        graph, static = found
+        static["meta"].copy_(meta, non_blocking=True)  # 3A ints from pageable memory: staged by the driver, async
+        static["x"].copy_(x)
+        static["w"].copy_(w)
+        graph.replay()
+        y.index_copy_(0, static["meta"][2], static["out"])
+
     def _decode(self, bank, offs, down_bank, down_offs, x: torch.Tensor, wts: torch.Tensor, y_dtype: torch.dtype,
                 zero_skip: bool) -> torch.Tensor:
         """One token x [Dx] through A experts: weighted outputs [A, Dx] in y_dtype (expert a's in row a)."""
@@ -83,7 +118,8 @@ class TritonExperts:
 
     def _decode_graphed(self, bank, offs, down_bank, down_offs, x, wts, y_dtype, zero_skip) -> torch.Tensor:
         """`_decode` through a CUDA graph. The first call per key runs eagerly (compiling any kernel), then
-        captures; the graph's output buffer is overwritten by the next replay, so callers copy it out."""
+        captures; the graph's output buffer is overwritten by the next replay, so callers copy it out (before any
+        other graph on the stream replays: its memory is in the stream's shared pool, pipeline/graphs.py)."""
         key = (offs.numel(), bank.data_ptr(), down_bank.data_ptr(), x.dtype, wts.dtype, y_dtype, zero_skip)
         found = self._graphs.get(key)
         if found is None:
@@ -92,7 +128,7 @@ class TritonExperts:
             graph = torch.cuda.CUDAGraph()
             # records, runs nothing (live_groups counts at replays only); thread-local: the hybrid path's worker
             # thread may allocate pinned memory meanwhile, which a global-mode capture would turn into an error
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
                 static["out"] = self._decode(bank, static["offs"], down_bank, static["down_offs"], static["x"], static["wts"],
                                              y_dtype, zero_skip)
             self._graphs[key] = (graph, static)

@@ -160,6 +160,11 @@ class Architecture(ABC):
         """Recurrent state bytes per sequence (Mamba / DeltaNet conv and SSM states)."""
         return 0
 
+    def prefill_scratch_bytes(self, hf_config: Any, tokens: int) -> int:
+        """The largest temporary one resident layer allocates for a `tokens`-token prompt chunk, beyond the
+        activations' own size (the VRAM budget's reserve must hold it); 0 where nothing stands out."""
+        return 0
+
     def encoder(self, hf_config: Any) -> Callable[[str], bool]:
         """Which checkpoint tensors are a vision-language model's image encoder (the store keeps them in
         encoder.safetensors, models/vision.py runs them); none for a language model."""
@@ -201,6 +206,9 @@ class LanguageModelOf:
 
     def recurrent_bytes(self, hf_config: Any, dtype_bytes: int) -> int:
         return super().recurrent_bytes(hf_config.get_text_config(), dtype_bytes)
+
+    def prefill_scratch_bytes(self, hf_config: Any, tokens: int) -> int:
+        return super().prefill_scratch_bytes(hf_config.get_text_config(), tokens)
 
     def ignored(self, hf_config: Any) -> Callable[[str], bool]:
         return super().ignored(hf_config.get_text_config())

@@ -86,6 +86,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "prefetch_recall": io["predicted_right"] / io["routed_predicted"] if io["routed_predicted"] else None,
         "stall_ms_per_token": 1000 * io["stall_s"] / n,
         "cpu_blocks_per_token": io["cpu_blocks"] / n,
+        "vram_prefetches_per_token": io["vram_prefetches"] / n,  # copied on a guess (right or wrong): PCIe bytes too
+        "vram_prefetch_hits_per_token": io["vram_prefetch_hits"] / n,
         "cpu_ms_per_block": 1000 * engine.rt.cpu_s_per_block if engine.rt.cpu_s_per_block else None,
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
     }
@@ -93,7 +95,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     d["ram_slots"] = engine.rt.ram.capacity
     if engine.device.type == "cuda":
         bw = h2d_bandwidth(engine.device)
-        moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n) * block  # blocks that crossed PCIe (not the hybrid path's)
+        # blocks that crossed PCIe: demand copies (not the hybrid path's CPU blocks) and guesses copied ahead
+        moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n + io["vram_prefetches"] / n) * block
         d["h2d_gbps"] = bw / 1e9
         d["roofline_ms_per_token"] = 1000 * moved / bw
         d["vram_peak_bytes"] = torch.cuda.max_memory_allocated(engine.device)
@@ -111,11 +114,15 @@ def format_bench(r: dict, block_bytes: int) -> str:
     for n, p in r["prefill"].items():
         lines.append(f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}")
     d = r["decode"]
-    lines.append(f"decode: {d['tok_s']:.2f} tok/s, median {d['ms_per_token_median']:.2f} ms/token over {d['tokens']} tokens")
+    lines.append(f"decode: {d['tok_s']:.2f} tok/s (mean {d['ms_per_token_mean']:.2f} ms/token), median {d['ms_per_token_median']:.2f} "
+                 f"ms/token over {d['tokens']} tokens")
     lines.append("  blocks/token " + ", ".join(f"{t} {v:.2f} ({v * block_bytes / 1e6:.1f} MB)" for t, v in d["blocks_per_token"].items()))
     hit = f"{d['hit_rate']:.1%}" if d["hit_rate"] is not None else "n/a"
     rec = f"{d['prefetch_recall']:.1%}" if d["prefetch_recall"] is not None else "n/a"
     lines.append(f"  hit rate {hit}, prefetch recall {rec}, fetch stall {d['stall_ms_per_token']:.2f} ms/token")
+    if d["vram_prefetches_per_token"]:
+        lines.append(f"  VRAM prefetch: {d['vram_prefetches_per_token']:.2f} blocks/token copied ahead on a guess, "
+                     f"{d['vram_prefetch_hits_per_token']:.2f} of them then routed (VRAM hits)")
     if d["cpu_blocks_per_token"]:
         each = f", {d['cpu_ms_per_block']:.2f} ms each (moving average)" if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
@@ -147,8 +154,9 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
     """Schedules side by side (`sluice bench model --compare`): decode, prefill, where blocks came from, and the
     bandwidths measured in the same run (pinned host-to-device, host RAM read, the hybrid path's CPU rate)."""
     lengths = list(results[0][1]["prefill"])
-    head = (f"{'schedule':14} {'ms/token':>9} {'tok/s':>7} {'x roofline':>10} " + " ".join(f"{'prefill ' + str(n):>13}" for n in lengths)
-            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'hit':>6} {'stall ms':>8}")
+    head = (f"{'schedule':14} {'median ms':>9} {'mean ms':>8} {'tok/s':>7} {'x roofline':>10} "
+            + " ".join(f"{'prefill ' + str(n):>13}" for n in lengths)
+            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'guessed':>7} {'hit':>6} {'stall ms':>8}")
     lines = [head]
     for name, r in results:
         d = r["decode"]
@@ -156,8 +164,9 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
         roof = f"{d['ms_per_token_median'] / d['roofline_ms_per_token']:.2f}" if d.get("roofline_ms_per_token") else "-"
         hit = f"{d['hit_rate']:.1%}" if d["hit_rate"] is not None else "n/a"
         tiers = f"{b['vram']:.2f} / {b['ram']:.2f} / {b['disk']:.2f} / {d['cpu_blocks_per_token']:.2f}"
-        lines.append(f"{name:14} {d['ms_per_token_median']:9.2f} {d['tok_s']:7.1f} {roof:>10} "
-                     + " ".join(f"{r['prefill'][n]['tok_s']:>9.1f} t/s" for n in lengths) + f" {tiers:>36} {hit:>6} {d['stall_ms_per_token']:8.2f}")
+        lines.append(f"{name:14} {d['ms_per_token_median']:9.2f} {d['ms_per_token_mean']:8.2f} {d['tok_s']:7.1f} {roof:>10} "
+                     + " ".join(f"{r['prefill'][n]['tok_s']:>9.1f} t/s" for n in lengths)
+                     + f" {tiers:>36} {d['vram_prefetches_per_token']:7.2f} {hit:>6} {d['stall_ms_per_token']:8.2f}")
     rates = [f"host RAM read {ram_read / 1e9:.1f} GB/s"]
     h2d = [r["decode"]["h2d_gbps"] for _, r in results if "h2d_gbps" in r["decode"]]
     if h2d:
@@ -207,7 +216,9 @@ def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str
     pr.disable()
     lines.append(f"cProfile wall {1000 * (time.perf_counter() - t) / tokens:.2f} ms/token (with profiling overhead)")
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(pr, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)  # which callers the own time sits under
     lines.append(buf.getvalue())
     return "\n".join(lines)
 

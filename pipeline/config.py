@@ -65,6 +65,8 @@ class EngineConfig:
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
+    prefill_chunk: int | None = None  # longest prompt piece one step runs; None: the largest power of two <= 512
+    # whose resident scratch fits the VRAM budget's reserve (engine.py `auto_prefill_chunk`)
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -77,7 +79,7 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
         if self.vram_slots is not None and self.vram_budget is not None:
             raise ConfigError("vram_slots and vram_budget: give one (the budget sizes the slot bank itself)")
-        for name in ("ram_cache", "vram_slots", "vram_budget", "readers"):
+        for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")

@@ -44,8 +44,10 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, store: ExpertStore, model: ResidentModel, rt: Runtime, coordinator: Coordinator, config: EngineConfig):
+    def __init__(self, store: ExpertStore, model: ResidentModel, rt: Runtime, coordinator: Coordinator, config: EngineConfig,
+                 prefill_chunk: int = 512):
         self.store, self.model, self.rt, self.coordinator, self.config = store, model, rt, coordinator, config
+        self.prefill_chunk = prefill_chunk  # longest prompt piece one step runs (`extend`)
         self.device = model.device
         graphs = self.device.type == "cuda" and config.resident_graphs
         self.graphs = DecodeGraphs() if graphs else None
@@ -88,19 +90,25 @@ class Engine:
         readers = config.readers or fetch.knobs.readers
         ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
+        scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
+        chunk = config.prefill_chunk or auto_prefill_chunk(scratch, config.vram_budget)
         if config.vram_budget is not None and device.type == "cuda":
-            vram_blocks = budget_slots(config.vram_budget, store, device)
+            vram_blocks = budget_slots(config.vram_budget, store, device, scratch(chunk))
         else:
             if config.vram_budget is not None:
                 get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))
-            vram_blocks = max(1, min(store.total_blocks, config.vram_slots or 4 * store.manifest.top_k))
+            # on a CPU a VRAM tier only where vram_slots asks for one: an emulated tier in host memory that runs
+            # the GPU's tier code (copies are memcpy), for tests and for sizing experiments
+            default = 4 * store.manifest.top_k if device.type == "cuda" else 0
+            vram_blocks = min(store.total_blocks, config.vram_slots or default)
         recorder = None
         if config.record_routing:
             m = store.manifest
             recorder = RoutingRecorder(config.record_routing, {
                 "architecture": m.architecture, "moe_layers": list(store.moe_layers), "num_experts": m.num_experts,
                 "top_k": m.top_k, "block_bytes": m.block_bytes, "ram_blocks": ram_blocks,
-                "vram_blocks": vram_blocks if device.type == "cuda" else 0, "prefetch": fetch.knobs.prefetch and schedule.stage("predict") is not None,
+                "vram_blocks": vram_blocks, "prefetch": fetch.knobs.prefetch and schedule.stage("predict") is not None,
+                "vram_prefetch": schedule.stage("h2d").knobs.prefetch and schedule.stage("predict") is not None,
                 "schedule": schedule.name})
         h2d = schedule.stage("h2d").knobs
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
@@ -114,7 +122,7 @@ class Engine:
             get_logger().info("VRAM hot set loaded", blocks=held, trace=h2d.hot_set)
         elif h2d.hot_set:
             get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=h2d.hot_set)
-        return cls(store, model, rt, Coordinator(schedule, rt), config)
+        return cls(store, model, rt, Coordinator(schedule, rt), config, chunk)
 
     # -- public, synchronous API ------------------------------------------------------------
 
@@ -135,8 +143,22 @@ class Engine:
 
     def extend(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
         """Append ids to seq; returns their logits [T, V] fp32 on the device. images: `encode_images` rows,
-        one per image token in ids, in order; they replace those tokens' embeddings."""
-        return self._loop.run_until_complete(self._guarded_step(seq, ids, images))
+        one per image token in ids, in order; they replace those tokens' embeddings. A prompt longer than
+        `prefill_chunk` runs as several steps of at most that many tokens (bounded activation memory)."""
+        n = self.prefill_chunk
+        if len(ids) <= n:
+            return self._loop.run_until_complete(self._guarded_step(seq, ids, images))
+        if images is not None:
+            self._check_images(ids, images)
+        token = self.image_encoder.image_token_id if images is not None else None
+        logits = []
+        for start in range(0, len(ids), n):
+            part, rows = ids[start : start + n], None
+            if images is not None:
+                k = sum(1 for i in part if i == token)
+                rows, images = images[:k], images[k:]
+            logits.append(self._loop.run_until_complete(self._guarded_step(seq, part, rows)))
+        return torch.cat(logits)
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
         """The image encoder's rows for a prompt's images (models/vision.py)."""
@@ -249,15 +271,37 @@ class Engine:
 
 
 VRAM_RESERVE = 2 << 30  # at least this much of a VRAM budget stays free for activations and the KV cache
+SCRATCH_MARGIN = 512 << 20  # beside twice a prefill chunk's largest temporary (the allocator's fragmentation)
+MAX_PREFILL_CHUNK = 512
 
 
-def budget_slots(budget: int, store: ExpertStore, device: torch.device) -> int:
+def reserve_bytes(budget: int, scratch: int) -> int:
+    """What a VRAM budget keeps free of expert slots: 2 GiB, a quarter of the budget, or twice the largest
+    temporary of a prefill chunk and a margin (an 8 GiB run of a full Nemotron-3-Nano with a 2 GiB
+    reserve failed a 1 GiB allocation with 1 GiB free but fragmented: H200, BENCHMARKS.md)."""
+    return max(VRAM_RESERVE, budget // 4, 2 * scratch + SCRATCH_MARGIN)
+
+
+def auto_prefill_chunk(scratch, budget: int | None) -> int:
+    """The largest power of two <= 512 tokens whose prefill scratch fits the budget's base reserve
+    (2 GiB or a quarter): a Nemotron-3-Nano layer's PyTorch Mamba-2 prefill needs 0.5 GiB per 128 tokens,
+    so 128 tokens at 8 GiB, 512 at 24 GiB; 512 without a budget or where no layer needs scratch."""
+    n = MAX_PREFILL_CHUNK
+    if budget is None:
+        return n
+    base = max(VRAM_RESERVE, budget // 4)
+    while n > 16 and 2 * scratch(n) + SCRATCH_MARGIN > base:
+        n //= 2
+    return n
+
+
+def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch: int = 0) -> int:
     """Expert slots a VRAM budget leaves after the resident part (already on the device) and a reserve
-    (2 GiB or a quarter of the budget) for activations and KV; caps the process at the budget so the
-    run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone needs ~1.5 GiB
-    for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
+    for activations, KV and a prefill chunk's scratch (`reserve_bytes`); caps the process at the budget
+    so the run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone needs
+    ~1.5 GiB for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
     used = torch.cuda.memory_allocated(device)
-    reserve = max(VRAM_RESERVE, budget // 4)
+    reserve = reserve_bytes(budget, scratch)
     slots = min(store.total_blocks, (budget - used - reserve) // store.block_bytes)
     need = store.manifest.top_k
     if slots < need:

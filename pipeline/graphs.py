@@ -22,6 +22,35 @@ import torch
 from sluice.log import get_logger
 
 
+_POOLS: dict[tuple, tuple[Any, torch.cuda.CUDAGraph]] = {}
+
+
+def shared_pool() -> Any:
+    """The memory pool for graphs captured on the current stream: one per stream for every graph Sluice captures.
+
+    A graph's temporaries are dead once its replay ends, and replays on one stream never overlap, so
+    graphs may reuse each other's temporary memory (per-graph pools cost ~12 MB each: 1.6 GiB for a
+    full Nemotron-3-Nano, which ran an 8 GiB budget out of memory). What must outlive a replay (the
+    outputs that later work reads) is copied inside the graph into buffers allocated outside the pool
+    (`_outside`); an output only read before the stream's next replay may stay in the pool."""
+    s = torch.cuda.current_stream()
+    key = (s.device, s.cuda_stream)
+    found = _POOLS.get(key)
+    if found is None:
+        # a pool is freed when its last graph is (an engine closed, a sequence's graphs cleared) and its handle
+        # cannot be used again: a one-op graph kept here holds it for the process
+        pool, keeper = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(keeper, pool=pool, capture_error_mode="thread_local"):
+            torch.zeros(1, device=s.device)
+        found = _POOLS[key] = (pool, keeper)
+    return found[0]
+
+
+def _outside(like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers for a graph's outputs, allocated before its capture (so not in the shared pool)."""
+    return [torch.empty_like(t) for t in like]
+
+
 @dataclass
 class _Graph:
     key: tuple[int, ...]  # data_ptr of each state tensor at capture
@@ -48,14 +77,15 @@ class DecodeGraphs:
             g.x.copy_(h)
             g.graph.replay()
             self.replays += 1
-            return g.y.clone()  # the static output is overwritten by the next replay
+            return g.y  # the static output: overwritten by this layer's next replay (the next token's), after its uses
         y = layer.forward(h, ctx)  # this step, eagerly: also the warm-up the capture needs
         self._graphs.pop(i, None)
         try:
             x = h.clone()
+            (out,) = _outside([y])
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = layer.forward(x, ctx)
+            with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
+                out.copy_(layer.forward(x, ctx))
         except Exception as e:  # a layer that cannot be captured runs eagerly from then on
             self._eager.add(i)
             get_logger().warning("resident layer runs eagerly: its one-token step cannot be captured", layer=i, error=str(e)[:200])
@@ -104,9 +134,12 @@ class FnGraphs:
                 return result
             try:
                 static = [a.clone() for a in args]
+                keep = _outside(_tensors(result))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    out = fn(*static)
+                with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
+                    for k, o in zip(keep, _tensors(fn(*static))):
+                        k.copy_(o)
+                out = tuple(keep) if isinstance(result, (tuple, list)) else keep[0]
             except Exception as e:
                 self._eager.add(name)
                 get_logger().warning("runs eagerly: its one-token call cannot be captured", fn=name, error=str(e)[:200])

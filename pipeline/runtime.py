@@ -1,6 +1,7 @@
 """What the stages share for the engine's lifetime: store, reader pool, memory tiers, streams, trace, counters.
 
-Memory tiers (DESIGN.md): VRAM slots (a bank of block-sized buffers; on CUDA only) -> host RAM
+Memory tiers (DESIGN.md): VRAM slots (a bank of block-sized buffers; on a CPU only when asked for, emulated
+in host memory) -> host RAM
 LRU (pinned when CUDA) -> disk. All bookkeeping happens on the event-loop thread.
 """
 
@@ -30,6 +31,8 @@ class IOStats:
     blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # routed blocks served per tier
     prefetch_reads: int = 0  # blocks read ahead on a guess
     prefetch_hits: int = 0  # demand RAM hits on a block that a prefetch brought in
+    vram_prefetches: int = 0  # blocks copied RAM -> VRAM ahead on a guess (h2d prefetch)
+    vram_prefetch_hits: int = 0  # demand VRAM hits on a block that a guess copied
     predicted: int = 0  # guesses made for layers that then ran
     predicted_right: int = 0  # guesses the layer then routed to
     routed_predicted: int = 0  # experts routed in layers that had a prediction
@@ -105,7 +108,8 @@ class Runtime:
         self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify)
         cuda = device.type == "cuda"
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
-        self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device), vram_policy) if cuda else None
+        # the VRAM tier; on a CPU only when asked for (vram_blocks > 0): then an emulated one in host memory
+        self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device), vram_policy) if vram_blocks else None
         self.stats = IOStats()
         self.recorder = record_routing
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
@@ -157,7 +161,7 @@ class Runtime:
                                 f"{trace.header.get('num_experts')} experts, this store is {m.architecture} with {m.num_experts}")
         layers = set(self.store.moe_layers)
         counts = Counter((r.layer, e) for r in trace.records if r.layer in layers for e in r.experts)
-        staging = HostArena(1, self.store.block_bytes, pin=True)
+        staging = HostArena(1, self.store.block_bytes, pin=self.device.type == "cuda")
         n = 0
         for key, _ in counts.most_common(max(0, self.vram.capacity - reserve)):
             self.reader.submit(key[0], key[1], staging.slot(0)).result()

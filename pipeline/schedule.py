@@ -4,7 +4,7 @@
     description: copies on their own stream; next layer's guesses read into the gap
     stages:
       route:   {}
-      predict: {after: [route], width: 0}
+      predict: {width: 0}
       fetch:   {prefetch: true, readers: 8}
       h2d:     {stream: copy}
       compute: {}

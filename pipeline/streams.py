@@ -2,11 +2,13 @@
 
 Stages name the stream they enqueue on ("compute" or "copy", from the schedule). Anything
 produced on one stream and consumed on another travels with the event recorded after it, and the
-consumer's stream waits on that event: ordering lives on the GPU, the host never blocks for it.
+consumer's stream waits on that event: ordering lives on the GPU, the host never blocks for it. Values
+the host needs (routed ids) come back through pinned memory and an event the event loop polls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -44,6 +46,25 @@ class Streams:
         """Make stream `name` wait for `event` (GPU-side; the host does not block)."""
         if event is not None and self.cuda:
             self._streams[name].wait_event(event)
+
+    def to_host(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying device tensor t to pinned host memory on stream `name`; (host tensor, event after the
+        copy). The host tensor is valid once `arrived(event)` has returned. On a CPU: (t, None)."""
+        if not self.cuda:
+            return t, None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(self._streams[name]):
+            host.copy_(t, non_blocking=True)
+        return host, self.record(name)
+
+    async def arrived(self, event: Any) -> None:
+        """Wait for `event` without blocking the event loop: other stages keep enqueueing work meanwhile (so
+        route's and predict's transfers share one round trip to the GPU). Polls: the wait is short and a
+        thread hand-off would cost more than it."""
+        if event is None:
+            return
+        while not event.query():
+            await asyncio.sleep(0)
 
     def synchronize(self) -> None:
         if self.cuda:

@@ -36,6 +36,7 @@ import torch
 from sluice.errors import ScheduleError
 from sluice.kernels.experts_ref import dequant_expert_ref, expert_ref
 from sluice.stages.base import Stage, StageIO
+from sluice.stages.route import OneTokenRows
 from sluice.stages.types import DeviceBlock, ExpertOutputs, LayerInput, Routing
 
 
@@ -182,6 +183,12 @@ class Compute(Stage):
             kern = self._kernels[(block.kind, block.act_name)] = TritonExperts(self.rt.store.manifest, block.kind, block.act_name, y.device,
                                                                               block.act_args, self.knobs.graphs)
             self.rt.stats.kernels.append(kern)
+        if isinstance(r.rows, OneTokenRows) and len({db.bank.data_ptr() for db in batch}) == 1 \
+                and len({db.down_bank.data_ptr() for db in batch}) == 1:  # a decode step: offsets and positions as ints
+            pos = r.rows.positions
+            kern.run_token(batch[0].bank, [db.offset for db in batch], batch[0].down_bank, [db.down_offset for db in batch],
+                           [pos[db.expert] for db in batch], r.xe[0], w, y, self.knobs.zero_skip)
+            return
         dev = y.device
         offs = torch.tensor([db.offset for db in batch], dtype=torch.int64).to(dev, non_blocking=True)
         down_offs = torch.tensor([db.down_offset for db in batch], dtype=torch.int64).to(dev, non_blocking=True)

@@ -48,6 +48,8 @@ class Fetch(Stage):
             if v is not None:
                 rt.vram.pin(v)
                 rt.stats.tier("vram")
+                rt.stats.vram_prefetch_hits += v.prefetched
+                v.prefetched = False
                 tiers.append("vram")
                 if not rt.down_in_ram:
                     io.emit(HostBlock(expert, "vram", None, v))

@@ -25,6 +25,13 @@ credit sends the block to the CPU.
 In prompt steps (`cpu_prefill`), an expert routed only a few of the prompt's tokens is computed on the
 CPU rather than copied: with -1, where that beats the copy (tokens x tc <= tg, from the same rates).
 
+Prefetch (`prefetch`, one-token steps): once the layer's own copies are enqueued, the experts that
+predict guessed for the next MoE layer and that sit loaded in RAM are copied into free or evictable
+VRAM slots, on the same stream after those copies (never alongside a demand copy), so that the next
+layer finds them in VRAM and its copies leave the critical path: they run under this layer's expert
+compute and the resident layers up to the next router. A guess never waits for a slot or a read,
+and counts as no use for `lfu` (a wrong one is the first to go).
+
 The VRAM tier these copies fill is set here too: `vram_policy` (lru | lfu, storage/cache.py) picks
 what it evicts, and `hot_set` (a routing trace recorded with --record-routing) loads the blocks that
 trace routed to most often at start and keeps them for good, all but two layers' worth of slots.
@@ -47,6 +54,7 @@ class H2DKnobs:
     cpu_share: float = 0.0  # fraction of a one-token layer's to-be-copied blocks computed on the CPU instead
     cpu_balance: bool = False  # adapt cpu_share to the measured CPU and H2D rates
     cpu_prefill: int = 0  # prompt steps: experts routed at most this many tokens run on the CPU (-1: where cheaper)
+    prefetch: bool = False  # one-token steps: copy the next MoE layer's guessed experts from RAM into VRAM
 
     def __post_init__(self):
         from sluice.storage.cache import POLICIES
@@ -79,6 +87,7 @@ def balance_cpu_blocks(misses: int, tg: float, tc: float) -> int:
 class H2D(Stage):
     name = "h2d"
     consumes = ("layer", "blocks", "routing")
+    optional = ("prediction",)
     produces = "device_blocks"
     channel = True
     Knobs = H2DKnobs
@@ -138,6 +147,38 @@ class H2D(Stage):
                 pending.append((hb, v))
             self._copy(io, pending)
             io.end_wave()  # pass the upstream wave boundary on
+        if self.knobs.prefetch and one_token and self.rt.vram is not None and io.has("prediction"):
+            self._prefetch(await io.value("prediction"))
+
+    def _prefetch(self, pred) -> None:
+        """Copy the guessed experts of the next MoE layer that are loaded in RAM and not in VRAM into VRAM
+        slots, after the copies already on this stage's stream; stop at the first slot not to be had."""
+        rt, streams = self.rt, self.rt.streams
+        if pred.layer is None:
+            return
+        pending = []
+        for expert in pred.experts:
+            key = (pred.layer, expert)
+            ram = rt.ram.peek(key)
+            if key in rt.vram or ram is None or not _loaded(ram):
+                continue
+            v = rt.vram.try_reserve(key, use=False)
+            if v is None:
+                break
+            rt.ram.pin(ram)
+            pending.append((ram, v))
+        if not pending:
+            return
+        with streams.use(self.stream):
+            for ram, v in pending:
+                streams.wait(self.stream, v.reuse_after)
+                v.buf[: self._nbytes].copy_(ram.buf[: self._nbytes], non_blocking=True)
+            copied = streams.record(self.stream)
+        for ram, v in pending:
+            v.reuse_after, v.filled, v.prefetched = None, copied, True
+            rt.ram.unpin(ram, copied)
+            rt.vram.unpin(v, copied)
+        rt.stats.vram_prefetches += len(pending)
 
     def _balanced(self) -> bool:
         """Whether this layer's CPU blocks follow the measured rates (else the fixed cpu_share)."""
@@ -226,3 +267,9 @@ class H2D(Stage):
             rt.ram.unpin(ram, done)
 
         return DeviceBlock(hb.expert, vbank, v.slot * n, hbank, ram.slot * n, copied, release)
+
+
+def _loaded(entry) -> bool:
+    """Whether a RAM entry's block is there to copy: read, and read without error."""
+    f = entry.ready
+    return f is None or (f.done() and not f.cancelled() and f.exception() is None)

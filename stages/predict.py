@@ -3,6 +3,8 @@
 Consecutive layers' inputs differ by a few residual updates, so the next router on the current
 input names most of the experts it will pick; fetch reads the guesses into the gap between
 layers. Decode only by default: a prompt uses nearly every expert and would only churn the cache.
+A one-token step that keeps every guess (width >= top-k) takes the router's ids as they come, in one
+transfer; otherwise guesses are ranked by their summed routing weight.
 """
 
 from __future__ import annotations
@@ -32,14 +34,23 @@ class Predict(Stage):
         nxt = li.next_block
         if nxt is None or (li.x.shape[0] > 1 and not self.knobs.prefill):
             return Prediction(None, ())
-        with self.rt.streams.use(self.stream):
+        width = self.knobs.width or nxt.top_k * (1 if li.x.shape[0] == 1 else li.x.shape[0])
+        streams = self.rt.streams
+        one = li.x.shape[0] == 1 and width >= nxt.top_k  # one token, every guess kept: no ranking to do
+        with streams.use(self.stream):
             weights, ids = nxt.router(li.x)
-            both = torch.stack((weights.float(), ids.float())).cpu()  # one transfer, one wait (ids < 2**24 are exact)
-        weights, ids = both[0], both[1].long()
+            if not one:
+                ids = torch.stack((weights.float(), ids.float()))  # one transfer (ids < 2**24 are exact)
+        host, arrived = streams.to_host(self.stream, ids)
+        await streams.arrived(arrived)
+        if one:
+            guesses = tuple(host.view(-1).tolist())
+            self.rt.stats.observe_prediction(nxt.layer, guesses)
+            return Prediction(nxt.layer, guesses)
+        weights, ids = host[0], host[1].long()
         score = torch.zeros(nxt.num_experts).index_add_(0, ids.flatten(), weights.flatten())
         ranked = torch.argsort(score, descending=True, stable=True)
         ranked = ranked[: int((score > 0).sum())]
-        width = self.knobs.width or nxt.top_k * (1 if li.x.shape[0] == 1 else li.x.shape[0])
         guesses = tuple(ranked[:width].tolist())
         self.rt.stats.observe_prediction(nxt.layer, guesses)
         return Prediction(nxt.layer, guesses)

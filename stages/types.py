@@ -7,6 +7,7 @@ made on one stream and used on another carries the event recorded after it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,10 +32,11 @@ class Routing:
     """route -> fetch, compute, combine."""
 
     weights: torch.Tensor  # [T, K] routing weights in the dtype the router makes them, device, compute stream
-    ids: torch.Tensor  # [T, K] int64 expert ids, CPU (the one host sync of the layer)
+    ids: torch.Tensor  # [T, K] int64 expert ids, CPU (what the layer waits for the GPU to give)
     xe: torch.Tensor  # [T, Dx] expert input, model dtype, device, compute stream
     experts: tuple[int, ...]  # distinct experts used, ascending
-    rows: dict[int, torch.Tensor]  # expert -> flat (token * K + k) positions it serves, int64, device
+    rows: Mapping[int, torch.Tensor]  # expert -> flat (token * K + k) positions it serves, int64, device (route.OneTokenRows
+    # in a one-token step: host ints, device tensors on demand)
     predicted: tuple[int, ...] | None  # the guesses the predict stage made for this layer, if any
 
 

@@ -41,7 +41,7 @@ class CacheEntry:
     buf: torch.Tensor  # uint8 [block_bytes] host memory of the slot
     ready: asyncio.Future | None = None  # pending while a reader fills the slot; None once loaded
     pins: int = 0
-    prefetched: bool = False  # loaded by a prefetch and not yet used by a demand
+    prefetched: bool = False  # loaded (RAM) or copied (VRAM) on a guess and not yet used by a demand
     filled: Any = None  # CUDA event after the copy that filled the slot (VRAM tier), or None
     busy: Any = None  # CUDA event after the last GPU work reading this slot, or None
     reuse_after: Any = None  # the previous occupant's `busy`: wait for it before filling the slot
@@ -104,8 +104,9 @@ class BlockCache:
             self._used(key)
         return entry
 
-    def try_reserve(self, key: Key) -> CacheEntry | None:
-        """A new pinned, empty entry for key in a free or evicted slot; None if every slot is busy."""
+    def try_reserve(self, key: Key, use: bool = True) -> CacheEntry | None:
+        """A new pinned, empty entry for key in a free or evicted slot; None if every slot is busy.
+        `use=False` (a guess, not a demand): the entry does not count as used for `lfu`."""
         assert key not in self, key
         if self._free:
             slot, reuse_after = self._free.pop(), None
@@ -116,7 +117,11 @@ class BlockCache:
             slot, reuse_after = evicted.slot, evicted.busy
         entry = CacheEntry(key, slot, self.arena.slot(slot), pins=1, reuse_after=reuse_after)
         self._entries[key] = entry
-        self._used(key)
+        if use:
+            self._used(key)
+        elif self.policy == "lfu":  # in the eviction order with no uses, so first to go if the guess is wrong
+            self._last[key] = t = next(self._clock)
+            heapq.heappush(self._heap, (self._uses[key], t, key))
         return entry
 
     async def reserve(self, key: Key) -> CacheEntry:

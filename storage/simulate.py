@@ -1,12 +1,14 @@
 """`sluice simulate`: replay a routing trace through tier caches offline, to size them on paper.
 
-The replay follows the fetch stage: per MoE layer, each distinct routed expert in ascending order
-looks in the VRAM slots (if any), then the RAM cache, else it is read from disk into RAM; a block
-that reaches the GPU takes a VRAM slot. After the layer's demand, the guesses recorded for the
+The replay follows the fetch and h2d stages: per MoE layer, each distinct routed expert in ascending
+order looks in the VRAM slots (if any), then the RAM cache, else it is read from disk into RAM; then
+the blocks that were not in VRAM take VRAM slots, evicting none of the layer's own. After the layer's demand, the guesses recorded for the
 next layer are read into RAM ahead (when the trace's schedule prefetched), evicting only blocks
 the layer is not still using, and stopping at the first guess with no room, as the engine does. Policies decide what
 to evict: lru (the engine's), lfu, fifo, and belady (evict the block used furthest in the future:
-the optimum no online policy beats).
+the optimum no online policy beats). When the run copied guesses into VRAM (`h2d: {prefetch: true}`,
+one-token steps), the guesses already in RAM before the layer's own prefetch reads are put in the VRAM
+tier too, as no use (an `lfu` tier evicts them first), stopping at the first with no room.
 
 Checked against live runs (tests/test_plan.py): with the recorded cache size the replay gives the
 live disk reads per token. It models pins only at prefetch time, so a cache smaller than one
@@ -48,8 +50,9 @@ class _Cache:
     def touch(self, key: Key, now: int) -> None:
         self.keys.move_to_end(key)
 
-    def insert(self, key: Key, now: int, protect: frozenset = frozenset()) -> bool:
-        """Bring key in, evicting a block not in `protect` (blocks the engine holds pinned). False: no room."""
+    def insert(self, key: Key, now: int, protect: frozenset = frozenset(), use: bool = True) -> bool:
+        """Bring key in, evicting a block not in `protect` (blocks the engine holds pinned). False: no room.
+        `use=False`: a guess, not a demand (lfu does not count it)."""
         if self.capacity <= 0 or key in self.keys:
             return False
         if len(self.keys) >= self.capacity:
@@ -58,10 +61,10 @@ class _Cache:
                 return False
             del self.keys[victim]
         self.keys[key] = None
-        self.inserted(key, now)
+        self.inserted(key, now, use)
         return True
 
-    def inserted(self, key: Key, now: int) -> None:
+    def inserted(self, key: Key, now: int, use: bool = True) -> None:
         pass
 
     def victim(self, now: int, protect: frozenset) -> Key | None:
@@ -82,8 +85,8 @@ class _LFU(_Cache):
         self.count[key] += 1
         super().touch(key, now)
 
-    def inserted(self, key, now):
-        self.count[key] += 1
+    def inserted(self, key, now, use=True):
+        self.count[key] += use
 
     def victim(self, now, protect):
         keys = [k for k in self.keys if k not in protect]  # ties: least recently used (first in order)
@@ -106,7 +109,7 @@ class _Belady(_Cache):
     def touch(self, key, now):
         heapq.heappush(self.heap, (-self._next(key, now), key))
 
-    def inserted(self, key, now):
+    def inserted(self, key, now, use=True):
         heapq.heappush(self.heap, (-self._next(key, now), key))
 
     def victim(self, now, protect):
@@ -139,6 +142,8 @@ class SimResult:
     tokens: int
     blocks: dict[str, int] = field(default_factory=lambda: {"vram": 0, "ram": 0, "disk": 0})
     prefetch_reads: int = 0
+    vram_prefetches: int = 0  # guesses copied into VRAM ahead
+    vram_prefetch_hits: int = 0  # demand VRAM hits on such a copy
 
     @property
     def disk_per_token(self) -> float:
@@ -154,9 +159,12 @@ class SimResult:
 
 
 def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None,
-             decode_only: bool = False) -> SimResult:
-    """Replay `trace` with the given tier sizes (in blocks). decode_only counts only one-token steps."""
+             decode_only: bool = False, vram_prefetch: bool | None = None) -> SimResult:
+    """Replay `trace` with the given tier sizes (in blocks). decode_only counts only one-token steps. prefetch and
+    vram_prefetch (guesses read into RAM; copied into VRAM) default to what the recorded run did."""
     prefetch = trace.header.get("prefetch", False) if prefetch is None else prefetch
+    vram_prefetch = trace.header.get("vram_prefetch", False) if vram_prefetch is None else vram_prefetch
+    guessed: set[Key] = set()  # copied into VRAM on a guess and not yet routed to
     records = trace.records
     uses: dict[Key, list[int]] = defaultdict(list)
     t = 0
@@ -173,16 +181,37 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
         if count and r.step not in counted_steps:
             counted_steps.add(r.step)
             res.tokens += r.tokens
-        for e in r.experts:
+        # as fetch and h2d do: every VRAM lookup first, then the misses take slots (the layer's blocks held)
+        hits = [vram_blocks > 0 and (r.layer, e) in vram for e in r.experts]
+        for j, e in enumerate(r.experts):
             key = (r.layer, e)
-            if vram_blocks and vram.access(key, now):
+            if hits[j]:
+                vram.touch(key, now + j)
                 tier = "vram"
+                if key in guessed and count:
+                    res.vram_prefetch_hits += 1
             else:
-                tier = "ram" if ram.access(key, now) else "disk"
+                tier = "ram" if ram.access(key, now + j) else "disk"
+            guessed.discard(key)
             if count:
                 res.blocks[tier] += 1
-            now += 1
+        if vram_blocks:
+            held = frozenset((r.layer, e) for e in r.experts)
+            for j, e in enumerate(r.experts):
+                if not hits[j]:
+                    vram.insert((r.layer, e), now + j, held)
+        now += len(r.experts)
         nxt = records[i + 1] if i + 1 < len(records) else None
+        if vram_prefetch and vram_blocks and r.tokens == 1 and nxt is not None and nxt.predicted:
+            held = frozenset((r.layer, e) for e in r.experts)
+            for e in nxt.predicted:  # those already in RAM: this layer's prefetch reads have not landed yet
+                key = (nxt.layer, e)
+                if key in vram or key not in ram:
+                    continue
+                if not vram.insert(key, now, held, use=False):
+                    break
+                guessed.add(key)
+                res.vram_prefetches += 1
         if prefetch and nxt is not None and nxt.predicted:
             pinned = frozenset((r.layer, e) for e in r.experts)  # still held by copies and compute
             for e in nxt.predicted:

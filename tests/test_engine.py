@@ -137,10 +137,10 @@ def test_vram_budget_sizes_the_slot_bank(stores):
         torch.cuda.set_per_process_memory_fraction(1.0)  # the process cap the budget set, lifted for later tests
 
 
-@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="the VRAM tier exists on a GPU")
 def test_vram_tier_policies_and_hot_set(stores, refs, tmp_path):
     """A frequency-kept VRAM tier and a hot set loaded from a routing trace change where blocks come from,
-    never the result; the held blocks are the trace's most routed ones and serve as VRAM hits."""
+    never the result; the held blocks are the trace's most routed ones and serve as VRAM hits. (On a CPU the
+    tier asked for by vram_slots is emulated in host memory.)"""
     from collections import Counter
 
     import yaml
@@ -166,3 +166,42 @@ def test_vram_tier_policies_and_hot_set(stores, refs, tmp_path):
             counts = Counter((r.layer, e) for r in read_trace(trace).records for e in r.experts)
             assert len(held) == min(24 - 2 * k, len(counts)) and vram_hits > 0
             assert min(counts[h] for h in held) >= sorted(counts.values(), reverse=True)[len(held) - 1]
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe"])
+def test_long_prompts_run_in_chunks(variant, stores, refs):
+    """A prompt longer than prefill_chunk runs as several steps: the logits of every position are those of the
+    whole prompt in one step (within the golden tolerance: Mamba's chunked scan resumes from a state), and the
+    greedy continuation is the reference's."""
+    from tests.test_golden import LOGIT_ATOL
+
+    whole = refs.logits(variant, PROMPT)
+    with sluice.load(stores[variant], device=DEVICE, prefill_chunk=5) as engine:
+        assert engine.prefill_chunk == 5
+        logits = engine.forward(PROMPT)
+        assert logits.shape == whole.shape
+        assert (logits - whole).abs().max().item() <= LOGIT_ATOL
+        assert engine.generate(PROMPT, 16) == refs.greedy(variant, PROMPT, 16)
+        assert engine.rt.stats.steps >= 2 * (-(-len(PROMPT) // 5))  # forward and generate, each in chunks
+
+
+def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
+    """transformers' PyTorch Mamba-2 prefill of a Nemotron-3-Nano layer needs a [chunks, 128, 128, 64, 128] fp32
+    temporary (2 GiB for 512 tokens, as measured on the H200); an 8 GiB budget keeps the default 2 GiB reserve
+    and prefills 128 tokens a step, 24 GiB prefills 512; a model without Mamba layers is not limited."""
+    from sluice.models import get_architecture
+    from sluice.pipeline.engine import VRAM_RESERVE, auto_prefill_chunk, reserve_bytes
+    from sluice.storage.synth import _config
+
+    GiB = 1 << 30
+    _, nano = _config("nemotron-3-nano-30b-a3b", None)
+    scratch = lambda n: get_architecture("nemotron_h").prefill_scratch_bytes(nano, n)  # noqa: E731
+    assert scratch(512) == 2 * GiB and scratch(100) == scratch(128) == GiB // 2
+    assert auto_prefill_chunk(scratch, 8 * GiB) == 128
+    assert auto_prefill_chunk(scratch, 24 * GiB) == 512
+    assert auto_prefill_chunk(scratch, None) == 512
+    assert reserve_bytes(8 * GiB, scratch(128)) == VRAM_RESERVE
+    assert reserve_bytes(8 * GiB, scratch(512)) == 4 * GiB + (512 << 20)  # an explicit 512: the reserve grows
+    _, qwen = _config("qwen3-30b-a3b", None)
+    none = lambda n: get_architecture("qwen3_moe").prefill_scratch_bytes(qwen, n)  # noqa: E731
+    assert auto_prefill_chunk(none, 8 * GiB) == 512

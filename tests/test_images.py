@@ -65,6 +65,13 @@ def test_image_prompt_matches_transformers(omni):
     assert tokens == out[len(ids):]
     # the image changes the answer: without its rows the logits part from the reference
     assert (text_only - ref).abs().max().item() > 100 * LOGIT_ATOL
+    # a prompt run in pieces (prefill_chunk): the image rows follow their tokens into each piece
+    first = ids.index(hf.config.image_token_id)
+    chunk = first + 2  # a piece boundary inside the image's tokens
+    assert n > 2 and len(ids) > chunk
+    with sluice.load(omni, device=DEVICE, progress=False, prefill_chunk=chunk) as engine:
+        chunked = engine.extend(engine.new_sequence(), ids, engine.encode_images(pix, grid)).cpu()
+    assert (chunked - ref).abs().max().item() <= LOGIT_ATOL
 
 
 def test_image_rows_out_of_order_fail(omni):
