@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sluice.api.snapshots import SnapshotStore
+from sluice.pipeline.engine import split_image_rows
 from sluice.pipeline.runtime import TIERS
 from sluice.pipeline.sampling import Sampler
 
@@ -113,10 +114,8 @@ class EngineWorker:
         try:
             if job.pending:
                 chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
-                rows = None
-                if job.rows is not None:
-                    n = sum(1 for i in chunk if i == engine.image_encoder.image_token_id)
-                    rows, job.rows = job.rows[:n], job.rows[n:]
+                token = engine.image_encoder.image_token_id if job.rows is not None else None
+                rows, job.rows = split_image_rows(chunk, job.rows, token)
                 job.logits = engine.extend(job.seq, chunk, rows)[-1]
                 if job.pending:
                     return None

@@ -153,10 +153,8 @@ class Engine:
         token = self.image_encoder.image_token_id if images is not None else None
         logits = []
         for start in range(0, len(ids), n):
-            part, rows = ids[start : start + n], None
-            if images is not None:
-                k = sum(1 for i in part if i == token)
-                rows, images = images[:k], images[k:]
+            part = ids[start : start + n]
+            rows, images = split_image_rows(part, images, token)
             logits.append(self._loop.run_until_complete(self._guarded_step(seq, part, rows)))
         return torch.cat(logits)
 
@@ -268,6 +266,14 @@ class Engine:
         self.rt.stats.tokens += len(ids)
         self.rt.tracer.flush()
         return logits
+
+
+def split_image_rows(part: list[int], rows: torch.Tensor | None, token: int | None):
+    """(the image rows of prompt piece `part`: the first ones, one per image token in it; the rest)."""
+    if rows is None:
+        return None, None
+    k = sum(1 for i in part if i == token)
+    return rows[:k], rows[k:]
 
 
 VRAM_RESERVE = 2 << 30  # at least this much of a VRAM budget stays free for activations and the KV cache
