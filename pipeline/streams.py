@@ -3,7 +3,7 @@
 Stages name the stream they enqueue on ("compute" or "copy", from the schedule). Anything
 produced on one stream and consumed on another travels with the event recorded after it, and the
 consumer's stream waits on that event: ordering lives on the GPU, the host never blocks for it. Values
-the host needs (routed ids) come back through pinned memory and an event the event loop polls.
+the host needs (routed ids) come back through pinned memory and an event (`to_host`, `arrived`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 STREAM_NAMES = ("compute", "copy")
+YIELDS = 4  # loop turns `arrived` gives the other ready stages before it blocks
 
 
 class Streams:
@@ -58,13 +59,17 @@ class Streams:
         return host, self.record(name)
 
     async def arrived(self, event: Any) -> None:
-        """Wait for `event` without blocking the event loop: other stages keep enqueueing work meanwhile (so
-        route's and predict's transfers share one round trip to the GPU). Polls: the wait is short and a
-        thread hand-off would cost more than it."""
+        """Wait for `event`, first letting the event loop run the other stages that are ready (so that predict
+        enqueues its router and transfer behind route's, and both share one round trip to the GPU), then
+        blocking with the GIL released: a loop that kept polling would hold the GIL from the reader threads
+        and the hybrid path's CPU worker for as long as the GPU takes (a prompt's layer: many ms)."""
         if event is None:
             return
-        while not event.query():
+        for _ in range(YIELDS):
+            if event.query():
+                return
             await asyncio.sleep(0)
+        event.synchronize()
 
     def synchronize(self) -> None:
         if self.cuda:
