@@ -304,7 +304,7 @@ def cmd_simulate(args) -> int:
     if args.sweep:
         total = h["num_experts"] * len(h["moe_layers"])
         sizes = sorted({max(1, round(total * f)) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)})
-        results = sweep(trace, sizes, vram, args.policy, prefetch)
+        results = sweep(trace, sizes, vram, args.policy, prefetch, vram_prefetch)
         write_sweep(results, block, args.sweep.with_suffix(".csv"), args.sweep.with_suffix(".png"))
         for r in results:
             print(f"{r.ram_blocks:7d} blocks {format_bytes(r.ram_blocks * block):>12}  hit {r.hit_rate:6.1%}  disk reads/token {r.disk_per_token:7.2f}")

@@ -116,7 +116,7 @@ class EngineWorker:
                 chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
                 token = engine.image_encoder.image_token_id if job.rows is not None else None
                 rows, job.rows = split_image_rows(chunk, job.rows, token)
-                job.logits = engine.extend(job.seq, chunk, rows)[-1]
+                job.logits = engine.extend(job.seq, chunk, rows, last=True)[-1]
                 if job.pending:
                     return None
             else:

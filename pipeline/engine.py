@@ -91,7 +91,7 @@ class Engine:
         ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
-        chunk = config.prefill_chunk or auto_prefill_chunk(scratch, config.vram_budget)
+        chunk = config.prefill_chunk or auto_prefill_chunk(scratch, config.vram_budget if device.type == "cuda" else None)
         if config.vram_budget is not None and device.type == "cuda":
             vram_blocks = budget_slots(config.vram_budget, store, device, scratch(chunk))
         else:
@@ -141,13 +141,14 @@ class Engine:
         """Logits [T, V] (fp32, CPU) for a fresh sequence of input_ids."""
         return self.extend(self.new_sequence(), input_ids).cpu()
 
-    def extend(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
-        """Append ids to seq; returns their logits [T, V] fp32 on the device. images: `encode_images` rows,
-        one per image token in ids, in order; they replace those tokens' embeddings. A prompt longer than
-        `prefill_chunk` runs as several steps of at most that many tokens (bounded activation memory)."""
+    def extend(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+        """Append ids to seq; returns their logits [T, V] fp32 on the device, or with `last` only the last
+        position's [1, V] (what generation needs: the head then runs on one row). images: `encode_images`
+        rows, one per image token in ids, in order; they replace those tokens' embeddings. A prompt longer
+        than `prefill_chunk` runs as several steps of at most that many tokens (bounded activation memory)."""
         n = self.prefill_chunk
         if len(ids) <= n:
-            return self._loop.run_until_complete(self._guarded_step(seq, ids, images))
+            return self._run(seq, ids, images, "last" if last else "all")
         if images is not None:
             self._check_images(ids, images)
         token = self.image_encoder.image_token_id if images is not None else None
@@ -155,8 +156,12 @@ class Engine:
         for start in range(0, len(ids), n):
             part = ids[start : start + n]
             rows, images = split_image_rows(part, images, token)
-            logits.append(self._loop.run_until_complete(self._guarded_step(seq, part, rows)))
-        return torch.cat(logits)
+            final = start + n >= len(ids)
+            logits.append(self._run(seq, part, rows, "all" if not last else "last" if final else "none"))
+        return logits[-1] if last else torch.cat(logits)
+
+    def _run(self, seq: Sequence, ids: list[int], images: torch.Tensor | None, head: str) -> torch.Tensor | None:
+        return self._loop.run_until_complete(self._guarded_step(seq, ids, images, head))
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
         """The image encoder's rows for a prompt's images (models/vision.py)."""
@@ -186,7 +191,7 @@ class Engine:
         _check_ids(input_ids)
         seq = seq or self.new_sequence()
         sampler = Sampler(temperature, top_p, seed)
-        logits = self.extend(seq, input_ids, images)
+        logits = self.extend(seq, input_ids, images, last=True)
         for i in range(max_new_tokens):
             token = sampler(logits[-1])
             yield token
@@ -214,13 +219,14 @@ class Engine:
 
     # -- the token step -----------------------------------------------------------------------
 
-    async def _guarded_step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
+    async def _guarded_step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None,
+                            head: str = "all") -> torch.Tensor | None:
         if seq.broken:
             raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
         if images is not None:
             self._check_images(ids, images)
         try:
-            return await self._step(seq, ids, images)
+            return await self._step(seq, ids, images, head)
         except BaseException:
             seq.broken = True
             await self.rt.recover()
@@ -233,9 +239,11 @@ class Engine:
         if images.dim() != 2 or images.shape != (n, D):
             raise SluiceError(f"the prompt has {n} image tokens (id {token}); image rows must be [{n}, {D}], got {tuple(images.shape)}")
 
-    async def _step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
+    async def _step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None,
+                    head: str = "all") -> torch.Tensor | None:
         """Embed ids (image rows in place of image tokens), run every layer (MoE layers through the stage
-        graph), return logits [T, V]."""
+        graph), return logits: every position's [T, V] (`head` "all"), the last one's [1, V] ("last"), or
+        None ("none": a prompt piece before the last)."""
         model, recorder = self.model, self.rt.recorder
         if recorder is not None:
             recorder.begin_step(len(ids))
@@ -258,7 +266,7 @@ class Engine:
                     x, residual = moe_input(h)
                     li = LayerInput(block, nxt, x, residual)
                 h = (await self.coordinator.run_layer(li)).h
-            logits = model.head(h)
+            logits = None if head == "none" else model.head(h[:, -1:] if head == "last" else h)
         seq.tokens.extend(ids)
         if recorder is not None:
             recorder.end_step()

@@ -3,8 +3,8 @@
 Consecutive layers' inputs differ by a few residual updates, so the next router on the current
 input names most of the experts it will pick; fetch reads the guesses into the gap between
 layers. Decode only by default: a prompt uses nearly every expert and would only churn the cache.
-A one-token step that keeps every guess (width >= top-k) takes the router's ids as they come, in one
-transfer; otherwise guesses are ranked by their summed routing weight.
+Guesses come most likely first (prefetches stop at the first with no room): ranked by routing weight,
+summed over a prompt's tokens; a one-token step ranks its K on the host, no tensor ops.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ class Predict(Stage):
             return Prediction(None, ())
         width = self.knobs.width or nxt.top_k * (1 if li.x.shape[0] == 1 else li.x.shape[0])
         streams = self.rt.streams
-        one = li.x.shape[0] == 1 and width >= nxt.top_k  # one token, every guess kept: no ranking to do
         with streams.use(self.stream):
             weights, ids = nxt.router(li.x)
-            if not one:
-                ids = torch.stack((weights.float(), ids.float()))  # one transfer (ids < 2**24 are exact)
-        host, arrived = streams.to_host(self.stream, ids)
+            both = torch.stack((weights.float(), ids.float()))  # one transfer (ids < 2**24 are exact)
+        host, arrived = streams.to_host(self.stream, both)
         await streams.arrived(arrived)
-        if one:
-            guesses = tuple(host.view(-1).tolist())
+        if li.x.shape[0] == 1:  # one token: its K distinct experts by weight (routers' top-k need not be sorted)
+            w, e = host[0, 0].tolist(), host[1, 0].tolist()
+            ranked = sorted((-wk, int(ek)) for wk, ek in zip(w, e) if wk > 0)  # as below: ties to the lower id
+            guesses = tuple(ek for _, ek in ranked[:width])
             self.rt.stats.observe_prediction(nxt.layer, guesses)
             return Prediction(nxt.layer, guesses)
         weights, ids = host[0], host[1].long()

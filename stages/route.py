@@ -48,7 +48,8 @@ class OneTokenRows(Mapping):
     def __getitem__(self, expert: int) -> torch.Tensor:
         t = self._made.get(expert)
         if t is None:
-            t = self._made[expert] = torch.tensor([self.positions[expert]], device=self._device)
+            # through pinned-free staging, not torch.tensor(device=...): that copy waits for the whole stream
+            t = self._made[expert] = torch.tensor([self.positions[expert]]).to(self._device, non_blocking=True)
         return t
 
     def __iter__(self):

@@ -195,36 +195,37 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
             guessed.discard(key)
             if count:
                 res.blocks[tier] += 1
+        held = frozenset((r.layer, e) for e in r.experts)  # pinned by the layer's copies and compute
         if vram_blocks:
-            held = frozenset((r.layer, e) for e in r.experts)
             for j, e in enumerate(r.experts):
                 if not hits[j]:
                     vram.insert((r.layer, e), now + j, held)
         now += len(r.experts)
         nxt = records[i + 1] if i + 1 < len(records) else None
-        if vram_prefetch and vram_blocks and r.tokens == 1 and nxt is not None and nxt.predicted:
-            held = frozenset((r.layer, e) for e in r.experts)
-            for e in nxt.predicted:  # those already in RAM: this layer's prefetch reads have not landed yet
+        # guesses that can be copied into VRAM: in RAM before this layer's prefetch reads (which will not have
+        # landed when h2d copies) and still there after them (those reads may evict some)
+        copyable = [(nxt.layer, e) for e in nxt.predicted if (nxt.layer, e) in ram] if nxt is not None and nxt.predicted else []
+        if prefetch and nxt is not None and nxt.predicted:
+            for e in nxt.predicted:
                 key = (nxt.layer, e)
+                if key not in ram and key not in vram:
+                    if not ram.insert(key, now, held):
+                        break  # like the engine: no free or evictable slot ends the prefetch
+                    res.prefetch_reads += 1
+        if vram_prefetch and vram_blocks and r.tokens == 1 and copyable:
+            for key in copyable:
                 if key in vram or key not in ram:
                     continue
                 if not vram.insert(key, now, held, use=False):
                     break
                 guessed.add(key)
                 res.vram_prefetches += 1
-        if prefetch and nxt is not None and nxt.predicted:
-            pinned = frozenset((r.layer, e) for e in r.experts)  # still held by copies and compute
-            for e in nxt.predicted:
-                key = (nxt.layer, e)
-                if key not in ram and key not in vram:
-                    if not ram.insert(key, now, pinned):
-                        break  # like the engine: no free or evictable slot ends the prefetch
-                    res.prefetch_reads += 1
     return res
 
 
-def sweep(trace: Trace, sizes: list[int], vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None) -> list[SimResult]:
-    return [simulate(trace, n, vram_blocks, policy, prefetch) for n in sizes]
+def sweep(trace: Trace, sizes: list[int], vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None,
+          vram_prefetch: bool | None = None) -> list[SimResult]:
+    return [simulate(trace, n, vram_blocks, policy, prefetch, vram_prefetch=vram_prefetch) for n in sizes]
 
 
 def write_sweep(results: list[SimResult], block_bytes: int, csv_path: Path, png_path: Path | None) -> None:

@@ -181,8 +181,10 @@ def test_long_prompts_run_in_chunks(variant, stores, refs):
         logits = engine.forward(PROMPT)
         assert logits.shape == whole.shape
         assert (logits - whole).abs().max().item() <= LOGIT_ATOL
+        last = engine.extend(engine.new_sequence(), PROMPT, last=True).cpu()  # the head on the last row only
+        assert last.shape == (1, whole.shape[1]) and (last[0] - whole[-1]).abs().max().item() <= LOGIT_ATOL
         assert engine.generate(PROMPT, 16) == refs.greedy(variant, PROMPT, 16)
-        assert engine.rt.stats.steps >= 2 * (-(-len(PROMPT) // 5))  # forward and generate, each in chunks
+        assert engine.rt.stats.steps >= 3 * (-(-len(PROMPT) // 5))  # forward, extend and generate, each in pieces
 
 
 def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
