@@ -158,8 +158,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
     p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
     p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs (the server also takes turns between "
-                                                     "requests by it); default: the largest power of two <= 512 whose "
-                                                     "scratch fits the VRAM budget's reserve")
+                                                     "requests by it); default: 512, or under --vram-budget the largest "
+                                                     "power of two <= 512 whose scratch fits what the expert slots leave")
     p.add_argument("--record-routing", metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
 
 

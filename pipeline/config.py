@@ -65,8 +65,8 @@ class EngineConfig:
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
-    prefill_chunk: int | None = None  # longest prompt piece one step runs; None: the largest power of two <= 512
-    # whose resident scratch fits the VRAM budget's reserve (engine.py `auto_prefill_chunk`)
+    prefill_chunk: int | None = None  # longest prompt piece one step runs; None: 512, or with a VRAM budget the
+    # largest power of two <= 512 whose resident scratch fits what the expert slots leave (engine.py `plan_budget`)
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -91,9 +91,9 @@ class Engine:
         ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
-        chunk = config.prefill_chunk or auto_prefill_chunk(scratch, config.vram_budget if device.type == "cuda" else None)
+        chunk = config.prefill_chunk or MAX_PREFILL_CHUNK
         if config.vram_budget is not None and device.type == "cuda":
-            vram_blocks = budget_slots(config.vram_budget, store, device, scratch(chunk))
+            vram_blocks, chunk = budget_slots(config.vram_budget, store, device, scratch, config.prefill_chunk)
         else:
             if config.vram_budget is not None:
                 get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))
@@ -296,37 +296,42 @@ def reserve_bytes(budget: int, scratch: int) -> int:
     return max(VRAM_RESERVE, budget // 4, 2 * scratch + SCRATCH_MARGIN)
 
 
-def auto_prefill_chunk(scratch, budget: int | None) -> int:
-    """The largest power of two <= 512 tokens whose prefill scratch fits the budget's base reserve
-    (2 GiB or a quarter): a Nemotron-3-Nano layer's PyTorch Mamba-2 prefill needs 0.5 GiB per 128 tokens,
-    so 128 tokens at 8 GiB, 512 at 24 GiB; 512 without a budget or where no layer needs scratch."""
-    n = MAX_PREFILL_CHUNK
-    if budget is None:
-        return n
-    base = max(VRAM_RESERVE, budget // 4)
-    while n > 16 and 2 * scratch(n) + SCRATCH_MARGIN > base:
-        n //= 2
-    return n
+def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scratch, chunk: int | None = None) -> tuple[int, int, int]:
+    """(expert slots, prefill piece in tokens, reserve in bytes) for a VRAM budget with `used` bytes already
+    resident; scratch(tokens) is a prompt piece's largest temporary. An automatic piece (chunk None) is the
+    largest power of two <= 512 whose scratch fits what the slots leave: the base reserve (2 GiB or a
+    quarter), or more where every block fits with room to spare. A Nemotron-3-Nano layer's PyTorch
+    Mamba-2 prefill needs 0.5 GiB per 128 tokens: 128 tokens for the full model at 8 GiB. A piece asked
+    for grows the reserve, and the slots give way."""
+    fit = lambda reserve: min(total_blocks, (budget - used - reserve) // block_bytes)  # noqa: E731
+    if chunk is None:
+        spare = budget - used - max(fit(max(VRAM_RESERVE, budget // 4)), 0) * block_bytes
+        chunk = MAX_PREFILL_CHUNK
+        while chunk > 16 and 2 * scratch(chunk) + SCRATCH_MARGIN > spare:
+            chunk //= 2
+    reserve = reserve_bytes(budget, scratch(chunk))
+    return int(fit(reserve)), chunk, reserve
 
 
-def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch: int = 0) -> int:
-    """Expert slots a VRAM budget leaves after the resident part (already on the device) and a reserve
-    for activations, KV and a prefill chunk's scratch (`reserve_bytes`); caps the process at the budget
-    so the run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone needs
-    ~1.5 GiB for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
+def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=lambda tokens: 0,
+                 chunk: int | None = None) -> tuple[int, int]:
+    """(expert slots, prefill piece) a VRAM budget leaves after the resident part (already on the device) and
+    a reserve for activations, KV and a prompt piece's scratch (`plan_budget`); caps the process at the
+    budget so the run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone
+    needs ~1.5 GiB for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
     used = torch.cuda.memory_allocated(device)
-    reserve = reserve_bytes(budget, scratch)
-    slots = min(store.total_blocks, (budget - used - reserve) // store.block_bytes)
+    slots, chunk, reserve = plan_budget(budget, used, store.total_blocks, store.block_bytes, scratch, chunk)
     need = store.manifest.top_k
     if slots < need:
         raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)} and {format_bytes(reserve)} "
-                          f"stays free for activations, leaving room for {max(slots, 0)} expert slots; a MoE layer needs {need}")
+                          f"stays free for activations and a {chunk}-token prompt piece, leaving room for {max(slots, 0)} expert "
+                          f"slots; a MoE layer needs {need}")
     index = _cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
     get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), reserve=format_bytes(reserve),
-                      expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes))
-    return int(slots)
+                      expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes), prefill_chunk=chunk)
+    return slots, chunk
 
 
 def _cuda_index(device: torch.device) -> int:

@@ -189,21 +189,23 @@ def test_long_prompts_run_in_chunks(variant, stores, refs):
 
 def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
     """transformers' PyTorch Mamba-2 prefill of a Nemotron-3-Nano layer needs a [chunks, 128, 128, 64, 128] fp32
-    temporary (2 GiB for 512 tokens, as measured on the H200); an 8 GiB budget keeps the default 2 GiB reserve
-    and prefills 128 tokens a step, 24 GiB prefills 512; a model without Mamba layers is not limited."""
+    temporary (2 GiB for 512 tokens, as measured on the H200). The full model at 8 GiB keeps the default 2 GiB
+    reserve and prefills 128 tokens a piece; a 4-MoE-layer slice, whose blocks all fit with room to spare, 256;
+    24 GiB, 512; a piece asked for grows the reserve at the slots' expense; no Mamba layer, no limit."""
     from sluice.models import get_architecture
-    from sluice.pipeline.engine import VRAM_RESERVE, auto_prefill_chunk, reserve_bytes
+    from sluice.pipeline.engine import VRAM_RESERVE, plan_budget
     from sluice.storage.synth import _config
 
-    GiB = 1 << 30
+    GiB, block = 1 << 30, 5615616  # an NVFP4 Nano expert block
     _, nano = _config("nemotron-3-nano-30b-a3b", None)
     scratch = lambda n: get_architecture("nemotron_h").prefill_scratch_bytes(nano, n)  # noqa: E731
     assert scratch(512) == 2 * GiB and scratch(100) == scratch(128) == GiB // 2
-    assert auto_prefill_chunk(scratch, 8 * GiB) == 128
-    assert auto_prefill_chunk(scratch, 24 * GiB) == 512
-    assert auto_prefill_chunk(scratch, None) == 512
-    assert reserve_bytes(8 * GiB, scratch(128)) == VRAM_RESERVE
-    assert reserve_bytes(8 * GiB, scratch(512)) == 4 * GiB + (512 << 20)  # an explicit 512: the reserve grows
+    slots, chunk, reserve = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch)
+    assert (chunk, reserve) == (128, VRAM_RESERVE) and slots == (8 * GiB - 4_300_000_000 - VRAM_RESERVE) // block
+    assert plan_budget(8 * GiB, int(1.81 * GiB), 512, block, scratch)[:2] == (512, 256)
+    assert plan_budget(24 * GiB, 4_300_000_000, 2944, block, scratch)[1] == 512
+    asked = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch, chunk=512)
+    assert asked[1:] == (512, 4 * GiB + (512 << 20)) and asked[0] < slots
     _, qwen = _config("qwen3-30b-a3b", None)
     none = lambda n: get_architecture("qwen3_moe").prefill_scratch_bytes(qwen, n)  # noqa: E731
-    assert auto_prefill_chunk(none, 8 * GiB) == 512
+    assert plan_budget(8 * GiB, 4_300_000_000, 6144, block, none)[1] == 512
