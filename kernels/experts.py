@@ -86,13 +86,9 @@ class TritonExperts:
         found = self._graphs.get(key)
         if found is None:
             static = {"meta": meta.to(x.device), "x": x.clone(), "w": w.clone()}
-            m = static["meta"]
-            out = self._decode(bank, m[0], down_bank, m[1], static["x"], static["w"][m[2]], y.dtype, zero_skip)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):  # thread-local: see _decode_graphed
-                static["out"] = self._decode(bank, m[0], down_bank, m[1], static["x"], static["w"][m[2]], y.dtype, zero_skip)
-            self._graphs[key] = (graph, static)
-            y.index_copy_(0, m[2], out)
+            out = self._capture(key, static, lambda s: self._decode(bank, s["meta"][0], down_bank, s["meta"][1], s["x"],
+                                                                     s["w"][s["meta"][2]], y.dtype, zero_skip))
+            y.index_copy_(0, static["meta"][2], out)
             return
         graph, static = found
         static["meta"].copy_(meta, non_blocking=True)  # 3A ints from pageable memory: staged by the driver, async
@@ -116,6 +112,18 @@ class TritonExperts:
         rows = torch.arange(A, device=x.device)
         return matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, out, rows=rows, wts=wts)
 
+    def _capture(self, key: tuple, static: dict, run) -> torch.Tensor:
+        """The first call for `key`: run(static) eagerly (compiling any kernel; its result is returned), then
+        captured as a graph whose output is static["out"]. The capture records and runs nothing (live_groups
+        counts at replays only); thread-local: the hybrid path's worker thread may allocate pinned memory
+        meanwhile, which a global-mode capture would turn into an error."""
+        out = run(static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
+            static["out"] = run(static)
+        self._graphs[key] = (graph, static)
+        return out
+
     def _decode_graphed(self, bank, offs, down_bank, down_offs, x, wts, y_dtype, zero_skip) -> torch.Tensor:
         """`_decode` through a CUDA graph. The first call per key runs eagerly (compiling any kernel), then
         captures; the graph's output buffer is overwritten by the next replay, so callers copy it out (before any
@@ -124,15 +132,8 @@ class TritonExperts:
         found = self._graphs.get(key)
         if found is None:
             static = {"offs": offs.clone(), "down_offs": down_offs.clone(), "x": x.clone(), "wts": wts.clone()}
-            out = self._decode(bank, static["offs"], down_bank, static["down_offs"], static["x"], static["wts"], y_dtype, zero_skip)
-            graph = torch.cuda.CUDAGraph()
-            # records, runs nothing (live_groups counts at replays only); thread-local: the hybrid path's worker
-            # thread may allocate pinned memory meanwhile, which a global-mode capture would turn into an error
-            with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
-                static["out"] = self._decode(bank, static["offs"], down_bank, static["down_offs"], static["x"], static["wts"],
-                                             y_dtype, zero_skip)
-            self._graphs[key] = (graph, static)
-            return out
+            return self._capture(key, static, lambda s: self._decode(bank, s["offs"], down_bank, s["down_offs"], s["x"], s["wts"],
+                                                                      y_dtype, zero_skip))
         graph, static = found
         static["offs"].copy_(offs)
         static["down_offs"].copy_(down_offs)

@@ -45,9 +45,9 @@ class Sequence:
 
 class Engine:
     def __init__(self, store: ExpertStore, model: ResidentModel, rt: Runtime, coordinator: Coordinator, config: EngineConfig,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int | None = None):
         self.store, self.model, self.rt, self.coordinator, self.config = store, model, rt, coordinator, config
-        self.prefill_chunk = prefill_chunk  # longest prompt piece one step runs (`extend`)
+        self.prefill_chunk = prefill_chunk or MAX_PREFILL_CHUNK  # longest prompt piece one step runs (`extend`)
         self.device = model.device
         graphs = self.device.type == "cuda" and config.resident_graphs
         self.graphs = DecodeGraphs() if graphs else None

@@ -153,7 +153,7 @@ class H2D(Stage):
     def _prefetch(self, pred) -> None:
         """Copy the guessed experts of the next MoE layer that are loaded in RAM and not in VRAM into VRAM
         slots, after the copies already on this stage's stream; stop at the first slot not to be had."""
-        rt, streams = self.rt, self.rt.streams
+        rt = self.rt
         if pred.layer is None:
             return
         pending = []
@@ -169,11 +169,7 @@ class H2D(Stage):
             pending.append((ram, v))
         if not pending:
             return
-        with streams.use(self.stream):
-            for ram, v in pending:
-                streams.wait(self.stream, v.reuse_after)
-                v.buf[: self._nbytes].copy_(ram.buf[: self._nbytes], non_blocking=True)
-            copied = streams.record(self.stream)
+        copied = self._enqueue(pending)
         for ram, v in pending:
             v.reuse_after, v.filled, v.prefetched = None, copied, True
             rt.ram.unpin(ram, copied)
@@ -242,17 +238,22 @@ class H2D(Stage):
         """Copy pending blocks RAM -> VRAM on this stage's stream, one event after them all; emit them."""
         if not pending:
             return
-        streams = self.rt.streams
-        with streams.use(self.stream):
-            for hb, v in pending:
-                streams.wait(self.stream, v.reuse_after)
-                v.buf[: self._nbytes].copy_(hb.ram.buf[: self._nbytes], non_blocking=True)
-            copied = streams.record(self.stream)
+        copied = self._enqueue([(hb.ram, v) for hb, v in pending])
         for hb, v in pending:
             v.reuse_after = None
             v.filled = copied
             io.emit(self._device_block(hb, v, copied))
         pending.clear()
+
+    def _enqueue(self, copies: list) -> object:
+        """RAM entry -> VRAM entry copies on this stage's stream, each after its slot's previous reader; the
+        event after them all."""
+        streams = self.rt.streams
+        with streams.use(self.stream):
+            for ram, v in copies:
+                streams.wait(self.stream, v.reuse_after)
+                v.buf[: self._nbytes].copy_(ram.buf[: self._nbytes], non_blocking=True)
+            return streams.record(self.stream)
 
     def _device_block(self, hb: HostBlock, v, copied) -> DeviceBlock:
         rt, n = self.rt, self.rt.store.block_bytes

@@ -117,11 +117,7 @@ class BlockCache:
             slot, reuse_after = evicted.slot, evicted.busy
         entry = CacheEntry(key, slot, self.arena.slot(slot), pins=1, reuse_after=reuse_after)
         self._entries[key] = entry
-        if use:
-            self._used(key)
-        elif self.policy == "lfu":  # in the eviction order with no uses, so first to go if the guess is wrong
-            self._last[key] = t = next(self._clock)
-            heapq.heappush(self._heap, (self._uses[key], t, key))
+        self._used(key, count=use)  # a guess enters lfu's order with no use: first to go if it was wrong
         return entry
 
     async def reserve(self, key: Key) -> CacheEntry:
@@ -170,9 +166,9 @@ class BlockCache:
         entry.pins += 1
         self._held[entry.key] = self._entries.pop(entry.key)
 
-    def _used(self, key: Key) -> None:
+    def _used(self, key: Key, count: bool = True) -> None:
         if self.policy == "lfu":
-            self._uses[key] += 1
+            self._uses[key] += count
             self._last[key] = t = next(self._clock)
             heapq.heappush(self._heap, (self._uses[key], t, key))
             if len(self._heap) > 8 * self.capacity + 64:  # drop stale items now and then
