@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(bm)
     bm.add_argument("--prompt-lengths", default="32,512", help="comma-separated prefill lengths")
     bm.add_argument("--decode-tokens", type=int, default=32)
-    bm.add_argument("--cold", action="store_true", help="do not warm the RAM cache before timing decode")
+    bm.add_argument("--cold", action="store_true", help="time the first prompt of each length and decode without warming the "
+                                                        "RAM cache and kernels first")
     bm.add_argument("--json", type=Path, help="also write the results as JSON")
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
     bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths) run one after another "
@@ -157,9 +158,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
     p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
-    p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs (the server also takes turns between "
-                                                     "requests by it); default: 512, or under --vram-budget the largest "
-                                                     "power of two <= 512 whose scratch fits what the expert slots leave")
+    p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs, each of its experts read once (the "
+                                                     "server also takes turns between requests by it); default: 2048")
+    p.add_argument("--mixer-chunk", type=int, help="longest run of a prompt piece a Mamba-2 mixer prefills at once; default: 512, "
+                                                   "or under --vram-budget the largest power of two <= 512 whose scratch fits "
+                                                   "what the expert slots leave")
     p.add_argument("--record-routing", metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
 
 
@@ -179,7 +182,7 @@ def _open_engine(args):
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
         resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk,
     )
 
 
@@ -384,10 +387,23 @@ def _bench_compare(args, lengths) -> int:
                 r["cpu_gbps"] = engine.store.block_bytes / engine.rt.cpu_s_per_block / 1e9
             block = engine.store.block_bytes
             results.append((Path(name).stem if name.endswith((".yaml", ".yml")) else name, r))
+        del engine  # the next schedule's engine opens with this one's GPU memory given back (a VRAM budget counts it)
+        _free_device_memory()
     print(format_compare(results, block, ram_read_bandwidth()))
     if args.json:
         args.json.write_text(json.dumps(dict(results), indent=1))
     return 0
+
+
+def _free_device_memory() -> None:
+    """Collect a closed engine's cycles (graphs and closures refer back to it) and return its cached GPU memory."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def cmd_bench_baseline(args) -> int:

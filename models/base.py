@@ -93,6 +93,9 @@ class Layer(ABC):
     """One model layer. MoE layers split into `moe_input` (resident) + the stage graph + residual add."""
 
     moe: MoEBlock | None = None
+    # the longest run of a prompt's tokens a layer whose prefill scratch grows with the prompt (a Mamba-2 mixer)
+    # takes at once; longer prompts pass through it in pieces, its state carried between them (set by the engine)
+    prefill_piece: int | None = None
 
     def forward(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         """A whole non-MoE layer on h [1,T,D]."""

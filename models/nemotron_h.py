@@ -80,23 +80,28 @@ class NemotronH(Architecture):
         return NemotronHResident(build_hf_model(self, hf_config, tensors, strip, device, dtype))
 
 
+MAMBA = ("mamba", "linear_attention")  # a Mamba-2 mixer's block type: "mamba"; "linear_attention" in later transformers
+
+
 class _MixerLayer(Layer):
     def __init__(self, block):
         self.block = block
 
     def forward(self, h, ctx: Ctx):
-        return self.block(
-            h,
-            attention_mask=ctx.masks.get(self.block.block_type),
-            position_ids=ctx.position_ids,
-            use_cache=True,
-            **cache_kw(ctx.cache),
-        )
+        mask, n, T = ctx.masks.get(self.block.block_type), self.prefill_piece, h.shape[1]
+        if n is None or T <= n or self.block.block_type not in MAMBA or (mask is not None and mask.dim() != 2):
+            return self._call(h, mask, ctx.position_ids, ctx)
+        # a Mamba-2 prefill in pieces (its scan's scratch grows with the prompt), the state carried between them
+        return torch.cat([self._call(h[:, s : s + n], None if mask is None else mask[:, s : s + n], ctx.position_ids[:, s : s + n], ctx)
+                          for s in range(0, T, n)], dim=1)
+
+    def _call(self, h, mask, position_ids, ctx: Ctx):
+        return self.block(h, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kw(ctx.cache))
 
     def decode_state(self, ctx):
         """A Mamba-2 mixer's one-token step updates its conv and SSM states in place (pipeline/graphs.py)."""
-        i, kind = self.block.layer_idx, self.block.block_type  # "mamba"; "linear_attention" in later transformers
-        if kind not in ("mamba", "linear_attention") or ctx.masks.get(kind) is not None or not ctx.cache.has_previous_state(i):
+        i, kind = self.block.layer_idx, self.block.block_type
+        if kind not in MAMBA or ctx.masks.get(kind) is not None or not ctx.cache.has_previous_state(i):
             return None
         states = ctx.cache.layers[i]
         if getattr(states, "record_past", False):

@@ -65,8 +65,10 @@ class EngineConfig:
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
-    prefill_chunk: int | None = None  # longest prompt piece one step runs; None: 512, or with a VRAM budget the
-    # largest power of two <= 512 whose resident scratch fits what the expert slots leave (engine.py `plan_budget`)
+    prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048
+    mixer_chunk: int | None = None  # longest run of a piece a Mamba-2 mixer prefills at once (its scratch grows with it);
+    # None: 512, or with a VRAM budget the largest power of two <= 512 whose scratch fits what the expert slots leave
+    # (engine.py `plan_budget`)
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -79,7 +81,7 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
         if self.vram_slots is not None and self.vram_budget is not None:
             raise ConfigError("vram_slots and vram_budget: give one (the budget sizes the slot bank itself)")
-        for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk"):
+        for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk", "mixer_chunk"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")

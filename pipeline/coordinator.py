@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.schedule import Schedule, StageSpec
-from sluice.stages import STAGES, Stage, StageIO
+from sluice.stages import ALONE, STAGES, Stage, StageIO
 from sluice.stages.types import LayerInput, LayerOutput
 
 _WAVE = object()
@@ -107,12 +107,21 @@ class Coordinator:
             (spec, STAGES[spec.name](spec.knobs, spec.stream, rt)) for spec in schedule.stages
         ]
 
+    @property
+    def whole(self) -> Stage | None:
+        """The schedule's one stage when it runs a MoE layer's whole step by itself (direct), else None."""
+        return self.stages[0][1] if len(self.stages) == 1 and self.stages[0][0].name in ALONE else None
+
     def close(self) -> None:
         for _, stage in self.stages:
             stage.close()
 
     async def run_layer(self, li: LayerInput) -> LayerOutput:
         run = _LayerRun(self.schedule, li)
+        if len(self.stages) == 1:  # a stage that runs the whole layer (direct): no tasks to schedule
+            spec, stage = self.stages[0]
+            await self._run_stage(run, spec, stage, li.block.layer)
+            return run.values["output"].result()
         try:
             async with asyncio.TaskGroup() as tg:
                 for spec, stage in self.stages:

@@ -27,6 +27,8 @@ from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
 from sluice.pipeline.snapshot import Snapshot, restore, take
+from sluice.stages.fetch import FetchKnobs
+from sluice.stages.h2d import H2DKnobs
 from sluice.stages.types import LayerInput
 from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder
@@ -61,13 +63,14 @@ class Engine:
         self._decode_views: dict[int, tuple[Any, MoEBlock, MoEBlock | None]] = {}
         if self.fn_graphs is not None:
             fg = self.fn_graphs
+            whole = coordinator.schedule.stage("direct") is not None  # captures each layer's step whole: plain blocks
             for i, layer in enumerate(model.layers):
                 b = layer.moe
                 if b is not None and b.graph_safe:
                     nxt = self._next[b.index]
                     self._decode_views[i] = (
-                        fg.wrap(lambda h, f=layer.moe_input: f(h, None), f"moe_input:{b.layer}"), fg.block(b, "route"),
-                        fg.block(nxt, "predict") if nxt is not None and nxt.graph_safe else nxt)
+                        fg.wrap(lambda h, f=layer.moe_input: f(h, None), f"moe_input:{b.layer}"), b if whole else fg.block(b, "route"),
+                        nxt if whole or nxt is None or not nxt.graph_safe else fg.block(nxt, "predict"))
 
     @classmethod
     def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":
@@ -87,13 +90,16 @@ class Engine:
         model = arch.build(hf_config, load_file(store.path / store.manifest.resident), device, config.torch_dtype)
         schedule = load_schedule(config.schedule)
         fetch = schedule.stage("fetch")
-        readers = config.readers or fetch.knobs.readers
-        ram_bytes = config.ram_cache if config.ram_cache is not None else available_ram() // 4
+        h2d = schedule.stage("h2d").knobs if schedule.stage("h2d") else H2DKnobs()
+        readers = config.readers or (fetch.knobs.readers if fetch else FetchKnobs.readers)
+        direct = schedule.stage("direct") is not None  # every block held in RAM: by default as much RAM as that takes
+        ram_bytes = config.ram_cache if config.ram_cache is not None else \
+            store.total_blocks * store.block_bytes if direct else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
-        chunk = config.prefill_chunk or MAX_PREFILL_CHUNK
+        piece = config.mixer_chunk or MAX_MIXER_CHUNK
         if config.vram_budget is not None and device.type == "cuda":
-            vram_blocks, chunk = budget_slots(config.vram_budget, store, device, scratch, config.prefill_chunk)
+            vram_blocks, piece = budget_slots(config.vram_budget, store, device, scratch, config.mixer_chunk)
         else:
             if config.vram_budget is not None:
                 get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))
@@ -107,10 +113,9 @@ class Engine:
             recorder = RoutingRecorder(config.record_routing, {
                 "architecture": m.architecture, "moe_layers": list(store.moe_layers), "num_experts": m.num_experts,
                 "top_k": m.top_k, "block_bytes": m.block_bytes, "ram_blocks": ram_blocks,
-                "vram_blocks": vram_blocks, "prefetch": fetch.knobs.prefetch and schedule.stage("predict") is not None,
-                "vram_prefetch": schedule.stage("h2d").knobs.prefetch and schedule.stage("predict") is not None,
+                "vram_blocks": vram_blocks, "prefetch": bool(fetch) and fetch.knobs.prefetch and schedule.stage("predict") is not None,
+                "vram_prefetch": h2d.prefetch and schedule.stage("predict") is not None,
                 "schedule": schedule.name})
-        h2d = schedule.stage("h2d").knobs
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
                      down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy)
         if h2d.hot_set and rt.vram is not None:
@@ -122,7 +127,14 @@ class Engine:
             get_logger().info("VRAM hot set loaded", blocks=held, trace=h2d.hot_set)
         elif h2d.hot_set:
             get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=h2d.hot_set)
-        return cls(store, model, rt, Coordinator(schedule, rt), config, chunk)
+        for layer in model.layers:
+            layer.prefill_piece = piece
+        try:
+            coordinator = Coordinator(schedule, rt)
+        except BaseException:
+            rt.close()
+            raise
+        return cls(store, model, rt, coordinator, config, config.prefill_chunk)
 
     # -- public, synchronous API ------------------------------------------------------------
 
@@ -145,7 +157,8 @@ class Engine:
         """Append ids to seq; returns their logits [T, V] fp32 on the device, or with `last` only the last
         position's [1, V] (what generation needs: the head then runs on one row). images: `encode_images`
         rows, one per image token in ids, in order; they replace those tokens' embeddings. A prompt longer
-        than `prefill_chunk` runs as several steps of at most that many tokens (bounded activation memory)."""
+        than `prefill_chunk` runs as several steps of at most that many tokens (bounded activation memory; each
+        step reads its experts once). Inside a step a Mamba-2 mixer takes the piece in runs of its `prefill_piece`."""
         n = self.prefill_chunk
         if len(ids) <= n:
             return self._run(seq, ids, images, "last" if last else "all")
@@ -253,9 +266,13 @@ class Engine:
                 mask = torch.tensor(ids, device=self.device) == self._images.image_token_id
                 h[0, mask] = images.to(h.device, h.dtype)
             graphs = self.graphs if len(ids) == 1 else None
+            whole = self.coordinator.whole if len(ids) == 1 else None
             for i, layer in enumerate(model.layers):
                 if layer.moe is None:
                     h = graphs.run(i, layer, h, ctx) if graphs is not None else layer.forward(h, ctx)
+                    continue
+                if whole is not None and (out := whole.token(layer, h)) is not None:  # the layer's step in one call
+                    h = out
                     continue
                 view = self._decode_views.get(i) if graphs is not None else None
                 if view is None:
@@ -286,7 +303,8 @@ def split_image_rows(part: list[int], rows: torch.Tensor | None, token: int | No
 
 VRAM_RESERVE = 2 << 30  # at least this much of a VRAM budget stays free for activations and the KV cache
 SCRATCH_MARGIN = 512 << 20  # beside twice a prefill chunk's largest temporary (the allocator's fragmentation)
-MAX_PREFILL_CHUNK = 512
+MAX_PREFILL_CHUNK = 2048  # the default prompt piece of one step
+MAX_MIXER_CHUNK = 512  # the default (and the automatic piece's largest) run of a Mamba-2 prefill
 
 
 def reserve_bytes(budget: int, scratch: int) -> int:
@@ -297,16 +315,16 @@ def reserve_bytes(budget: int, scratch: int) -> int:
 
 
 def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scratch, chunk: int | None = None) -> tuple[int, int, int]:
-    """(expert slots, prefill piece in tokens, reserve in bytes) for a VRAM budget with `used` bytes already
-    resident; scratch(tokens) is a prompt piece's largest temporary. An automatic piece (chunk None) is the
-    largest power of two <= 512 whose scratch fits what the slots leave: the base reserve (2 GiB or a
-    quarter), or more where every block fits with room to spare. A Nemotron-3-Nano layer's PyTorch
-    Mamba-2 prefill needs 0.5 GiB per 128 tokens: 128 tokens for the full model at 8 GiB. A piece asked
+    """(expert slots, Mamba-2 prefill run in tokens, reserve in bytes) for a VRAM budget with `used` bytes already
+    resident; scratch(tokens) is the largest temporary of a mixer's run of that many tokens. An automatic run
+    (chunk None) is the largest power of two <= 512 whose scratch fits what the slots leave: the base reserve
+    (2 GiB or a quarter), or more where every block fits with room to spare. A Nemotron-3-Nano layer's
+    PyTorch Mamba-2 prefill needs 0.5 GiB per 128 tokens: 128 tokens for the full model at 8 GiB. A run asked
     for grows the reserve, and the slots give way."""
     fit = lambda reserve: min(total_blocks, (budget - used - reserve) // block_bytes)  # noqa: E731
     if chunk is None:
         spare = budget - used - max(fit(max(VRAM_RESERVE, budget // 4)), 0) * block_bytes
-        chunk = MAX_PREFILL_CHUNK
+        chunk = MAX_MIXER_CHUNK
         while chunk > 16 and 2 * scratch(chunk) + SCRATCH_MARGIN > spare:
             chunk //= 2
     reserve = reserve_bytes(budget, scratch(chunk))
@@ -315,8 +333,8 @@ def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scr
 
 def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=lambda tokens: 0,
                  chunk: int | None = None) -> tuple[int, int]:
-    """(expert slots, prefill piece) a VRAM budget leaves after the resident part (already on the device) and
-    a reserve for activations, KV and a prompt piece's scratch (`plan_budget`); caps the process at the
+    """(expert slots, Mamba-2 prefill run) a VRAM budget leaves after the resident part (already on the device) and
+    a reserve for activations, KV and a Mamba-2 prefill run's scratch (`plan_budget`); caps the process at the
     budget so the run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone
     needs ~1.5 GiB for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
     used = torch.cuda.memory_allocated(device)
@@ -324,13 +342,13 @@ def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=
     need = store.manifest.top_k
     if slots < need:
         raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)} and {format_bytes(reserve)} "
-                          f"stays free for activations and a {chunk}-token prompt piece, leaving room for {max(slots, 0)} expert "
+                          f"stays free for activations and a {chunk}-token Mamba-2 prefill run, leaving room for {max(slots, 0)} expert "
                           f"slots; a MoE layer needs {need}")
     index = _cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
     get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), reserve=format_bytes(reserve),
-                      expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes), prefill_chunk=chunk)
+                      expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes), mixer_chunk=chunk)
     return slots, chunk
 
 

@@ -41,6 +41,7 @@ class IOStats:
     steps: int = 0
     tokens: int = 0
     kernels: list = field(default_factory=list, repr=False)  # TritonExperts, for live-group counts
+    sources: list = field(default_factory=list, repr=False)  # callables adding device-side counts into these (sync)
     _guesses: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def tier(self, tier: str, prefetched: bool = False) -> None:
@@ -61,7 +62,7 @@ class IOStats:
 
     def counters(self) -> dict:
         """The host-side counters as plain numbers (cheap: no GPU sync)."""
-        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "kernels"}
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in ("kernels", "sources")}
         d["blocks"] = dict(self.blocks)
         return d
 
@@ -69,7 +70,9 @@ class IOStats:
         return _diff(self.counters(), before)
 
     def snapshot(self) -> dict:
-        """All counters, with the kernels' live-group counts (reading those syncs the GPU)."""
+        """All counters, with the device-side ones (the kernels' live groups, `sources`; reading those syncs the GPU)."""
+        for add in self.sources:
+            add()
         d = self.counters()
         d["live_groups"] = sum(int(k.live_groups) for k in self.kernels)
         d["total_groups"] = sum(k.total_groups for k in self.kernels)

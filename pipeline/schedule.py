@@ -30,7 +30,7 @@ import yaml
 
 from sluice.errors import ScheduleError
 from sluice.pipeline.streams import STREAM_NAMES
-from sluice.stages import REQUIRED, STAGES
+from sluice.stages import ALONE, REQUIRED, STAGES
 
 SCHEDULES_DIR = Path(__file__).resolve().parent.parent / "schedules"
 COMMON_KEYS = ("after", "stream")
@@ -85,7 +85,11 @@ def parse_schedule(doc: Any, source: str = "<schedule>") -> Schedule:
         if name not in STAGES:
             raise ScheduleError(f"{source}: unknown stage {name!r} (known: {', '.join(STAGES)})")
         specs[name] = _parse_stage(name, body or {}, f"{source}: stage {name!r}")
-    missing = [s for s in REQUIRED if s not in specs]
+    alone = [s for s in ALONE if s in specs]
+    if alone and len(specs) > 1:
+        others = ", ".join(s for s in specs if s != alone[0])
+        raise ScheduleError(f"{source}: stage {alone[0]!r} runs a MoE layer's whole step by itself; remove {others}")
+    missing = [s for s in REQUIRED if s not in specs] if not alone else []
     if missing:
         raise ScheduleError(f"{source}: required stage(s) missing: {', '.join(missing)}")
     order = _check_graph(specs, source)

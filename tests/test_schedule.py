@@ -23,6 +23,9 @@ def with_stage(name, body):
 def test_bundled_schedules_load(path):
     s = load_schedule(path)
     order = [st.name for st in s.stages]
+    if order == ["direct"]:  # the whole layer in one stage
+        assert load_schedule(path.stem).name == s.name
+        return
     assert order.index("route") < order.index("fetch") < order.index("h2d") < order.index("compute") < order.index("combine")
     assert load_schedule(path.stem).name == s.name
 

@@ -1,0 +1,296 @@
+"""direct: a MoE layer's whole step on the GPU, each expert read where it lies; decode never waits for routed ids.
+
+Every routed block of the model is read once into the pinned RAM cache and held there. A device
+table gives each (MoE layer, expert) its block's byte offset from one base: a VRAM slot for the
+blocks the VRAM tier holds, else the pinned RAM slot, which the expert kernels read over PCIe
+themselves (zero-copy; 64-bit addresses reach host memory on CUDA). A one-token step routes on the
+GPU, gathers the K offsets from the table, runs the layer's expert kernels on them, sums the K
+weighted outputs in combine's fixed order and finishes the layer: one CUDA graph per layer (the
+stage's `graphs`), so the host enqueues a whole decode step without a round trip to the GPU. Outputs
+are bit-identical to the streaming schedules' (the same kernels on the same bytes, the same sum).
+
+VRAM tier (`vram`): the routed experts are counted on the GPU; every `refresh` one-token steps the
+host reads the counts (decayed by `decay` each time), and the most used blocks that the tier lacks
+are copied into its slots on the copy stream, in place of the least used. The table only points at
+a slot in stream order: a leaving block's entry goes back to its RAM slot before the slot is
+overwritten, and a new block's entry switches to the slot once its copy has landed (checked at each
+step, so compute never waits for the copies).
+
+Prompts (T > 1): the ids come to the host (one wait per layer) and the grouped GEMM reads each routed
+expert of the piece from its table entry once per row tile.
+
+Needs every block in RAM (`--ram-cache` at least the store's expert bytes) and keeps routed ids on the
+GPU, so it does not record routing traces; the trace shows one `direct` span per MoE layer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sluice.errors import ConfigError, ScheduleError
+from sluice.kernels.experts_ref import dequant_expert_ref, expert_ref
+from sluice.log import get_logger
+from sluice.stages.base import Stage, StageIO
+from sluice.stages.route import group_by_expert
+from sluice.stages.types import LayerInput, LayerOutput
+
+
+@dataclass(frozen=True)
+class DirectKnobs:
+    backend: str = "auto"  # auto (triton on CUDA, torch on a CPU) | triton | torch
+    zero_skip: bool = False  # ReLU^2 down reads only live 16-neuron groups
+    graphs: bool = True  # a one-token layer step replays one CUDA graph (CUDA, triton backend)
+    vram: bool = True  # keep the most routed blocks in the VRAM tier's slots
+    refresh: int = 16  # one-token steps between VRAM tier updates
+    decay: float = 0.5  # weight of older counts at each update (0: only the last `refresh` steps count)
+
+
+class Direct(Stage):
+    name = "direct"
+    consumes = ("layer",)
+    produces = "output"
+    Knobs = DirectKnobs
+
+    def __init__(self, knobs: DirectKnobs, stream: str, rt):
+        super().__init__(knobs, stream, rt)
+        backend = knobs.backend
+        if backend not in ("auto", "triton", "torch"):
+            raise ScheduleError(f"stage 'direct': 'backend' must be auto, triton or torch, got {backend!r}")
+        if backend == "auto":
+            backend = "triton" if rt.device.type == "cuda" else "torch"
+        if backend == "triton" and rt.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ScheduleError("stage 'direct': the triton backend needs CUDA (or TRITON_INTERPRET=1 on a CPU)")
+        if not 0.0 <= knobs.decay <= 1.0:
+            raise ScheduleError(f"stage 'direct': 'decay' must be in [0, 1], got {knobs.decay!r}")
+        if knobs.refresh < 1:
+            raise ScheduleError(f"stage 'direct': 'refresh' must be >= 1, got {knobs.refresh!r}")
+        if rt.recorder is not None:
+            raise ScheduleError("stage 'direct' keeps routed ids on the GPU and records no routing trace: "
+                                "record with a streaming schedule (e.g. overlap)")
+        self.backend = backend
+        store, dev = rt.store, rt.device
+        self.layers = list(store.moe_layers)  # MoE index -> model layer
+        self.index = {layer: i for i, layer in enumerate(self.layers)}
+        E = store.manifest.num_experts
+        self.ram_entries = self._load_all()  # (layer, expert) -> held RAM entry
+        self.vram = rt.vram if knobs.vram and rt.vram is not None and rt.vram.capacity else None
+        base = (self.vram.arena if self.vram is not None else rt.ram.arena).data
+        self.base = base
+        self._ram_off = [[self.ram_entries[(layer, e)].buf.data_ptr() - base.data_ptr() for e in range(E)] for layer in self.layers]
+        self.table = torch.tensor(self._ram_off, dtype=torch.int64, device=dev)  # [n_moe, E] byte offsets from base
+        self.in_vram = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # 1 where the table points at VRAM
+        self.uses = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
+        self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
+        self.token_blocks = 0  # one-token steps' routed blocks (host count)
+        self._seen = (0, 0)  # (vram_served, token_blocks) already added to the I/O counters
+        self._score = torch.zeros(len(self.layers), E, dtype=torch.float64)
+        self._last_uses = torch.zeros(len(self.layers), E, dtype=torch.int64)
+        self._slot_of: dict[tuple[int, int], int] = {}  # VRAM tier: (MoE index, expert) -> slot
+        self._free = list(range(self.vram.capacity - 1, -1, -1)) if self.vram is not None else []
+        self._landing: tuple[object, list[tuple[int, int, int]]] | None = None  # (copy event, [(i, e, slot)])
+        self._steps = 0
+        self._kernels = {}
+        self._graphs = None
+        if knobs.graphs and backend == "triton" and dev.type == "cuda":
+            from sluice.pipeline.graphs import FnGraphs
+
+            self._graphs = FnGraphs()
+        self._steppers = {}
+        rt.stats.sources.append(self._flush_counts)
+
+    def _load_all(self) -> dict:
+        """Read every block into the RAM tier and hold it there (once, at open)."""
+        rt, store = self.rt, self.rt.store
+        n = store.total_blocks
+        if rt.ram.capacity < n:
+            gib = n * store.block_bytes / 2**30
+            raise ConfigError(f"schedule stage 'direct' keeps every expert block in RAM: the store has {n} blocks ({gib:.2f} GiB), "
+                              f"the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) at least {gib:.2f}GiB")
+        t, entries, pending = time.perf_counter(), {}, []
+        for layer in store.moe_layers:
+            for e in range(store.manifest.num_experts):
+                entry = entries[(layer, e)] = rt.ram.try_reserve((layer, e))
+                pending.append((entry, rt.reader.submit(layer, e, entry.buf)))
+                if len(pending) >= 64:
+                    self._settle(pending)
+        self._settle(pending)
+        get_logger().info("direct: every expert block held in RAM", blocks=n, gib=round(n * store.block_bytes / 2**30, 2),
+                          s=round(time.perf_counter() - t, 2))
+        return entries
+
+    def _settle(self, pending: list) -> None:
+        for entry, fut in pending:
+            fut.result()  # a failed read raises, naming layer and expert
+            self.rt.ram.hold(entry)
+            self.rt.ram.unpin(entry)
+        pending.clear()
+
+    # -- the layer step --------------------------------------------------------------------------
+
+    async def run(self, io: StageIO) -> LayerOutput:
+        li: LayerInput = await io.value("layer")
+        block, T = li.block, li.x.shape[0]
+        i = self.index[block.layer]
+        if T == 1 and self.backend == "triton":
+            return LayerOutput(self._token(block, None, li.x, li.residual))
+        with self.rt.streams.use(self.stream):
+            weights, ids = block.router(li.x)
+            xe = block.expert_input(li.x)
+            self.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        ids_cpu, arrived = self.rt.streams.to_host(self.stream, ids)
+        await self.rt.streams.arrived(arrived)
+        experts, rows = group_by_expert(ids_cpu.long(), li.x.device)
+        for e in experts:
+            self.rt.stats.tier("vram" if (i, e) in self._slot_of else "ram")
+        with self.rt.streams.use(self.stream):
+            y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
+            w = weights.reshape(-1)
+            if self.backend == "triton":
+                kern = self._kernel(block)
+                offs = torch.tensor([self._offset(i, e) for e in experts], dtype=torch.int64).to(xe.device, non_blocking=True)
+                rl = [rows[e] for e in experts]
+                kern.run(self.base, offs, self.base, offs, [r.numel() for r in rl], torch.cat(rl), block.top_k, xe, w, y,
+                         self.knobs.zero_skip)
+            else:
+                self._torch(block, experts, rows, xe, w, y)
+            routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
+            h = li.residual + block.finish(routed, li.x).view_as(li.residual)
+        return LayerOutput(h)
+
+    def token(self, layer, h: torch.Tensor) -> torch.Tensor | None:
+        """A one-token step of MoE `layer` whole, from its input h [1, 1, D] (the norm before the experts included,
+        so one graph replay is the layer's whole host cost); None where this stage cannot (the torch backend, a
+        MoE input that is not a pure function)."""
+        block = layer.moe
+        if self.backend != "triton" or not block.graph_safe:
+            return None
+        with self.rt.tracer.span(self.name, layer=block.layer, stream=self.stream):
+            return self._token(block, layer, h)
+
+    def _token(self, block, layer, *args) -> torch.Tensor:
+        if self.index[block.layer] == 0:
+            self._between_tokens()
+        with self.rt.streams.use(self.stream):
+            h = self._stepper(block, layer)(*args)
+        self.token_blocks += block.top_k
+        if block.kind == "relu2":
+            kern = self._kernel(block)
+            kern.total_groups += block.top_k * (kern.layouts["down"].k // 16)
+        return h
+
+    def _stepper(self, block, layer=None):
+        """The one-token step of `block`'s layer: h [1, 1, D] -> h with `layer` (its MoE input included), else
+        (x [1, D], residual) -> h; replayed as a CUDA graph with `graphs`."""
+        fn = self._steppers.get((block.layer, layer is None))
+        if fn is None:
+            kern, i, K = self._kernel(block), self.index[block.layer], block.top_k
+            ones = torch.ones(K, dtype=torch.int64, device=self.rt.device)
+            zero_skip, base = self.knobs.zero_skip, self.base
+
+            def experts(x, residual):
+                weights, ids = block.router(x)
+                xe = block.expert_input(x)
+                idx = ids[0]
+                offs = self.table[i].index_select(0, idx)
+                self.uses[i].index_add_(0, idx, ones)
+                self.vram_served.add_(self.in_vram[i].index_select(0, idx).sum())
+                y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip)  # [K, Dx], row k
+                routed = y.view(1, K, -1).sum(dim=1).to(x.dtype)
+                return residual + block.finish(routed, x).view_as(residual)
+
+            step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
+            name = f"direct{'' if layer is None else '+input'}:{block.layer}"
+            fn = self._steppers[(block.layer, layer is None)] = self._graphs.wrap(step, name) if self._graphs else step
+        return fn
+
+    def _kernel(self, block):
+        from sluice.kernels.experts import TritonExperts
+
+        kern = self._kernels.get((block.kind, block.act_name))
+        if kern is None:
+            kern = self._kernels[(block.kind, block.act_name)] = TritonExperts(self.rt.store.manifest, block.kind, block.act_name,
+                                                                              self.rt.device, block.act_args)
+            self.rt.stats.kernels.append(kern)
+        return kern
+
+    def _torch(self, block, experts, rows, xe, w, y) -> None:
+        """The plain-torch reference path, each expert from its RAM slot."""
+        store, K = self.rt.store, block.top_k
+        for e in experts:
+            dense = dequant_expert_ref(store.manifest.formats, store.logical(self.ram_entries[(block.layer, e)].buf), xe.dtype)
+            r = rows[e]
+            out = expert_ref(block.kind, xe[r // K], dense, block.act, block.glu)
+            y[r] = (out * w[r, None]).to(block.combine_dtype)
+
+    def _offset(self, i: int, e: int) -> int:
+        slot = self._slot_of.get((i, e))
+        return self._ram_off[i][e] if slot is None else slot * self.rt.store.block_bytes
+
+    # -- the VRAM tier ----------------------------------------------------------------------------
+
+    def _between_tokens(self) -> None:
+        """At a one-token step's first MoE layer: switch the table to blocks whose copies have landed, and every
+        `refresh` steps choose the tier's blocks anew."""
+        if self._landing is not None and (self._landing[0] is None or self._landing[0].query()):
+            self._point(self._landing[1], vram=True)
+            self._landing = None
+        self._steps += 1
+        if self.vram is not None and self._landing is None and self._steps % self.knobs.refresh == 0:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        uses = self.uses.cpu()  # the one host wait in `refresh` steps
+        self._score = self._score * self.knobs.decay + (uses - self._last_uses).double()
+        self._last_uses = uses
+        cap = self.vram.capacity
+        flat = self._score.flatten()
+        top = torch.topk(flat, min(cap, flat.numel())).indices.tolist()
+        E = self.table.shape[1]
+        want = {divmod(j, E) for j in top if flat[j] > 0}
+        leave = [k for k in self._slot_of if k not in want]
+        # newcomers, most used first, as many as the free slots and the leavers' slots allow
+        come = sorted((k for k in want if k not in self._slot_of), key=lambda k: -float(self._score[k]))
+        come = come[: len(self._free) + len(leave)]
+        leave = sorted(leave, key=lambda k: float(self._score[k]))[: max(0, len(come) - len(self._free))]
+        if not come:
+            return
+        streams = self.rt.streams
+        if leave:
+            self._point([(i, e, self._slot_of[(i, e)]) for i, e in leave], vram=False)
+            for k in leave:
+                self._free.append(self._slot_of.pop(k))
+        pointed = streams.record(self.stream)
+        moves = []
+        with streams.use("copy"):
+            streams.wait("copy", pointed)  # the kernels that still read a leaving block's slot come first
+            for i, e in come:
+                slot = self._free.pop()
+                self.vram.arena.slot(slot).copy_(self.ram_entries[(self.layers[i], e)].buf, non_blocking=True)
+                self._slot_of[(i, e)] = slot
+                moves.append((i, e, slot))
+        self._landing = (streams.record("copy"), moves)
+
+    def _point(self, moves: list[tuple[int, int, int]], vram: bool) -> None:
+        """Table entries (i, e) -> VRAM slot (vram) or back to their RAM slot, in stream order on the compute stream."""
+        if not moves:
+            return
+        i = torch.tensor([m[0] for m in moves])
+        e = torch.tensor([m[1] for m in moves])
+        off = torch.tensor([m[2] * self.rt.store.block_bytes if vram else self._ram_off[m[0]][m[1]] for m in moves], dtype=torch.int64)
+        dev = self.table.device
+        with self.rt.streams.use(self.stream):
+            i, e = i.to(dev, non_blocking=True), e.to(dev, non_blocking=True)
+            self.table.index_put_((i, e), off.to(dev, non_blocking=True))
+            self.in_vram.index_put_((i, e), torch.full_like(i, int(vram)))
+
+    def _flush_counts(self) -> None:
+        """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""
+        served, blocks = int(self.vram_served), self.token_blocks
+        dv, db = served - self._seen[0], blocks - self._seen[1]
+        self.rt.stats.blocks["vram"] += dv
+        self.rt.stats.blocks["ram"] += db - dv
+        self._seen = (served, blocks)
