@@ -16,8 +16,9 @@ a slot in stream order: a leaving block's entry goes back to its RAM slot before
 overwritten, and a new block's entry switches to the slot once its copy has landed (checked at each
 step, so compute never waits for the copies).
 
-Prompts (T > 1): the ids come to the host (one wait per layer) and the grouped GEMM reads each routed
-expert of the piece from its table entry once per row tile.
+Prompts (T > 1): the ids come to the host (one wait per layer); the grouped GEMM reads the blocks in VRAM
+from their slots, and the rest after the copy stream has brought them, `prompt_group` at a time, into a
+small staging bank (double-buffered, so a group's copies run under the previous group's GEMMs).
 
 Needs every block in RAM (`--ram-cache` at least the store's expert bytes) and keeps routed ids on the
 GPU, so it does not record routing traces; the trace shows one `direct` span per MoE layer.
@@ -47,6 +48,7 @@ class DirectKnobs:
     vram: bool = True  # keep the most routed blocks in the VRAM tier's slots
     refresh: int = 16  # one-token steps between VRAM tier updates
     decay: float = 0.5  # weight of older counts at each update (0: only the last `refresh` steps count)
+    prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
 
 
 class Direct(Stage):
@@ -100,6 +102,8 @@ class Direct(Stage):
 
             self._graphs = FnGraphs()
         self._steppers = {}
+        self._staging: torch.Tensor | None = None  # prompts: 2 x prompt_group block slots in VRAM
+        self._staged: list = [None, None]
         rt.stats.sources.append(self._flush_counts)
 
     def _load_all(self) -> dict:
@@ -137,6 +141,10 @@ class Direct(Stage):
         i = self.index[block.layer]
         if T == 1 and self.backend == "triton":
             return LayerOutput(self._token(block, None, li.x, li.residual))
+        if self._landing is not None:  # a prompt reads the slots the host believes in: wait for their copies
+            self.rt.streams.wait(self.stream, self._landing[0])
+            self._point(self._landing[1], vram=True)
+            self._landing = None
         with self.rt.streams.use(self.stream):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
@@ -150,16 +158,49 @@ class Direct(Stage):
             y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
             w = weights.reshape(-1)
             if self.backend == "triton":
-                kern = self._kernel(block)
-                offs = torch.tensor([self._offset(i, e) for e in experts], dtype=torch.int64).to(xe.device, non_blocking=True)
-                rl = [rows[e] for e in experts]
-                kern.run(self.base, offs, self.base, offs, [r.numel() for r in rl], torch.cat(rl), block.top_k, xe, w, y,
-                         self.knobs.zero_skip)
+                self._prompt_experts(block, i, experts, rows, xe, w, y)
             else:
                 self._torch(block, experts, rows, xe, w, y)
             routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
             h = li.residual + block.finish(routed, li.x).view_as(li.residual)
         return LayerOutput(h)
+
+    def _prompt_experts(self, block, i, experts, rows, xe, w, y) -> None:
+        """A prompt's experts: those in VRAM from their slots; those in RAM (with `prompt_group`) copied into a staging
+        bank group by group on the copy stream, each group computed once its copies land while the next is copied
+        (the copy engine moves them faster than a GEMM reading host memory row tile by row tile); else in place."""
+        kern, K, bb, streams = self._kernel(block), block.top_k, self.rt.store.block_bytes, self.rt.streams
+
+        def compute(es, offsets):
+            offs = torch.tensor(offsets, dtype=torch.int64).to(xe.device, non_blocking=True)
+            rl = [rows[e] for e in es]
+            kern.run(self.base, offs, self.base, offs, [r.numel() for r in rl], torch.cat(rl), K, xe, w, y, self.knobs.zero_skip)
+
+        in_vram = [e for e in experts if (i, e) in self._slot_of]
+        in_ram = [e for e in experts if (i, e) not in self._slot_of]
+        if in_vram:
+            compute(in_vram, [self._offset(i, e) for e in in_vram])
+        G = self.knobs.prompt_group
+        if not in_ram:
+            return
+        if not G:
+            compute(in_ram, [self._offset(i, e) for e in in_ram])
+            return
+        if self._staging is None:
+            self._staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
+            self._staged = [None, None]  # per half: the event after the compute that last read it
+        origin = self._staging.data_ptr() - self.base.data_ptr()
+        for g, start in enumerate(range(0, len(in_ram), G)):
+            group, half = in_ram[start : start + G], g % 2
+            with streams.use("copy"):
+                streams.wait("copy", self._staged[half])
+                for j, e in enumerate(group):
+                    self._staging[(half * G + j) * bb : (half * G + j + 1) * bb].copy_(self.ram_entries[(block.layer, e)].buf,
+                                                                                       non_blocking=True)
+                landed = streams.record("copy")
+            streams.wait(self.stream, landed)
+            compute(group, [origin + (half * G + j) * bb for j in range(len(group))])
+            self._staged[half] = streams.record(self.stream)
 
     def token(self, layer, h: torch.Tensor) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole, from its input h [1, 1, D] (the norm before the experts included,

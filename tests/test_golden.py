@@ -515,10 +515,10 @@ def test_direct_matches_transformers(variant, stores, refs):
 def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path):
     """direct through the Triton kernels (interpreted on a CPU): one-token steps gather each expert's offset from the
     device table, some pointing at VRAM slots (the tier filled every 2 steps; emulated in host memory on a CPU),
-    the rest at RAM slots. Greedy tokens are the reference's and the logits are the streaming overlap schedule's
+    the rest at RAM slots; prompts copy RAM blocks two at a time into a staging bank. Greedy tokens are the reference's and the logits are the streaming overlap schedule's
     bit for bit (same kernels, same bytes, same sum); a table pointing one expert at another's block diverges."""
     ref_tokens = refs.greedy(variant, PROMPT, 12)
-    schedule = direct_schedule(tmp_path, backend="triton", refresh=2)
+    schedule = direct_schedule(tmp_path, backend="triton", refresh=2, prompt_group=2)
     overlap = triton_schedule(tmp_path, "overlap", backend="triton")
 
     def decode(engine, n=12):
