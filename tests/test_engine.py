@@ -221,8 +221,11 @@ def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
 
     GiB, block = 1 << 30, 5615616  # an NVFP4 Nano expert block
     _, nano = _config("nemotron-3-nano-30b-a3b", None)
-    scratch = lambda n: get_architecture("nemotron_h").prefill_scratch_bytes(nano, n)  # noqa: E731
+    scratch = lambda n: get_architecture("nemotron_h").prefill_scratch_bytes(nano, n, broadcast=True)  # noqa: E731
     assert scratch(512) == 2 * GiB and scratch(100) == scratch(128) == GiB // 2
+    # transformers' einsum scan (mamba2_chunk_scan, 5.2x): 48 MiB per 512 tokens, so 512-token runs even at 8 GiB
+    einsum = lambda n: get_architecture("nemotron_h").prefill_scratch_bytes(nano, n, broadcast=False)  # noqa: E731
+    assert einsum(512) == 48 << 20 and plan_budget(8 * GiB, 4_300_000_000, 2944, block, einsum)[1] == 512
     slots, chunk, reserve = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch)
     assert (chunk, reserve) == (128, VRAM_RESERVE) and slots == (8 * GiB - 4_300_000_000 - VRAM_RESERVE) // block
     assert plan_budget(8 * GiB, int(1.81 * GiB), 512, block, scratch)[:2] == (512, 256)
