@@ -173,12 +173,19 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
             if kind == "relu2":
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
                 add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")
+                if fmt == "nvfp4":  # the e4m3 / f16x2 formulation, its x packing included
+                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3) for b in banks])
+                    add("decode up (relu2, f16x2)", shape, fmt, up_bytes, us, "hbm")
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
                 add("decode down (re-laid)", shape, fmt, A * L["down"].nbytes, us, "hbm")
             else:
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1) for b in banks])
                 add("decode gate+up (swiglu)", shape, fmt, up_bytes, us, "hbm")
+                if fmt == "nvfp4":
+                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1, fp4_words=3)
+                                for b in banks])
+                    add("decode gate+up (swiglu, f16x2)", shape, fmt, up_bytes, us, "hbm")
                 y = torch.empty(A, Dx, device=device, dtype=torch.float32)
                 rws = torch.arange(A, device=device)
                 wts = torch.rand(A, device=device)
@@ -218,7 +225,8 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
             su = _decode_setup(kind, fmt, Dx, I, A, device)
             banks, L, offs, x, h, up_bytes, epi, gate, act = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes, su.epi, su.gate, su.act
             fp4 = fmt in ("nvfp4", "mxfp4")
-            variants = [("matvec-up", 0)] + ([("matvec-up-words-gather", 1), ("matvec-up-words", 2)] if fp4 else [])
+            variants = [("matvec-up", 0)] + ([("matvec-up-words-gather", 1), ("matvec-up-words", 2)] if fp4 else []) \
+                + ([("matvec-up-f16x2", 3)] if fmt == "nvfp4" else [])
             for (bn, bk, nw), (name, words) in [(c, v) for c in MATVEC_CONFIGS for v in variants]:
                 try:
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,

@@ -96,6 +96,10 @@ class Engine:
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
             store.total_blocks * store.block_bytes if direct else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
+        if direct and store.total_blocks * store.block_bytes > available_ram():
+            raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: "
+                              f"{format_bytes(store.total_blocks * store.block_bytes)}, more than the "
+                              f"{format_bytes(available_ram())} this machine has available; use a streaming schedule (overlap)")
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK
         if config.vram_budget is not None and device.type == "cuda":

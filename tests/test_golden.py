@@ -545,8 +545,9 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     assert (wrong - direct).abs().max().item() > 1e-3
 
 
-def test_direct_needs_every_block_in_ram(stores, tmp_path):
+def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
     from sluice.errors import ConfigError, ScheduleError
+    from sluice.pipeline import engine
     from sluice.pipeline.schedule import parse_schedule
 
     with pytest.raises(ConfigError, match="every expert block in RAM.*ram_cache"):
@@ -555,3 +556,6 @@ def test_direct_needs_every_block_in_ram(stores, tmp_path):
         parse_schedule({"stages": {"direct": {}, "combine": {}}}, "x.yaml")
     with pytest.raises(ScheduleError, match="'refresh' must be >= 1"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, refresh=0))
+    monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
+    with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a streaming schedule"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct")
