@@ -66,6 +66,29 @@ class ComputeKnobs:
     cpu_threads: int = 0  # the hybrid path's native CPU kernels' threads; 0: all cores but two (the host's own work)
 
 
+def expert_backend(stage: str, backend: str, device: torch.device) -> str:
+    """A stage's `backend` knob resolved: auto is triton on CUDA, torch on a CPU; triton off CUDA needs the interpreter."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ScheduleError(f"stage {stage!r}: 'backend' must be auto, triton or torch, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ScheduleError(f"stage {stage!r}: the triton backend needs CUDA (or TRITON_INTERPRET=1 on a CPU)")
+    return backend
+
+
+def triton_experts(made: dict, rt, block, graphs: bool):
+    """The TritonExperts for `block`'s kind and activation, made once per stage (`made`) and counted by rt.stats."""
+    from sluice.kernels.experts import TritonExperts
+
+    kern = made.get((block.kind, block.act_name))
+    if kern is None:
+        kern = made[(block.kind, block.act_name)] = TritonExperts(rt.store.manifest, block.kind, block.act_name, rt.device,
+                                                                 block.act_args, graphs)
+        rt.stats.kernels.append(kern)
+    return kern
+
+
 class Compute(Stage):
     name = "compute"
     consumes = ("layer", "routing", "device_blocks")
@@ -74,14 +97,7 @@ class Compute(Stage):
 
     def __init__(self, knobs, stream, rt):
         super().__init__(knobs, stream, rt)
-        backend = knobs.backend
-        if backend not in ("auto", "triton", "torch"):
-            raise ScheduleError(f"stage 'compute': 'backend' must be auto, triton or torch, got {backend!r}")
-        if backend == "auto":
-            backend = "triton" if rt.device.type == "cuda" else "torch"
-        if backend == "triton" and rt.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ScheduleError("stage 'compute': the triton backend needs CUDA (or TRITON_INTERPRET=1 on a CPU)")
-        self.backend = backend
+        self.backend = expert_backend(self.name, knobs.backend, rt.device)
         self._kernels = {}  # (kind, act) -> TritonExperts
         self._cpu = {}  # (kind, act) -> CpuExperts
         self._pool: ThreadPoolExecutor | None = None
@@ -175,14 +191,8 @@ class Compute(Stage):
             y[rows] = (out * w[rows, None]).to(block.combine_dtype)
 
     def _triton(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
-        from sluice.kernels.experts import TritonExperts
-
         block = li.block
-        kern = self._kernels.get((block.kind, block.act_name))
-        if kern is None:
-            kern = self._kernels[(block.kind, block.act_name)] = TritonExperts(self.rt.store.manifest, block.kind, block.act_name, y.device,
-                                                                              block.act_args, self.knobs.graphs)
-            self.rt.stats.kernels.append(kern)
+        kern = triton_experts(self._kernels, self.rt, block, self.knobs.graphs)
         if isinstance(r.rows, OneTokenRows) and len({db.bank.data_ptr() for db in batch}) == 1 \
                 and len({db.down_bank.data_ptr() for db in batch}) == 1:  # a decode step: offsets and positions as ints
             pos = r.rows.positions

@@ -26,8 +26,8 @@ GPU, so it does not record routing traces; the trace shows one `direct` span per
 
 from __future__ import annotations
 
-import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +36,12 @@ from sluice.errors import ConfigError, ScheduleError
 from sluice.kernels.experts_ref import dequant_expert_ref, expert_ref
 from sluice.log import get_logger
 from sluice.stages.base import Stage, StageIO
+from sluice.stages.compute import expert_backend, triton_experts
 from sluice.stages.route import group_by_expert
 from sluice.stages.types import LayerInput, LayerOutput
+
+
+LOAD_WINDOW = 64  # block reads in flight while the stage loads the store at open
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,7 @@ class Direct(Stage):
 
     def __init__(self, knobs: DirectKnobs, stream: str, rt):
         super().__init__(knobs, stream, rt)
-        backend = knobs.backend
-        if backend not in ("auto", "triton", "torch"):
-            raise ScheduleError(f"stage 'direct': 'backend' must be auto, triton or torch, got {backend!r}")
-        if backend == "auto":
-            backend = "triton" if rt.device.type == "cuda" else "torch"
-        if backend == "triton" and rt.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ScheduleError("stage 'direct': the triton backend needs CUDA (or TRITON_INTERPRET=1 on a CPU)")
+        backend = expert_backend(self.name, knobs.backend, rt.device)
         if not 0.0 <= knobs.decay <= 1.0:
             raise ScheduleError(f"stage 'direct': 'decay' must be in [0, 1], got {knobs.decay!r}")
         if knobs.refresh < 1:
@@ -103,7 +101,7 @@ class Direct(Stage):
             self._graphs = FnGraphs()
         self._steppers = {}
         self._staging: torch.Tensor | None = None  # prompts: 2 x prompt_group block slots in VRAM
-        self._staged: list = [None, None]
+        self._staged: list = [None, None]  # per staging half: the event after the compute that last read it
         rt.stats.sources.append(self._flush_counts)
 
     def _load_all(self) -> dict:
@@ -114,24 +112,23 @@ class Direct(Stage):
             gib = n * store.block_bytes / 2**30
             raise ConfigError(f"schedule stage 'direct' keeps every expert block in RAM: the store has {n} blocks ({gib:.2f} GiB), "
                               f"the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) at least {gib:.2f}GiB")
-        t, entries, pending = time.perf_counter(), {}, []
+        t, entries, pending = time.perf_counter(), {}, deque()
         for layer in store.moe_layers:
             for e in range(store.manifest.num_experts):
                 entry = entries[(layer, e)] = rt.ram.try_reserve((layer, e))
                 pending.append((entry, rt.reader.submit(layer, e, entry.buf)))
-                if len(pending) >= 64:
-                    self._settle(pending)
-        self._settle(pending)
+                if len(pending) >= LOAD_WINDOW:
+                    self._settle(*pending.popleft())
+        while pending:
+            self._settle(*pending.popleft())
         get_logger().info("direct: every expert block held in RAM", blocks=n, gib=round(n * store.block_bytes / 2**30, 2),
                           s=round(time.perf_counter() - t, 2))
         return entries
 
-    def _settle(self, pending: list) -> None:
-        for entry, fut in pending:
-            fut.result()  # a failed read raises, naming layer and expert
-            self.rt.ram.hold(entry)
-            self.rt.ram.unpin(entry)
-        pending.clear()
+    def _settle(self, entry, fut) -> None:
+        fut.result()  # a failed read raises, naming layer and expert
+        self.rt.ram.hold(entry)
+        self.rt.ram.unpin(entry)
 
     # -- the layer step --------------------------------------------------------------------------
 
@@ -188,7 +185,6 @@ class Direct(Stage):
             return
         if self._staging is None:
             self._staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
-            self._staged = [None, None]  # per half: the event after the compute that last read it
         origin = self._staging.data_ptr() - self.base.data_ptr()
         for g, start in enumerate(range(0, len(in_ram), G)):
             group, half = in_ram[start : start + G], g % 2
@@ -249,14 +245,7 @@ class Direct(Stage):
         return fn
 
     def _kernel(self, block):
-        from sluice.kernels.experts import TritonExperts
-
-        kern = self._kernels.get((block.kind, block.act_name))
-        if kern is None:
-            kern = self._kernels[(block.kind, block.act_name)] = TritonExperts(self.rt.store.manifest, block.kind, block.act_name,
-                                                                              self.rt.device, block.act_args)
-            self.rt.stats.kernels.append(kern)
-        return kern
+        return triton_experts(self._kernels, self.rt, block, graphs=False)  # the whole layer is one graph here
 
     def _torch(self, block, experts, rows, xe, w, y) -> None:
         """The plain-torch reference path, each expert from its RAM slot."""
