@@ -110,7 +110,7 @@ class EngineWorker:
                 if token in job.pending:  # rows for the image tokens past the restored prefix
                     rows = engine.encode_images(job.images.pixel_values, job.images.image_grid_hw)
                     job.rows = rows[sum(1 for i in job.prompt[: job.cached] if i == token) :]
-        before = engine.rt.stats.counters()
+        before = engine.rt.stats.counters(device=True)  # the last turn's sample already waited for the GPU
         try:
             if job.pending:
                 chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
@@ -123,7 +123,7 @@ class EngineWorker:
                 job.logits = engine.extend(job.seq, [job.generated[-1]])[-1]
             token = job.sampler(job.logits)
         finally:
-            _add(job.io, engine.rt.stats.counters_since(before))
+            _add(job.io, engine.rt.stats.counters_since(before, device=True))
         job.generated.append(token)
         if job.t_first is None:
             job.t_first = time.perf_counter()

@@ -60,20 +60,22 @@ class IOStats:
             self.routed_predicted += len(experts)
         return guesses
 
-    def counters(self) -> dict:
-        """The host-side counters as plain numbers (cheap: no GPU sync)."""
+    def counters(self, device: bool = False) -> dict:
+        """The counters as plain numbers: cheap, with no GPU sync, unless `device` first adds the counts kept on
+        the GPU (`sources`: the direct schedule's blocks per tier), which waits for the GPU's queued work."""
+        if device:
+            for add in self.sources:
+                add()
         d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in ("kernels", "sources")}
         d["blocks"] = dict(self.blocks)
         return d
 
-    def counters_since(self, before: dict) -> dict:
-        return _diff(self.counters(), before)
+    def counters_since(self, before: dict, device: bool = False) -> dict:
+        return _diff(self.counters(device), before)
 
     def snapshot(self) -> dict:
-        """All counters, with the device-side ones (the kernels' live groups, `sources`; reading those syncs the GPU)."""
-        for add in self.sources:
-            add()
-        d = self.counters()
+        """All counters, with the device-side ones (`sources`, the kernels' live groups; reading those syncs the GPU)."""
+        d = self.counters(device=True)
         d["live_groups"] = sum(int(k.live_groups) for k in self.kernels)
         d["total_groups"] = sum(k.total_groups for k in self.kernels)
         return d

@@ -28,8 +28,8 @@ THINK_TEMPLATE = (
 
 
 class LiveServer:
-    def __init__(self, store, snapshot_bytes=1 << 30, context=None, template=None):
-        self.engine = sluice.load(store, device=DEVICE)
+    def __init__(self, store, snapshot_bytes=1 << 30, context=None, template=None, schedule="overlap"):
+        self.engine = sluice.load(store, device=DEVICE, schedule=schedule)
         tok = AutoTokenizer.from_pretrained(store)
         if template:
             tok.chat_template = template
@@ -98,6 +98,33 @@ def test_stream_and_non_stream_give_the_same_greedy_text(server):
     assert ua.prompt_tokens > 0 and ua.total_tokens == ua.prompt_tokens + ua.completion_tokens
     extra = ua.model_extra["sluice"]
     assert sum(extra["expert_bytes"].values()) > 0 and 0 <= extra["hit_rate"] <= 1
+
+
+def test_usage_counts_the_direct_schedules_blocks(stores, tmp_path):
+    """Under `direct` through the Triton kernels a one-token step counts its blocks per tier on the GPU; a reply's
+    usage still has them: every decode step's K blocks in each MoE layer, besides the prompt's."""
+    import yaml
+
+    from sluice.pipeline.schedule import SCHEDULES_DIR
+
+    doc = yaml.safe_load((SCHEDULES_DIR / "direct.yaml").read_text())
+    doc["stages"]["direct"]["backend"] = "triton"
+    path = tmp_path / "direct-triton.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    srv = LiveServer(stores["nemotron_h"], schedule=str(path), snapshot_bytes=0)  # no snapshot: both requests prefill
+
+    def blocks(max_tokens):
+        r = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens,
+                                               temperature=0)
+        return sum(r.usage.model_extra["sluice"]["expert_bytes"].values()) // m.block_bytes, r.usage.completion_tokens
+
+    try:
+        m = srv.engine.store.manifest
+        prompt_only, n1 = blocks(1)  # the prompt's blocks (counted on the host), no decode step
+        both, n = blocks(6)
+        assert n1 == 1 and n > 1 and both - prompt_only == (n - 1) * m.top_k * len(srv.engine.store.moe_layers)
+    finally:
+        srv.close()
 
 
 def test_concurrent_requests_match_one_at_a_time(server):
