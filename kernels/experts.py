@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels.decode import ACTS, down_relaid, matvec
+from sluice.kernels.decode import ACTS, FP4_WORDS, down_relaid, matvec
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
 from sluice.pipeline.graphs import shared_pool
@@ -24,7 +24,7 @@ BM = 64  # prefill row tile: the H200 sweep's best for FP8 / BF16 at ~32 rows pe
 
 class TritonExperts:
     def __init__(self, manifest, kind: str, act: str, device: torch.device, act_args: tuple[float, float] = (0.0, 0.0),
-                 graphs: bool = False):
+                 graphs: bool = False, fp4_words: int = FP4_WORDS):
         if act not in ACTS:
             raise NotImplementedError(f"Triton expert kernels support activations {sorted(ACTS)}, not {act!r}")
         self.layouts = proj_layouts(manifest.formats, manifest.slots)
@@ -35,6 +35,7 @@ class TritonExperts:
         self.live_groups = torch.zeros((), dtype=torch.int64, device=device)  # ReLU^2 groups read by the down kernel
         self.total_groups = 0
         self.graphs = graphs and device.type == "cuda"
+        self.fp4_words = fp4_words  # the one-token matvecs' FP4 formulation (kernels/decode.py matvec)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
 
     def run(self, bank, offs, down_bank, down_offs, counts: list[int], flat_rows: torch.Tensor, K: int,
@@ -103,14 +104,15 @@ class TritonExperts:
         L, A, x_dtype = self.layouts, offs.numel(), x.dtype
         h = torch.empty(A, L["up"].n, dtype=x_dtype, device=x.device)
         if self.kind == "relu2":
-            matvec(bank, offs, x, L["up"], "relu2", x_dtype, h, act=self.act)
+            matvec(bank, offs, x, L["up"], "relu2", x_dtype, h, act=self.act, fp4_words=self.fp4_words)
             part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip)
             self.live_groups += live.sum()
             return (part.sum(1).to(x_dtype).float() * wts.float()[:, None]).to(y_dtype)
-        matvec(bank, offs, x, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, act_args=self.act_args)
+        matvec(bank, offs, x, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, act_args=self.act_args,
+               fp4_words=self.fp4_words)
         out = torch.empty(A, L["down"].n, dtype=y_dtype, device=x.device)
         rows = torch.arange(A, device=x.device)
-        return matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, out, rows=rows, wts=wts)
+        return matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, out, rows=rows, wts=wts, fp4_words=self.fp4_words)
 
     def _capture(self, key: tuple, static: dict, run) -> torch.Tensor:
         """The first call for `key`: run(static) eagerly (compiling any kernel; its result is returned), then

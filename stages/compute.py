@@ -64,6 +64,7 @@ class ComputeKnobs:
     graphs: bool = True  # one-token batches replay a CUDA graph of the expert kernels (triton backend on CUDA)
     cpu_compile: bool = True  # the hybrid path's CPU kernels through torch.compile (else eager torch ops)
     cpu_threads: int = 0  # the hybrid path's native CPU kernels' threads; 0: all cores but two (the host's own work)
+    fp4_f16x2: bool = False  # one-token NVFP4 matvecs through Hopper's e4m3 conversion and f16x2 FMAs (fp16 products)
 
 
 def expert_backend(stage: str, backend: str, device: torch.device) -> str:
@@ -77,14 +78,16 @@ def expert_backend(stage: str, backend: str, device: torch.device) -> str:
     return backend
 
 
-def triton_experts(made: dict, rt, block, graphs: bool):
-    """The TritonExperts for `block`'s kind and activation, made once per stage (`made`) and counted by rt.stats."""
+def triton_experts(made: dict, rt, block, graphs: bool, fp4_f16x2: bool = False):
+    """The TritonExperts for `block`'s kind and activation, made once per stage (`made`) and counted by rt.stats;
+    `fp4_f16x2`: one-token NVFP4 matvecs through the e4m3 conversion and f16x2 FMAs (matvec's fp4_words 3)."""
+    from sluice.kernels.decode import FP4_WORDS
     from sluice.kernels.experts import TritonExperts
 
     kern = made.get((block.kind, block.act_name))
     if kern is None:
         kern = made[(block.kind, block.act_name)] = TritonExperts(rt.store.manifest, block.kind, block.act_name, rt.device,
-                                                                 block.act_args, graphs)
+                                                                 block.act_args, graphs, 3 if fp4_f16x2 else FP4_WORDS)
         rt.stats.kernels.append(kern)
     return kern
 
@@ -192,7 +195,7 @@ class Compute(Stage):
 
     def _triton(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
         block = li.block
-        kern = triton_experts(self._kernels, self.rt, block, self.knobs.graphs)
+        kern = triton_experts(self._kernels, self.rt, block, self.knobs.graphs, self.knobs.fp4_f16x2)
         if isinstance(r.rows, OneTokenRows) and len({db.bank.data_ptr() for db in batch}) == 1 \
                 and len({db.down_bank.data_ptr() for db in batch}) == 1:  # a decode step: offsets and positions as ints
             pos = r.rows.positions

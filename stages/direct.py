@@ -53,6 +53,7 @@ class DirectKnobs:
     refresh: int = 16  # one-token steps between VRAM tier updates
     decay: float = 0.5  # weight of older counts at each update (0: only the last `refresh` steps count)
     prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
+    fp4_f16x2: bool = False  # one-token NVFP4 matvecs through Hopper's e4m3 conversion and f16x2 FMAs (fp16 products)
 
 
 class Direct(Stage):
@@ -245,7 +246,7 @@ class Direct(Stage):
         return fn
 
     def _kernel(self, block):
-        return triton_experts(self._kernels, self.rt, block, graphs=False)  # the whole layer is one graph here
+        return triton_experts(self._kernels, self.rt, block, False, self.knobs.fp4_f16x2)  # the whole layer is one graph here
 
     def _torch(self, block, experts, rows, xe, w, y) -> None:
         """The plain-torch reference path, each expert from its RAM slot."""

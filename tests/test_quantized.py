@@ -155,3 +155,24 @@ def test_e8m0_block_scales_read_as_f32_must_fail():
     assert float((ql._kernel(x).cpu().double() - ref).norm() / ref.norm()) < 1e-5
     ql.layout = replace(ql.layout, fmt=FORMAT_CODES["fp8_block"])
     assert not torch.allclose(ql._kernel(x).cpu().double(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case, base", [("nemotron_nvfp4_all", "zero-skip"), ("qwen_nvfp4_ct", "overlap")])
+def test_fp4_f16x2_decode_keeps_the_reference_tokens(case, base, quantized, tmp_path):
+    """compute's `fp4_f16x2` (NVFP4 one-token matvecs with fp16 products, Hopper's e4m3 conversion on CUDA, its
+    Triton twin here): greedy tokens the reference's; logits within fp16 rounding, not fp32's."""
+    store, ref_path = quantized[case]
+    n = 32 if DEVICE != "cpu" else 12
+    ref_logits, ref_tokens = _reference(ref_path, n)
+    schedule = triton_schedule(tmp_path, base, backend="triton", fp4_f16x2=True)
+    with sluice.load(store, device=DEVICE, schedule=schedule) as engine:
+        seq = engine.new_sequence()
+        tokens = engine.generate(PROMPT, n)
+        first = engine.extend(seq, PROMPT)[-1]
+        step = engine.extend(seq, [int(first.argmax())])[-1].cpu()  # a one-token step: the f16x2 matvecs
+        kern = engine.rt.stats.kernels[0]
+    assert kern.fp4_words == 3 and tokens == ref_tokens, f"{case}: greedy tokens differ"
+    ref_model = __import__("tests.conftest", fromlist=["References"]).References({"m": ref_path})
+    ref_step = ref_model.logits("m", PROMPT + [int(first.argmax())])[-1]
+    print(f"{case}: f16x2 step max |dlogit| {(step - ref_step).abs().max().item():.2e}, KL {mean_kl(ref_step[None], step[None]):.2e}")
+    assert mean_kl(ref_step[None], step[None]) < 1e-5 and (step - ref_step).abs().max().item() < 1e-2
