@@ -6,7 +6,8 @@ blocks the VRAM tier holds, else the pinned RAM slot, which the expert kernels r
 themselves (zero-copy; 64-bit addresses reach host memory on CUDA). A one-token step routes on the
 GPU, gathers the K offsets from the table, runs the layer's expert kernels on them, sums the K
 weighted outputs in combine's fixed order and finishes the layer: one CUDA graph per layer (the
-stage's `graphs`), so the host enqueues a whole decode step without a round trip to the GPU. Outputs
+stage's `graphs`, for models whose MoE functions are pure: `MoEBlock.graph_safe`; others run the same
+step eagerly), so the host enqueues a whole decode step without a round trip to the GPU. Outputs
 are bit-identical to the streaming schedules' (the same kernels on the same bytes, the same sum).
 
 VRAM tier (`vram`): the routed experts are counted on the GPU; every `refresh` one-token steps the
@@ -242,7 +243,10 @@ class Direct(Stage):
 
             step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
             name = f"direct{'' if layer is None else '+input'}:{block.layer}"
-            fn = self._steppers[(block.layer, layer is None)] = self._graphs.wrap(step, name) if self._graphs else step
+            # a graph only where the model says its router, expert input and finish are pure (MoEBlock.graph_safe); the
+            # others run the same step eagerly, still without a host wait
+            graphed = self._graphs is not None and block.graph_safe
+            fn = self._steppers[(block.layer, layer is None)] = self._graphs.wrap(step, name) if graphed else step
         return fn
 
     def _kernel(self, block):
