@@ -49,8 +49,7 @@ class TritonExperts:
         wts = w_flat[flat_rows]
         A, R = len(counts), flat_rows.numel()
         if R == A and xe.shape[0] == 1:  # one token: one row per expert
-            if self.kind == "relu2":
-                self.total_groups += A * (L["down"].k // 16)
+            self.count_groups(A)
             if self.graphs:
                 y[flat_rows] = self._decode_graphed(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             else:
@@ -76,8 +75,7 @@ class TritonExperts:
         With graphs the three lists reach the GPU in one small copy into the graph's static input, and the
         weights are gathered inside the graph: a replay costs the host four calls."""
         A = len(offs)
-        if self.kind == "relu2":
-            self.total_groups += A * (self.layouts["down"].k // 16)
+        self.count_groups(A)
         meta = torch.tensor(offs + down_offs + positions, dtype=torch.int64).view(3, A)
         if not self.graphs:
             meta = meta.to(x.device, non_blocking=True)
@@ -97,6 +95,12 @@ class TritonExperts:
         static["w"].copy_(w)
         graph.replay()
         y.index_copy_(0, static["meta"][2], static["out"])
+
+    def count_groups(self, A: int) -> None:
+        """Count a one-token batch of A experts' ReLU^2 down groups (the live ones are counted on the device, at
+        replays too; this host count is kept outside any graph)."""
+        if self.kind == "relu2":
+            self.total_groups += A * (self.layouts["down"].k // 16)
 
     def _decode(self, bank, offs, down_bank, down_offs, x: torch.Tensor, wts: torch.Tensor, y_dtype: torch.dtype,
                 zero_skip: bool) -> torch.Tensor:

@@ -92,6 +92,14 @@ def triton_experts(made: dict, rt, block, graphs: bool, fp4_f16x2: bool = False)
     return kern
 
 
+def torch_expert(store, block, views: dict, rows: torch.Tensor, xe: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+    """One expert (its block's tensors `views`) on its flat (token, k) rows through the plain-torch reference,
+    weighted, into y's rows."""
+    dense = dequant_expert_ref(store.manifest.formats, views, xe.dtype)
+    out = expert_ref(block.kind, xe[rows // block.top_k], dense, block.act, block.glu)
+    y[rows] = (out * w[rows, None]).to(block.combine_dtype)
+
+
 class Compute(Stage):
     name = "compute"
     consumes = ("layer", "routing", "device_blocks")
@@ -183,15 +191,12 @@ class Compute(Stage):
             _short_gil_switch(-1)
 
     def _torch(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
-        store, K, block = self.rt.store, r.ids.shape[1], li.block
+        store = self.rt.store
         for db in batch:
             views = store.logical(db.bank.narrow(0, db.offset, store.block_bytes))
             if db.down_bank is not db.bank:
                 views["down"] = store.logical(db.down_bank.narrow(0, db.down_offset, store.block_bytes))["down"]
-            dense = dequant_expert_ref(store.manifest.formats, views, r.xe.dtype)
-            rows = r.rows[db.expert]
-            out = expert_ref(block.kind, r.xe[rows // K], dense, block.act, block.glu)
-            y[rows] = (out * w[rows, None]).to(block.combine_dtype)
+            torch_expert(store, li.block, views, r.rows[db.expert], r.xe, w, y)
 
     def _triton(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
         block = li.block

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from sluice.errors import ConfigError, ScheduleError
-from sluice.kernels.experts_ref import dequant_expert_ref, expert_ref
 from sluice.log import get_logger
 from sluice.stages.base import Stage, StageIO
-from sluice.stages.compute import expert_backend, triton_experts
+from sluice.stages.compute import expert_backend, torch_expert, triton_experts
 from sluice.stages.route import group_by_expert
 from sluice.stages.types import LayerInput, LayerOutput
 
@@ -216,9 +215,7 @@ class Direct(Stage):
         with self.rt.streams.use(self.stream):
             h = self._stepper(block, layer)(*args)
         self.token_blocks += block.top_k
-        if block.kind == "relu2":
-            kern = self._kernel(block)
-            kern.total_groups += block.top_k * (kern.layouts["down"].k // 16)
+        self._kernel(block).count_groups(block.top_k)
         return h
 
     def _stepper(self, block, layer=None):
@@ -254,12 +251,8 @@ class Direct(Stage):
 
     def _torch(self, block, experts, rows, xe, w, y) -> None:
         """The plain-torch reference path, each expert from its RAM slot."""
-        store, K = self.rt.store, block.top_k
         for e in experts:
-            dense = dequant_expert_ref(store.manifest.formats, store.logical(self.ram_entries[(block.layer, e)].buf), xe.dtype)
-            r = rows[e]
-            out = expert_ref(block.kind, xe[r // K], dense, block.act, block.glu)
-            y[r] = (out * w[r, None]).to(block.combine_dtype)
+            torch_expert(self.rt.store, block, self.rt.store.logical(self.ram_entries[(block.layer, e)].buf), rows[e], xe, w, y)
 
     def _offset(self, i: int, e: int) -> int:
         slot = self._slot_of.get((i, e))
