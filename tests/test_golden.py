@@ -27,8 +27,8 @@ from tests.common import DEVICE, PROMPT, VARIANTS
 
 LOGIT_ATOL = 1e-4
 # every bundled schedule but those that differ from one of these only in a tier a CPU run lacks (the VRAM
-# tier's policy) or in a path tested on its own below (the hybrid CPU path, test_hybrid_cpu_path_*; `direct`, which
-# holds every block in RAM: test_direct_*)
+# tier's policy) or in a path tested on its own (the hybrid CPU path below, test_hybrid_cpu_path_*; `direct`, which
+# holds every block in RAM: tests/test_direct.py)
 SCHEDULES = tuple(sorted(p.stem for p in SCHEDULES_DIR.glob("*.yaml") if p.stem not in ("vram-lfu", "hybrid", "hybrid-vram", "direct")))
 
 
@@ -488,74 +488,3 @@ def test_nemotron_h_omni_language_model(tmp_path):
     assert (logits - ref).abs().max().item() <= LOGIT_ATOL
     assert tokens == ids[len(PROMPT):]
 
-
-def direct_schedule(tmp_path, **knobs) -> str:
-    """schedules/direct.yaml with the direct stage's knobs changed."""
-    import yaml
-
-    doc = yaml.safe_load((SCHEDULES_DIR / "direct.yaml").read_text())
-    doc["stages"]["direct"] = {**doc["stages"]["direct"], **knobs}
-    path = tmp_path / "direct-edited.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_direct_matches_transformers(variant, stores, refs):
-    """direct, plain-torch experts (a CPU's default): every block held in RAM, logits and greedy tokens the reference's."""
-    ref_logits, ref_tokens = refs.logits(variant, PROMPT), refs.greedy(variant, PROMPT, 32)
-    with sluice.load(stores[variant], device=DEVICE, schedule="direct") as engine:
-        assert len(engine.rt.ram) == engine.store.total_blocks
-        diff = (engine.forward(PROMPT) - ref_logits).abs().max().item()
-        assert diff <= LOGIT_ATOL, f"{variant}/direct: max |dlogit| {diff:.3g}"
-        assert engine.generate(PROMPT, 32) == ref_tokens, f"{variant}/direct: greedy tokens differ"
-
-
-@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
-def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path):
-    """direct through the Triton kernels (interpreted on a CPU): one-token steps gather each expert's offset from the
-    device table, some pointing at VRAM slots (the tier filled every 2 steps; emulated in host memory on a CPU),
-    the rest at RAM slots; prompts copy RAM blocks two at a time into a staging bank. Greedy tokens are the reference's and the logits are the streaming overlap schedule's
-    bit for bit (same kernels, same bytes, same sum); a table pointing one expert at another's block diverges."""
-    ref_tokens = refs.greedy(variant, PROMPT, 12)
-    schedule = direct_schedule(tmp_path, backend="triton", refresh=2, prompt_group=2)
-    overlap = triton_schedule(tmp_path, "overlap", backend="triton")
-
-    def decode(engine, n=12):
-        seq = engine.new_sequence()
-        logits = [engine.extend(seq, PROMPT)[-1]]
-        for _ in range(n - 1):
-            logits.append(engine.extend(seq, [int(logits[-1].argmax())])[-1])
-        return torch.stack(logits).cpu()
-
-    with sluice.load(stores[variant], device=DEVICE, schedule=overlap, vram_slots=6) as engine:
-        streamed = decode(engine)
-    with sluice.load(stores[variant], device=DEVICE, schedule=schedule, vram_slots=6) as engine:
-        direct = decode(engine)
-        io = engine.rt.stats.snapshot()
-        stage = engine.coordinator.stages[0][1]
-        assert 0 < io["blocks"]["vram"] and 0 < io["blocks"]["ram"]
-        assert int(stage.in_vram.sum()) == len(stage._slot_of) > 0
-        # a wrong table: expert 0's entry of the first MoE layer pointing at expert 1's block
-        stage.table[:, 0] = stage.table[:, 1]
-        stage.vram, stage._landing = None, None  # no tier update puts it right
-        wrong = decode(engine)
-    assert [int(t) for t in direct.argmax(-1)] == ref_tokens
-    assert torch.equal(direct, streamed)
-    assert (wrong - direct).abs().max().item() > 1e-3
-
-
-def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
-    from sluice.errors import ConfigError, ScheduleError
-    from sluice.pipeline import engine
-    from sluice.pipeline.schedule import parse_schedule
-
-    with pytest.raises(ConfigError, match="every expert block in RAM.*ram_cache"):
-        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct", ram_cache=ram_sizes(stores["qwen3_moe"])[1])
-    with pytest.raises(ScheduleError, match="'direct' runs a MoE layer's whole step by itself; remove combine"):
-        parse_schedule({"stages": {"direct": {}, "combine": {}}}, "x.yaml")
-    with pytest.raises(ScheduleError, match="'refresh' must be >= 1"):
-        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, refresh=0))
-    monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
-    with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a streaming schedule"):
-        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct")
