@@ -178,7 +178,8 @@ class Engine:
         return logits[-1] if last else torch.cat(logits)
 
     def _run(self, seq: Sequence, ids: list[int], images: torch.Tensor | None, head: str) -> torch.Tensor | None:
-        return self._loop.run_until_complete(self._guarded_step(seq, ids, images, head))
+        with attention_backends():
+            return self._loop.run_until_complete(self._guarded_step(seq, ids, images, head))
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
         """The image encoder's rows for a prompt's images (models/vision.py)."""
@@ -354,6 +355,16 @@ def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=
     get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), reserve=format_bytes(reserve),
                       expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes), mixer_chunk=chunk)
     return slots, chunk
+
+
+def attention_backends():
+    """The SDPA backends a step may use: flash, memory-efficient and math, not cuDNN. cuDNN builds an execution
+    plan for every new query and key length (~8.5 ms of host time per attention call on the H200), and decode
+    gives every step a key length the process has not seen: a full Nemotron-3-Nano's 6 attention layers cost
+    ~51 ms per token until a sequence has been that long once (BENCHMARKS.md, eighth session)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _cuda_index(device: torch.device) -> int:

@@ -114,6 +114,7 @@ def test_bench_model_reports_io(stores):
         text = format_bench(r, engine.store.block_bytes)
     d = r["decode"]
     assert r["prefill"][8]["tok_s"] > 0 and d["tokens"] == 4 and d["tok_s"] > 0
+    assert len(d["step_ms"]) == 4 and abs(d["ms_first_token"] - d["step_ms"][0]) < 1e-3
     assert sum(d["blocks_per_token"].values()) == 3 * 4  # 3 MoE layers x top-4, every decode step
     assert "decode:" in text and "hit rate" in text
 
@@ -235,3 +236,29 @@ def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
     _, qwen = _config("qwen3-30b-a3b", None)
     none = lambda n: get_architecture("qwen3_moe").prefill_scratch_bytes(qwen, n)  # noqa: E731
     assert plan_budget(8 * GiB, 4_300_000_000, 6144, block, none)[1] == 512
+
+
+def test_attention_runs_without_cudnn_plans(stores, monkeypatch):
+    """Every step runs SDPA with cuDNN off (it builds a plan per new key length: a new one every decode step),
+    and the setting is the process's own again afterwards."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
+        engine.generate(PROMPT, 3)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_profile_names_real_expert_kernels():
+    """`bench model --profile` splits GPU time by these kernel names: each must be a kernel Sluice defines."""
+    from sluice.kernels import decode, prefill
+    from sluice.pipeline.bench import EXPERT_KERNELS
+
+    assert all(hasattr(decode, n) or hasattr(prefill, n) for n in EXPERT_KERNELS)
