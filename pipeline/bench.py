@@ -82,9 +82,10 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     per_tier = {t: io["blocks"][t] / n for t in TIERS}
     total = sum(io["blocks"].values())
     first = times[0]  # a new sequence's first step: its Mamba states are new tensors, so their graphs are captured anew
-    times.sort()
+    steps = [round(1000 * t, 3) for t in times]  # in order: a step that slows down for good shows where it began
+    times = sorted(times)
     d = out["decode"] = {
-        "tokens": n, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
+        "tokens": n, "step_ms": steps, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
         "ms_first_token": 1000 * first, "ms_per_token_mean_after_first": 1000 * (sum(times) - first) / max(n - 1, 1),
         "tok_s": n / sum(times), "blocks_per_token": per_tier, "bytes_per_token": {t: v * block for t, v in per_tier.items()},
         "hit_rate": 1 - io["blocks"]["disk"] / total if total else None,
@@ -93,6 +94,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "cpu_blocks_per_token": io["cpu_blocks"] / n,
         "vram_prefetches_per_token": io["vram_prefetches"] / n,  # copied on a guess (right or wrong): PCIe bytes too
         "vram_prefetch_hits_per_token": io["vram_prefetch_hits"] / n,
+        "vram_fills_per_token": io["vram_fills"] / n,  # the direct schedule's hot-set refreshes: PCIe bytes too
         "cpu_ms_per_block": 1000 * engine.rt.cpu_s_per_block if engine.rt.cpu_s_per_block else None,
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
     }
@@ -101,7 +103,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     if engine.device.type == "cuda":
         bw = h2d_bandwidth(engine.device)
         # blocks that crossed PCIe: demand copies (not the hybrid path's CPU blocks) and guesses copied ahead
-        moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n + io["vram_prefetches"] / n) * block
+        moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n + (io["vram_prefetches"] + io["vram_fills"]) / n) * block
         d["h2d_gbps"] = bw / 1e9
         d["roofline_ms_per_token"] = 1000 * moved / bw
         d["vram_peak_bytes"] = torch.cuda.max_memory_allocated(engine.device)
@@ -129,6 +131,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
     if d["vram_prefetches_per_token"]:
         lines.append(f"  VRAM prefetch: {d['vram_prefetches_per_token']:.2f} blocks/token copied ahead on a guess, "
                      f"{d['vram_prefetch_hits_per_token']:.2f} of them then routed (VRAM hits)")
+    if d["vram_fills_per_token"]:
+        lines.append(f"  VRAM hot set: {d['vram_fills_per_token']:.2f} blocks/token copied in by its refreshes")
     if d["cpu_blocks_per_token"]:
         each = f", {d['cpu_ms_per_block']:.2f} ms each (moving average)" if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
@@ -157,12 +161,12 @@ def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: float) -> str:
-    """Schedules side by side (`sluice bench model --compare`): decode, prefill, where blocks came from, and the
-    bandwidths measured in the same run (pinned host-to-device, host RAM read, the hybrid path's CPU rate)."""
+    """Schedules side by side (`sluice bench model --compare`): decode, prefill, where blocks came from, blocks
+    copied into the VRAM tier ahead of use (guesses, hot-set refreshes), and the bandwidths measured in the same run (pinned host-to-device, host RAM read, the hybrid path's CPU rate)."""
     lengths = list(results[0][1]["prefill"])
     head = (f"{'schedule':14} {'median ms':>9} {'mean ms':>8} {'1st ms':>7} {'rest ms':>7} {'tok/s':>7} {'x roofline':>10} "
             + " ".join(f"{'prefill ' + str(n):>13}" for n in lengths)
-            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'guessed':>7} {'hit':>6} {'stall ms':>8}")
+            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'to VRAM':>7} {'hit':>6} {'stall ms':>8}")
     lines = [head]
     for name, r in results:
         d = r["decode"]
@@ -173,7 +177,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
         lines.append(f"{name:14} {d['ms_per_token_median']:9.2f} {d['ms_per_token_mean']:8.2f} {d['ms_first_token']:7.1f} "
                      f"{d['ms_per_token_mean_after_first']:7.2f} {d['tok_s']:7.1f} {roof:>10} "
                      + " ".join(f"{r['prefill'][n]['tok_s']:>9.1f} t/s" for n in lengths)
-                     + f" {tiers:>36} {d['vram_prefetches_per_token']:7.2f} {hit:>6} {d['stall_ms_per_token']:8.2f}")
+                     + f" {tiers:>36} {d['vram_prefetches_per_token'] + d['vram_fills_per_token']:7.2f} {hit:>6} {d['stall_ms_per_token']:8.2f}")
     rates = [f"host RAM read {ram_read / 1e9:.1f} GB/s"]
     h2d = [r["decode"]["h2d_gbps"] for _, r in results if "h2d_gbps" in r["decode"]]
     if h2d:
@@ -182,6 +186,10 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
     rates += [f"{n}: CPU experts {g:.2f} GB/s" for n, g in cpu]
     lines.append(f"measured in this run: {', '.join(rates)}; block {block_bytes:,} bytes")
     return "\n".join(lines)
+
+
+# Triton kernels that read expert blocks (a checkpoint's quantized resident weights also go through _matvec_kernel)
+EXPERT_KERNELS = ("_matvec_kernel", "_down_relaid_kernel", "_x_pairs_kernel", "_grouped_gemm_kernel")
 
 
 def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str:
@@ -214,6 +222,9 @@ def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str
         launches = sum(e.count for e in device) / tokens
         lines.append(f"profiled wall {1000 * wall:.2f} ms/token; GPU busy {busy:.2f} ms/token ({busy / (1000 * wall):.0%}; kernels and "
                      f"copies, summed over streams); {launches:.0f} GPU ops/token")
+        experts = sum(e.self_device_time_total for e in device if e.key.startswith(EXPERT_KERNELS)) / 1e3 / tokens
+        lines.append(f"  Sluice's expert kernels {experts:.2f} ms/token (zero-copy reads from RAM included), everything else "
+                     f"{busy - experts:.2f} ms/token: the resident part's own GPU time")
         lines.append(events.table(sort_by="self_device_time_total", row_limit=12))
     pr = cProfile.Profile()
     t = time.perf_counter()

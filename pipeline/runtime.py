@@ -33,6 +33,7 @@ class IOStats:
     prefetch_hits: int = 0  # demand RAM hits on a block that a prefetch brought in
     vram_prefetches: int = 0  # blocks copied RAM -> VRAM ahead on a guess (h2d prefetch)
     vram_prefetch_hits: int = 0  # demand VRAM hits on a block that a guess copied
+    vram_fills: int = 0  # blocks copied RAM -> VRAM when the direct schedule refreshes its hot set
     predicted: int = 0  # guesses made for layers that then ran
     predicted_right: int = 0  # guesses the layer then routed to
     routed_predicted: int = 0  # experts routed in layers that had a prediction

@@ -64,7 +64,7 @@ class ComputeKnobs:
     graphs: bool = True  # one-token batches replay a CUDA graph of the expert kernels (triton backend on CUDA)
     cpu_compile: bool = True  # the hybrid path's CPU kernels through torch.compile (else eager torch ops)
     cpu_threads: int = 0  # the hybrid path's native CPU kernels' threads; 0: all cores but two (the host's own work)
-    fp4_f16x2: bool = False  # one-token NVFP4 matvecs through Hopper's e4m3 conversion and f16x2 FMAs (fp16 products)
+    fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (fp4_formulation)
 
 
 def expert_backend(stage: str, backend: str, device: torch.device) -> str:
@@ -78,16 +78,37 @@ def expert_backend(stage: str, backend: str, device: torch.device) -> str:
     return backend
 
 
-def triton_experts(made: dict, rt, block, graphs: bool, fp4_f16x2: bool = False):
+FP4_MATVECS = ("auto", "f16x2", "words")
+
+
+def check_fp4_matvec(stage: str, value: str) -> None:
+    if value not in FP4_MATVECS:
+        raise ScheduleError(f"stage {stage!r}: 'fp4_matvec' must be one of {', '.join(FP4_MATVECS)}, got {value!r}")
+
+
+def fp4_formulation(choice: str, kind: str, device: torch.device) -> str:
+    """The one-token NVFP4 matvec a stage's `fp4_matvec` knob gives: `words` (32-bit words of eight nibbles, each
+    decoded to fp32 in software) or `f16x2` (nibbles widened to e4m3 bytes, `cvt.rn.f16x2.e4m3x2`, f16x2 FMAs;
+    fp16 products). `auto` takes f16x2 where it measured faster (ReLU^2 up projections: 1.05-1.19 x in `sluice
+    bench kernels`, decode 8.50 against 8.97 ms/token for a full Nemotron-3-Nano; SwiGLU gate+up 0.93-0.97 x,
+    H200, BENCHMARKS.md) on a GPU with the e4m3 conversion (compute capability 8.9 on), else words."""
+    if choice != "auto":
+        return choice
+    fast = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return "f16x2" if fast and kind == "relu2" else "words"
+
+
+def triton_experts(made: dict, rt, block, graphs: bool, fp4_matvec: str = "auto"):
     """The TritonExperts for `block`'s kind and activation, made once per stage (`made`) and counted by rt.stats;
-    `fp4_f16x2`: one-token NVFP4 matvecs through the e4m3 conversion and f16x2 FMAs (matvec's fp4_words 3)."""
+    `fp4_matvec`: the one-token NVFP4 formulation (`fp4_formulation`; f16x2 is matvec's fp4_words 3)."""
     from sluice.kernels.decode import FP4_WORDS
     from sluice.kernels.experts import TritonExperts
 
     kern = made.get((block.kind, block.act_name))
     if kern is None:
+        words = 3 if fp4_formulation(fp4_matvec, block.kind, rt.device) == "f16x2" else FP4_WORDS
         kern = made[(block.kind, block.act_name)] = TritonExperts(rt.store.manifest, block.kind, block.act_name, rt.device,
-                                                                 block.act_args, graphs, 3 if fp4_f16x2 else FP4_WORDS)
+                                                                 block.act_args, graphs, words)
         rt.stats.kernels.append(kern)
     return kern
 
@@ -109,6 +130,7 @@ class Compute(Stage):
     def __init__(self, knobs, stream, rt):
         super().__init__(knobs, stream, rt)
         self.backend = expert_backend(self.name, knobs.backend, rt.device)
+        check_fp4_matvec(self.name, knobs.fp4_matvec)
         self._kernels = {}  # (kind, act) -> TritonExperts
         self._cpu = {}  # (kind, act) -> CpuExperts
         self._pool: ThreadPoolExecutor | None = None
@@ -200,7 +222,7 @@ class Compute(Stage):
 
     def _triton(self, li: LayerInput, r: Routing, batch: list[DeviceBlock], w: torch.Tensor, y: torch.Tensor) -> None:
         block = li.block
-        kern = triton_experts(self._kernels, self.rt, block, self.knobs.graphs, self.knobs.fp4_f16x2)
+        kern = triton_experts(self._kernels, self.rt, block, self.knobs.graphs, self.knobs.fp4_matvec)
         if isinstance(r.rows, OneTokenRows) and len({db.bank.data_ptr() for db in batch}) == 1 \
                 and len({db.down_bank.data_ptr() for db in batch}) == 1:  # a decode step: offsets and positions as ints
             pos = r.rows.positions

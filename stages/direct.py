@@ -36,7 +36,7 @@ import torch
 from sluice.errors import ConfigError, ScheduleError
 from sluice.log import get_logger
 from sluice.stages.base import Stage, StageIO
-from sluice.stages.compute import expert_backend, torch_expert, triton_experts
+from sluice.stages.compute import check_fp4_matvec, expert_backend, torch_expert, triton_experts
 from sluice.stages.route import group_by_expert
 from sluice.stages.types import LayerInput, LayerOutput
 
@@ -52,8 +52,9 @@ class DirectKnobs:
     vram: bool = True  # keep the most routed blocks in the VRAM tier's slots
     refresh: int = 16  # one-token steps between VRAM tier updates
     decay: float = 0.5  # weight of older counts at each update (0: only the last `refresh` steps count)
+    margin: float = 1.0  # a block replaces a VRAM one only when its decayed count beats that one's by more than this
     prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
-    fp4_f16x2: bool = False  # one-token NVFP4 matvecs through Hopper's e4m3 conversion and f16x2 FMAs (fp16 products)
+    fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (stages/compute.py fp4_formulation)
 
 
 class Direct(Stage):
@@ -65,8 +66,11 @@ class Direct(Stage):
     def __init__(self, knobs: DirectKnobs, stream: str, rt):
         super().__init__(knobs, stream, rt)
         backend = expert_backend(self.name, knobs.backend, rt.device)
+        check_fp4_matvec(self.name, knobs.fp4_matvec)
         if not 0.0 <= knobs.decay <= 1.0:
             raise ScheduleError(f"stage 'direct': 'decay' must be in [0, 1], got {knobs.decay!r}")
+        if knobs.margin < 0:
+            raise ScheduleError(f"stage 'direct': 'margin' must be >= 0, got {knobs.margin!r}")
         if knobs.refresh < 1:
             raise ScheduleError(f"stage 'direct': 'refresh' must be >= 1, got {knobs.refresh!r}")
         if rt.recorder is not None:
@@ -247,7 +251,7 @@ class Direct(Stage):
         return fn
 
     def _kernel(self, block):
-        return triton_experts(self._kernels, self.rt, block, False, self.knobs.fp4_f16x2)  # the whole layer is one graph here
+        return triton_experts(self._kernels, self.rt, block, False, self.knobs.fp4_matvec)  # the whole layer is one graph here
 
     def _torch(self, block, experts, rows, xe, w, y) -> None:
         """The plain-torch reference path, each expert from its RAM slot."""
@@ -271,19 +275,29 @@ class Direct(Stage):
             self._refresh()
 
     def _refresh(self) -> None:
-        uses = self.uses.cpu()  # the one host wait in `refresh` steps
+        """Choose the VRAM tier's blocks anew from the decayed use counts: free slots take the most used blocks
+        outside the tier, and a block outside replaces the least used inside only while it beats it by `margin`
+        routed uses (the cost of its copy; scores from a few tokens tie often, and a plain top-k swapped tied
+        blocks back and forth at every refresh, each swap a block over PCIe)."""
+        uses = self.uses.to("cpu", copy=True)  # the one host wait in `refresh` steps (a copy on a CPU too: kept as the last counts)
         self._score = self._score * self.knobs.decay + (uses - self._last_uses).double()
         self._last_uses = uses
-        cap = self.vram.capacity
-        flat = self._score.flatten()
-        top = torch.topk(flat, min(cap, flat.numel())).indices.tolist()
         E = self.table.shape[1]
-        want = {divmod(j, E) for j in top if flat[j] > 0}
-        leave = [k for k in self._slot_of if k not in want]
-        # newcomers, most used first, as many as the free slots and the leavers' slots allow
-        come = sorted((k for k in want if k not in self._slot_of), key=lambda k: -float(self._score[k]))
-        come = come[: len(self._free) + len(leave)]
-        leave = sorted(leave, key=lambda k: float(self._score[k]))[: max(0, len(come) - len(self._free))]
+        flat = self._score.flatten()
+        score = flat.tolist()
+        inside = torch.zeros(flat.numel(), dtype=torch.bool)
+        if self._slot_of:
+            inside[torch.tensor([i * E + e for i, e in self._slot_of])] = True
+        order = torch.argsort(flat, descending=True, stable=True)
+        outside = order[~inside[order] & (flat[order] > 0)].tolist()  # candidates, most used first
+        come = [divmod(j, E) for j in outside[: len(self._free)]]
+        incumbents = order[inside[order]].flip(0).tolist()  # least used first
+        leave = []
+        for j, k in zip(outside[len(come):], incumbents):
+            if score[j] - score[k] <= self.knobs.margin:
+                break
+            come.append(divmod(j, E))
+            leave.append(divmod(k, E))
         if not come:
             return
         streams = self.rt.streams
@@ -300,6 +314,7 @@ class Direct(Stage):
                 self.vram.arena.slot(slot).copy_(self.ram_entries[(self.layers[i], e)].buf, non_blocking=True)
                 self._slot_of[(i, e)] = slot
                 moves.append((i, e, slot))
+        self.rt.stats.vram_fills += len(moves)
         self._landing = (streams.record("copy"), moves)
 
     def _point(self, moves: list[tuple[int, int, int]], vram: bool) -> None:

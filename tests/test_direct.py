@@ -60,6 +60,7 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
         stage = engine.coordinator.stages[0][1]
         assert 0 < io["blocks"]["vram"] and 0 < io["blocks"]["ram"]
         assert int(stage.in_vram.sum()) == len(stage._slot_of) > 0
+        assert len(stage._slot_of) <= io["vram_fills"] <= 6 * (11 // 2)  # every block in a slot was copied in, 6 per refresh at most
         # a wrong table: expert 0's entry of the first MoE layer pointing at expert 1's block
         stage.table[:, 0] = stage.table[:, 1]
         stage.vram, stage._landing = None, None  # no tier update puts it right
@@ -67,6 +68,34 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     assert [int(t) for t in direct.argmax(-1)] == ref_tokens
     assert torch.equal(direct, streamed)
     assert (wrong - direct).abs().max().item() > 1e-3
+
+
+def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
+    """Free slots take the most used blocks; a block outside then replaces the least used inside only when its
+    decayed count beats that one's by more than `margin` (ties and near-ties cost no copies)."""
+    schedule = direct_schedule(tmp_path, backend="triton", margin=1.0, decay=0.5)
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, vram_slots=2) as engine:
+        stage = engine.coordinator.stages[0][1]
+        stage.uses.zero_()
+        stage._score.zero_()
+        stage._last_uses.zero_()
+        fills = engine.rt.stats.vram_fills
+
+        def refresh(counts):  # cumulative routed uses of layer 0's experts -> the tier after the refresh lands
+            for e, n in counts.items():
+                stage.uses[0, e] += n
+            stage._refresh()
+            if stage._landing is not None:
+                stage._point(stage._landing[1], vram=True)
+                stage._landing = None
+            return sorted(e for i, e in stage._slot_of)
+
+        assert refresh({0: 3, 1: 3, 2: 3}) == [0, 1]  # a three-way tie for two free slots: the first two
+        assert refresh({2: 1}) == [0, 1]  # 2.5 against 1.5: not more than the margin
+        assert engine.rt.stats.vram_fills - fills == 2
+        assert refresh({2: 2}) == [0, 2]  # 1.25 + 2 = 3.25 against 0.75: swapped in
+        assert engine.rt.stats.vram_fills - fills == 3
+        assert int(stage.in_vram[0].sum()) == 2 and int(stage.in_vram[0, 1]) == 0
 
 
 def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
@@ -80,6 +109,10 @@ def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
         parse_schedule({"stages": {"direct": {}, "combine": {}}}, "x.yaml")
     with pytest.raises(ScheduleError, match="'refresh' must be >= 1"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, refresh=0))
+    with pytest.raises(ScheduleError, match="stage 'direct': 'margin' must be >= 0, got -1.0"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, margin=-1))
+    with pytest.raises(ScheduleError, match="stage 'direct': 'fp4_matvec' must be one of auto, f16x2, words, got 'fp16'"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, fp4_matvec="fp16"))
     monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
     with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a streaming schedule"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct")

@@ -158,13 +158,13 @@ def test_e8m0_block_scales_read_as_f32_must_fail():
 
 
 @pytest.mark.parametrize("case, base", [("nemotron_nvfp4_all", "zero-skip"), ("qwen_nvfp4_ct", "overlap")])
-def test_fp4_f16x2_decode_keeps_the_reference_tokens(case, base, quantized, tmp_path):
-    """compute's `fp4_f16x2` (NVFP4 one-token matvecs with fp16 products, Hopper's e4m3 conversion on CUDA, its
+def test_fp4_matvec_f16x2_keeps_the_reference_tokens(case, base, quantized, tmp_path):
+    """compute's `fp4_matvec: f16x2` (NVFP4 one-token matvecs with fp16 products, Hopper's e4m3 conversion on CUDA, its
     Triton twin here): greedy tokens the reference's; logits within fp16 rounding, not fp32's."""
     store, ref_path = quantized[case]
     n = 32 if DEVICE != "cpu" else 12
     ref_logits, ref_tokens = _reference(ref_path, n)
-    schedule = triton_schedule(tmp_path, base, backend="triton", fp4_f16x2=True)
+    schedule = triton_schedule(tmp_path, base, backend="triton", fp4_matvec="f16x2")
     with sluice.load(store, device=DEVICE, schedule=schedule) as engine:
         seq = engine.new_sequence()
         tokens = engine.generate(PROMPT, n)

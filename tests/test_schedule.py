@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from sluice.errors import ScheduleError
@@ -75,6 +76,17 @@ def test_bad_files(tmp_path):
     good = tmp_path / "mine.yaml"
     good.write_text(yaml.safe_dump(BASE))
     assert load_schedule(good).name == "t"
+
+
+def test_fp4_matvec_auto_takes_f16x2_only_where_it_measured_faster():
+    from sluice.stages.compute import fp4_formulation
+
+    cpu = torch.device("cpu")
+    assert fp4_formulation("auto", "relu2", cpu) == "words" and fp4_formulation("f16x2", "swiglu", cpu) == "f16x2"
+    if torch.cuda.is_available():
+        new = torch.cuda.get_device_capability() >= (8, 9)  # the e4m3 conversion
+        assert fp4_formulation("auto", "relu2", torch.device("cuda")) == ("f16x2" if new else "words")
+        assert fp4_formulation("auto", "swiglu", torch.device("cuda")) == "words"
 
 
 def test_knob_values_as_written():
