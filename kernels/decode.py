@@ -298,7 +298,8 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     nibbles, their scales loaded as contiguous runs (2) or gathered word by word (1); 0: as bytes in
     [rows, groups, bytes] tiles, the earlier formulation. 1 and 0 are kept for the sweep. 3 (NVFP4; other
     formats read it as 2): words through the e4m3 conversion and f16x2 FMAs, v first packed by `x_pairs`
-    (one more launch); measured 1.3-1.7 x faster than 2 in a standalone H200 test, not yet in the engine.
+    (one more launch); 1.05-1.19 x faster than 2 on ReLU^2 up projections in `sluice bench kernels` (slower on
+    SwiGLU gate+up), the default there on sm_89+ (stages/compute.py fp4_formulation).
 
     Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
     32 x 256 (16 x 1024 from 2048 inputs on), FP8 8 x 256, dense 16 x 256."""
