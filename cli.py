@@ -152,6 +152,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
                                          "gets what the resident part and a reserve leave")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")
+    p.add_argument("--fused-mamba", action="store_true", help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py; "
+                                                            "tested against transformers, not yet timed on a GPU)")
     p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM")
@@ -182,7 +184,7 @@ def _open_engine(args):
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
         resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
-        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk,
+        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba or None,
     )
 
 

@@ -96,6 +96,8 @@ class Layer(ABC):
     # the longest run of a prompt's tokens a layer whose prefill scratch grows with the prompt (a Mamba-2 mixer)
     # takes at once; longer prompts pass through it in pieces, its state carried between them (set by the engine)
     prefill_piece: int | None = None
+    # one-token steps of a Mamba-2 mixer through kernels/mamba.py (set by the engine from EngineConfig.fused_mamba)
+    fused_decode: bool = False
 
     def forward(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         """A whole non-MoE layer on h [1,T,D]."""

@@ -95,6 +95,10 @@ class _MixerLayer(Layer):
 
     def forward(self, h, ctx: Ctx):
         mask, n, T = ctx.masks.get(self.block.block_type), self.prefill_piece, h.shape[1]
+        if T == 1 and self.fused_decode:
+            states = self.decode_state(ctx)
+            if states is not None:
+                return self._fused_step(h, *states)
         if n is None or T <= n or self.block.block_type not in MAMBA or (mask is not None and mask.dim() != 2):
             return self._call(h, mask, ctx.position_ids, ctx)
         # a Mamba-2 prefill in pieces (its scan's scratch grows with the prompt), the state carried between them
@@ -103,6 +107,19 @@ class _MixerLayer(Layer):
 
     def _call(self, h, mask, position_ids, ctx: Ctx):
         return self.block(h, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kw(ctx.cache))
+
+    def _fused_step(self, h, conv_state, ssm_state):
+        """The block's one-token step with its Mamba-2 mixer between the projections in two Triton launches
+        (kernels/mamba.py), reading the module's own weights and the cache's states (updated in place)."""
+        from sluice.kernels.mamba import mamba_step
+
+        blk, m = self.block, self.block.mixer
+        x = blk.norm(h.to(dtype=blk.norm.weight.dtype))
+        zx = m.in_proj(x).reshape(-1)
+        y = mamba_step(zx, conv_state[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log, m.D, ssm_state[0],
+                       m.norm.weight, m.norm.variance_epsilon, m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size,
+                       m.intermediate_size // m.norm.group_size)
+        return h + m.out_proj(y.view(1, 1, -1))
 
     def decode_state(self, ctx):
         """A Mamba-2 mixer's one-token step updates its conv and SSM states in place (pipeline/graphs.py)."""

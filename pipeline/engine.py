@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -100,6 +101,8 @@ class Engine:
             raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: "
                               f"{format_bytes(store.total_blocks * store.block_bytes)}, more than the "
                               f"{format_bytes(available_ram())} this machine has available; use a streaming schedule (overlap)")
+        if config.fused_mamba and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK
         if config.vram_budget is not None and device.type == "cuda":
@@ -132,7 +135,7 @@ class Engine:
         elif h2d.hot_set:
             get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=h2d.hot_set)
         for layer in model.layers:
-            layer.prefill_piece = piece
+            layer.prefill_piece, layer.fused_decode = piece, config.fused_mamba
         try:
             coordinator = Coordinator(schedule, rt)
         except BaseException:

@@ -25,3 +25,14 @@ assert all(0 <= i < VOCAB_SIZE for i in PROMPT), "PROMPT must be valid ids of th
 
 # The engine's device in tests: CPU in CI; SLUICE_TEST_DEVICE=cuda runs the same tests on a GPU.
 DEVICE = os.environ.get("SLUICE_TEST_DEVICE", "cpu")
+
+
+def greedy_logits(engine, prompt: list[int], n: int) -> "torch.Tensor":
+    """Last-position logits [n, V] (CPU) of a prompt and then n - 1 one-token steps, each feeding the argmax back."""
+    import torch
+
+    seq = engine.new_sequence()
+    logits = [engine.extend(seq, prompt)[-1]]
+    for _ in range(n - 1):
+        logits.append(engine.extend(seq, [int(logits[-1].argmax())])[-1])
+    return torch.stack(logits).cpu()

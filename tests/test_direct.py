@@ -9,7 +9,7 @@ import torch
 
 import sluice
 from sluice.pipeline.schedule import SCHEDULES_DIR
-from tests.common import DEVICE, PROMPT, VARIANTS
+from tests.common import DEVICE, PROMPT, VARIANTS, greedy_logits
 from tests.test_golden import LOGIT_ATOL, ram_sizes, triton_schedule
 
 
@@ -45,12 +45,8 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     schedule = direct_schedule(tmp_path, backend="triton", refresh=2, prompt_group=2)
     overlap = triton_schedule(tmp_path, "overlap", backend="triton")
 
-    def decode(engine, n=12):
-        seq = engine.new_sequence()
-        logits = [engine.extend(seq, PROMPT)[-1]]
-        for _ in range(n - 1):
-            logits.append(engine.extend(seq, [int(logits[-1].argmax())])[-1])
-        return torch.stack(logits).cpu()
+    def decode(engine):
+        return greedy_logits(engine, PROMPT, 12)
 
     with sluice.load(stores[variant], device=DEVICE, schedule=overlap, vram_slots=6) as engine:
         streamed = decode(engine)

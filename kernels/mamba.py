@@ -1,0 +1,141 @@
+"""A Mamba-2 mixer's one-token step between its two projections, in two Triton launches.
+
+transformers' PyTorch step (no mamba_ssm / causal_conv1d installed) runs ~40 small kernels per layer:
+the depthwise conv update, the selective state update with its broadcasts and a batched matmul, the
+gated RMSNorm. Here, after `in_proj` gives zxbcdt = [z (I) | x B C (conv_dim) | dt (H)]:
+
+  `_ssm_step_kernel`, one program per (head, block of head channels): the conv window (the state's last
+      K-1 inputs and the new one) of its x channels and of its group's B and C, SiLU; dt = softplus(dt +
+      dt_bias); the SSM state [P, N] updated in place, state = state * exp(dt * A) + dt * B x; y = state C + D x.
+  `_gate_norm_kernel`, one program per norm group: y * SiLU(z), RMS-normalised over the group, rounded
+      to the model's dtype and scaled by the norm weight (as transformers' NemotronHRMSNormGated); then the
+      conv state shifted by one with the new input appended (after every program of the first read it).
+
+Arithmetic in fp32 throughout (transformers rounds some intermediates to the model's dtype: the results
+agree within that rounding). `mamba_step_ref` is the plain-torch reference.
+
+Shape legend: H heads, P head_dim, N state size, G groups (heads share B and C per group), I = H * P,
+K conv taps, conv_dim = I + 2 G N.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from sluice.kernels.decode import TL_DTYPES
+
+
+@triton.jit
+def _conv_silu(zx, cs, cw, cb, c, cm, k, I, CS_C, CS_K, K: tl.constexpr, HAS_CB: tl.constexpr):
+    """SiLU of conv channels c [BC]: the window is the state's inputs 1..K-1 and the new input zx[I + c]."""
+    km = k < K
+    old = tl.load(cs + c[:, None] * CS_C + (k[None, :] + 1) * CS_K, mask=cm[:, None] & (k[None, :] + 1 < K), other=0.0).to(tl.float32)
+    new = tl.load(zx + I + c, mask=cm, other=0.0).to(tl.float32)
+    win = tl.where(k[None, :] == K - 1, new[:, None], old)
+    w = tl.load(cw + c[:, None] * K + k[None, :], mask=cm[:, None] & km[None, :], other=0.0).to(tl.float32)
+    out = tl.sum(win * w, axis=1)
+    if HAS_CB:
+        out += tl.load(cb + c, mask=cm, other=0.0).to(tl.float32)
+    return out / (1.0 + tl.exp(-out))
+
+
+@triton.jit
+def _ssm_step_kernel(zx, cs, cw, cb, dt_bias, a_log, d_skip, st, y, I, CONV_DIM, H, P, N, HPG, G, CS_C, CS_K,
+                     K: tl.constexpr, HAS_CB: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    h, pb = tl.program_id(0), tl.program_id(1)
+    g = h // HPG
+    p = pb * BP + tl.arange(0, BP)
+    pm = p < P
+    n = tl.arange(0, BN)
+    nm = n < N
+    k = tl.arange(0, BK)
+    x = _conv_silu(zx, cs, cw, cb, h * P + p, pm, k, I, CS_C, CS_K, K, HAS_CB)
+    b = _conv_silu(zx, cs, cw, cb, I + g * N + n, nm, k, I, CS_C, CS_K, K, HAS_CB)
+    c = _conv_silu(zx, cs, cw, cb, I + G * N + g * N + n, nm, k, I, CS_C, CS_K, K, HAS_CB)
+    dt = tl.load(zx + I + CONV_DIM + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    dt = tl.where(dt > 20.0, dt, tl.where(dt < -20.0, tl.exp(dt), tl.log(1.0 + tl.exp(dt))))  # softplus (threshold 20)
+    decay = tl.exp(-dt * tl.exp(tl.load(a_log + h).to(tl.float32)))  # exp(dt * A), A = -exp(A_log)
+    ptr = st + h * P * N + p[:, None] * N + n[None, :]
+    m = pm[:, None] & nm[None, :]
+    s = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * decay + (dt * b)[None, :] * x[:, None]
+    tl.store(ptr, s.to(st.dtype.element_ty), mask=m)
+    out = tl.sum(s * c[None, :], axis=1) + x * tl.load(d_skip + h).to(tl.float32)
+    tl.store(y + h * P + p, out, mask=pm)
+
+
+@triton.jit
+def _gate_norm_kernel(zx, y, nw, out, cs, I, CONV_DIM, GS, CS_C, CS_K, CPP, eps, OUT_DT: tl.constexpr,
+                      K: tl.constexpr, BG: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    gi = tl.program_id(0)
+    j = tl.arange(0, BG)
+    jm = j < GS
+    i = gi * GS + j
+    v = tl.load(y + i, mask=jm, other=0.0)
+    z = tl.load(zx + i, mask=jm, other=0.0).to(tl.float32)
+    v = v * (z / (1.0 + tl.exp(-z)))
+    v = v * tl.rsqrt(tl.sum(v * v, axis=0) / GS + eps)
+    w = tl.load(nw + i, mask=jm, other=0.0).to(tl.float32)
+    tl.store(out + i, (w * v.to(OUT_DT).to(tl.float32)).to(OUT_DT), mask=jm)
+    # this program's run of conv channels: shifted one input left, the new input last
+    k = tl.arange(0, BK)
+    km = k < K
+    for c0 in range(0, CPP, BC):
+        r = c0 + tl.arange(0, BC)
+        c = gi * CPP + r
+        cm = (c < CONV_DIM) & (r < CPP)
+        old = tl.load(cs + c[:, None] * CS_C + (k[None, :] + 1) * CS_K, mask=cm[:, None] & (k[None, :] + 1 < K), other=0.0)
+        new = tl.load(zx + I + c, mask=cm, other=0.0).to(old.dtype)
+        tl.store(cs + c[:, None] * CS_C + k[None, :] * CS_K, tl.where(k[None, :] == K - 1, new[:, None], old),
+                 mask=cm[:, None] & km[None, :])
+
+
+def mamba_step(zx: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,
+               dt_bias: torch.Tensor, a_log: torch.Tensor, d_skip: torch.Tensor, ssm_state: torch.Tensor,
+               norm_w: torch.Tensor, eps: float, heads: int, head_dim: int, groups: int, state: int,
+               norm_groups: int) -> torch.Tensor:
+    """zxbcdt [I + conv_dim + H] of one token -> the gated, normalised scan output [I] in zx's dtype, ready for
+    out_proj; conv_state [conv_dim, K] and ssm_state [H, P, N] (batch 1, any dtype) updated in place."""
+    I = heads * head_dim
+    conv_dim, K = conv_state.shape
+    assert zx.numel() == I + conv_dim + heads and conv_dim == I + 2 * groups * state and zx.is_contiguous()
+    assert ssm_state.is_contiguous() and ssm_state.numel() == heads * head_dim * state
+    y = torch.empty(I, dtype=torch.float32, device=zx.device)
+    out = torch.empty(I, dtype=zx.dtype, device=zx.device)
+    BP, BK = min(16, triton.next_power_of_2(head_dim)), triton.next_power_of_2(K)
+    cb = conv_b if conv_b is not None else dt_bias
+    _ssm_step_kernel[(heads, triton.cdiv(head_dim, BP))](
+        zx, conv_state, conv_w, cb, dt_bias, a_log, d_skip, ssm_state, y, I, conv_dim, heads, head_dim, state,
+        heads // groups, groups, conv_state.stride(0), conv_state.stride(1), K=K, HAS_CB=conv_b is not None, BP=BP,
+        BN=triton.next_power_of_2(state), BK=BK)
+    gs = I // norm_groups
+    _gate_norm_kernel[(norm_groups,)](
+        zx, y, norm_w, out, conv_state, I, conv_dim, gs, conv_state.stride(0), conv_state.stride(1),
+        triton.cdiv(conv_dim, norm_groups), eps, OUT_DT=TL_DTYPES[zx.dtype], K=K, BG=triton.next_power_of_2(gs),
+        BC=64, BK=BK)
+    return out
+
+
+def mamba_step_ref(zx, conv_state, conv_w, conv_b, dt_bias, a_log, d_skip, ssm_state, norm_w, eps, heads, head_dim,
+                   groups, state, norm_groups) -> torch.Tensor:
+    """The plain-torch reference of `mamba_step` (fp32; the same in-place state updates)."""
+    I = heads * head_dim
+    conv_dim, K = conv_state.shape
+    z, xbc, dt = zx.float().split([I, conv_dim, heads])
+    window = torch.cat([conv_state[:, 1:].float(), xbc[:, None]], dim=1)
+    conv = (window * conv_w.float()).sum(1) + (conv_b.float() if conv_b is not None else 0)
+    conv_state.copy_(window.to(conv_state.dtype))
+    x, b, c = F.silu(conv).split([I, groups * state, groups * state])
+    dt = F.softplus(dt + dt_bias.float())  # [H]
+    x = x.view(heads, head_dim)
+    b = b.view(groups, state).repeat_interleave(heads // groups, 0)  # [H, N]
+    c = c.view(groups, state).repeat_interleave(heads // groups, 0)
+    decay = torch.exp(-dt * torch.exp(a_log.float()))
+    s = ssm_state.float() * decay[:, None, None] + (dt[:, None] * b)[:, None, :] * x[:, :, None]
+    ssm_state.copy_(s.to(ssm_state.dtype))
+    y = (s * c[:, None, :]).sum(-1) + x * d_skip.float()[:, None]
+    v = (y.reshape(-1) * F.silu(z)).view(norm_groups, -1)
+    v = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).reshape(-1)
+    return (norm_w.float() * v.to(zx.dtype).float()).to(zx.dtype)
