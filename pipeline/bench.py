@@ -162,7 +162,8 @@ def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: float) -> str:
     """Schedules side by side (`sluice bench model --compare`): decode, prefill, where blocks came from, blocks
-    copied into the VRAM tier ahead of use (guesses, hot-set refreshes), and the bandwidths measured in the same run (pinned host-to-device, host RAM read, the hybrid path's CPU rate)."""
+    copied into the VRAM tier ahead of use (guesses, hot-set refreshes), and the bandwidths measured in the
+    same run (pinned host-to-device, host RAM read, the hybrid path's CPU rate)."""
     lengths = list(results[0][1]["prefill"])
     head = (f"{'schedule':14} {'median ms':>9} {'mean ms':>8} {'1st ms':>7} {'rest ms':>7} {'tok/s':>7} {'x roofline':>10} "
             + " ".join(f"{'prefill ' + str(n):>13}" for n in lengths)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from sluice.errors import ConfigError, SluiceError, StoreError
+from sluice.kernels import triton_runs_on
 from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import MoEBlock, ResidentModel
@@ -101,7 +101,7 @@ class Engine:
             raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: "
                               f"{format_bytes(store.total_blocks * store.block_bytes)}, more than the "
                               f"{format_bytes(available_ram())} this machine has available; use a streaming schedule (overlap)")
-        if config.fused_mamba and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if config.fused_mamba and not triton_runs_on(device):
             raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.errors import ScheduleError
+from sluice.kernels import triton_runs_on
 from sluice.kernels.experts_ref import dequant_expert_ref, expert_ref
 from sluice.stages.base import Stage, StageIO
 from sluice.stages.route import OneTokenRows
@@ -73,7 +74,7 @@ def expert_backend(stage: str, backend: str, device: torch.device) -> str:
         raise ScheduleError(f"stage {stage!r}: 'backend' must be auto, triton or torch, got {backend!r}")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not triton_runs_on(device):
         raise ScheduleError(f"stage {stage!r}: the triton backend needs CUDA (or TRITON_INTERPRET=1 on a CPU)")
     return backend
 
