@@ -185,8 +185,10 @@ class Engine:
             return self._loop.run_until_complete(self._guarded_step(seq, ids, images, head))
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
-        """The image encoder's rows for a prompt's images (models/vision.py)."""
-        return self.image_encoder.encode(pixel_values, image_grid_hw)
+        """The image encoder's rows for a prompt's images (models/vision.py); attention without cuDNN, whose plan per
+        new length would be built again for every image size (`attention_backends`)."""
+        with attention_backends():
+            return self.image_encoder.encode(pixel_values, image_grid_hw)
 
     @property
     def image_encoder(self):

@@ -74,6 +74,17 @@ def test_image_prompt_matches_transformers(omni):
     assert (chunked - ref).abs().max().item() <= LOGIT_ATOL
 
 
+def test_image_encoder_attention_runs_without_cudnn(omni, monkeypatch):
+    """The encoder's attention runs with cuDNN's SDPA off (a plan per new length: every image size)."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or sdpa(*a, **k))
+    with sluice.load(omni, device=DEVICE, progress=False) as engine:
+        engine.encode_images(*_image(1))
+    assert seen and not any(seen)
+
+
 def test_image_rows_out_of_order_fail(omni):
     """A check that must fail: the encoder's rows placed in the wrong order (reversed) give other logits."""
     pix, grid = _image(2)
