@@ -358,7 +358,7 @@ def cmd_serve(args) -> int:
 def cmd_bench_model(args) -> int:
     import json
 
-    from sluice.pipeline.bench import bench_model, format_bench, profile_decode
+    from sluice.pipeline.bench import bench_model, format_bench, profile_decode, resident_roofline
 
     lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
     if args.compare:
@@ -369,7 +369,11 @@ def cmd_bench_model(args) -> int:
               f"RAM {engine.rt.ram.capacity} blocks | block {engine.store.block_bytes:,} bytes")
         print(format_bench(r, engine.store.block_bytes))
         if args.profile:
-            print(profile_decode(engine))
+            split: dict = {}
+            print(profile_decode(engine, split=split))
+            line = resident_roofline(r["decode"], split)
+            if line:
+                print(line)
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     return 0

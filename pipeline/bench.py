@@ -148,6 +148,17 @@ def format_bench(r: dict, block_bytes: int) -> str:
     return "\n".join(lines)
 
 
+def resident_roofline(d: dict, split: dict) -> str:
+    """Add to a bench's decode figures `d` the roofline of the performance issue: the PCIe time of the bytes moved
+    per token plus the resident part's own GPU time (`profile_decode`'s split); returns the line that reports it."""
+    if "roofline_ms_per_token" not in d or "resident_ms" not in split:
+        return ""
+    d["resident_ms_per_token"] = split["resident_ms"]
+    d["pcie_plus_resident_ms_per_token"] = roof = d["roofline_ms_per_token"] + split["resident_ms"]
+    return (f"roofline with the resident part: PCIe {d['roofline_ms_per_token']:.2f} + resident {split['resident_ms']:.2f} = "
+            f"{roof:.2f} ms/token; decode median {d['ms_per_token_median']:.2f} ms is {d['ms_per_token_median'] / roof:.2f} x")
+
+
 def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
     """Host memory read rate (bytes/s) with torch's threads: the best of three sums over nbytes of fp32."""
     big = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -193,9 +204,10 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
 EXPERT_KERNELS = ("_matvec_kernel", "_down_relaid_kernel", "_x_pairs_kernel", "_grouped_gemm_kernel")
 
 
-def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str:
+def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0, split: dict | None = None) -> str:
     """Where a decode step's time goes: host Python functions (cProfile, by own time) and, on CUDA, the
-    GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the gap."""
+    GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the gap.
+    `split`, if given, receives the GPU time per token in ms: busy, Sluice's expert kernels, the rest (resident)."""
     import cProfile
     import io
     import pstats
@@ -224,6 +236,8 @@ def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0) -> str
         lines.append(f"profiled wall {1000 * wall:.2f} ms/token; GPU busy {busy:.2f} ms/token ({busy / (1000 * wall):.0%}; kernels and "
                      f"copies, summed over streams); {launches:.0f} GPU ops/token")
         experts = sum(e.self_device_time_total for e in device if e.key.startswith(EXPERT_KERNELS)) / 1e3 / tokens
+        if split is not None:
+            split.update(busy_ms=busy, experts_ms=experts, resident_ms=busy - experts)
         lines.append(f"  Sluice's expert kernels {experts:.2f} ms/token (zero-copy reads from RAM included), everything else "
                      f"{busy - experts:.2f} ms/token: the resident part's own GPU time")
         lines.append(events.table(sort_by="self_device_time_total", row_limit=12))
