@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4,
+from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
                                     SCALE_GROUPS, block_scale, e2m1_scaled, fp4_word_dot, fp4_word_dot_f16x2, group_scale, load_bias,
                                     tensor_scale, x_pair, x_pair_scales)
 from sluice.kernels.layout import ProjLayout
@@ -305,7 +305,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     32 x 256 (16 x 1024 from 2048 inputs on), FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
     words = fp4_words if layout.fmt in SCALE_GROUPS else 0
-    if words == 3 and layout.fmt != 4:  # the f16x2 path reads NVFP4's 16-input groups only
+    if words == 3 and layout.fmt != FORMAT_CODES["nvfp4"]:  # the f16x2 path reads NVFP4's 16-input groups only
         words = 2
     wide = words and layout.k >= 2048
     bn = bn or (16 if wide else 32 if words else 16 if layout.fmt == 0 else 8)
