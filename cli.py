@@ -103,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
     bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths) run one after another "
                                                            "and compared in one table, e.g. overlap,vram-lfu,hybrid,hybrid-vram")
+    bm.add_argument("--resident-alone", action="store_true", help="also time decode with the routed experts skipped "
+                    "(schedules/resident-alone.yaml) and report the roofline PCIe time + that")
     bm.set_defaults(func=cmd_bench_model)
     bb = bsub.add_parser("baseline", help="transformers + accelerate offloading at a VRAM budget, for the speedup ratio")
     bb.add_argument("--model", required=True, help="a Hugging Face checkpoint transformers can load")
@@ -133,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--live", type=float, default=0.25, help="fraction of live 16-neuron groups for zero-copy down")
     bk.add_argument("--json", type=Path, help="also write the rows as JSON")
     bk.add_argument("--sweep", action="store_true", help="time each kernel over tile configurations instead")
+    bk.add_argument("--mixed", metavar="R", type=int, nargs="*",
+                    help="time a direct decode step's ReLU^2 expert kernels with R of the experts read from host memory "
+                         "(e.g. --mixed 0 1 2 4): dispatch orders and the host alignment hint, against the PCIe floor")
     bk.add_argument("--launch-timing", action="store_true",
                     help="time single launches (do_bench) instead of calls captured in a CUDA graph, as decode runs them")
     bk.set_defaults(func=cmd_bench_kernels)
@@ -152,8 +157,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
                                          "gets what the resident part and a reserve leave")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")
-    p.add_argument("--fused-mamba", action="store_true", help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py; "
-                                                            "tested against transformers, not yet timed on a GPU)")
+    p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
+                   help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
+                        "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
     p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM")
@@ -184,7 +190,7 @@ def _open_engine(args):
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
         resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
-        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba or None,
+        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba,
     )
 
 
@@ -371,18 +377,44 @@ def cmd_bench_model(args) -> int:
         if args.profile:
             split: dict = {}
             print(profile_decode(engine, split=split))
-            line = resident_roofline(r["decode"], split)
+            line = resident_roofline(r["decode"], split.get("resident_ms"))
             if line:
                 print(line)
+    del engine  # the second engine opens with this one's GPU memory given back (a VRAM budget counts it)
+    if args.resident_alone:
+        line = resident_roofline(r["decode"], _resident_alone(args), "alone")
+        if line:
+            print(line)
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     return 0
 
 
+def _resident_alone(args) -> float:
+    """Median decode ms/token of the model with its routed experts skipped (schedules/resident-alone.yaml), at the same
+    settings: the resident part's own time, measured alone. In a fresh process: measured in the process that had just
+    run the whole model, it came out slower than the whole model's decode (8.35 against 6.49 ms, an H200; cause not
+    found), which cannot be the resident part's own time."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        ms = pool.apply(_resident_alone_run, (args,))
+    print(f"resident part alone (schedule resident-alone, a fresh process): {ms:.2f} ms/token median over {args.decode_tokens} tokens")
+    return ms
+
+
+def _resident_alone_run(args) -> float:
+    from sluice.pipeline.bench import bench_model
+
+    args.schedule, args.ram_cache = "resident-alone", None  # no expert blocks: one RAM slot
+    with _open_engine(args) as engine:
+        return bench_model(engine, (), args.decode_tokens, warm=not args.cold)["decode"]["ms_per_token_median"]
+
+
 def _bench_compare(args, lengths) -> int:
     import json
 
-    from sluice.pipeline.bench import bench_model, format_compare, ram_read_bandwidth
+    from sluice.pipeline.bench import bench_model, format_compare, ram_read_bandwidth, resident_roofline
 
     results, block = [], 0
     for name in [n for n in args.compare.split(",") if n]:
@@ -396,6 +428,12 @@ def _bench_compare(args, lengths) -> int:
         del engine  # the next schedule's engine opens with this one's GPU memory given back (a VRAM budget counts it)
         _free_device_memory()
     print(format_compare(results, block, ram_read_bandwidth()))
+    if args.resident_alone:
+        alone = _resident_alone(args)
+        for name, r in results:
+            line = resident_roofline(r["decode"], alone, "alone")
+            if line:
+                print(f"{name}: {line}")
     if args.json:
         args.json.write_text(json.dumps(dict(results), indent=1))
     return 0
@@ -480,6 +518,11 @@ def cmd_bench_kernels(args) -> int:
     if args.sweep:
         for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS)):
             print(line, flush=True)
+        return 0
+    if args.mixed is not None:
+        ceil, lines = kbench.bench_mixed(tuple(args.shape or ("super", "nano")), (args.format or ["nvfp4"])[0], tuple(args.mixed or (0, 1, 2, 4)))
+        print(f"{torch.cuda.get_device_name()} | pinned H2D {ceil['h2d']:.1f} GB/s, HBM {ceil['hbm']:.0f} GB/s")
+        print("\n".join(lines))
         return 0
     ceil, rows = bench(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), args.live)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | timing: {kbench.TIMING}")

@@ -179,6 +179,9 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
                 add("decode down (re-laid)", shape, fmt, A * L["down"].nbytes, us, "hbm")
+                if fmt == "nvfp4":  # f16x2 products, the h packing included
+                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, f16x2=True) for b in banks])
+                    add("decode down (re-laid, f16x2)", shape, fmt, A * L["down"].nbytes, us, "hbm")
             else:
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1) for b in banks])
                 add("decode gate+up (swiglu)", shape, fmt, up_bytes, us, "hbm")
@@ -204,6 +207,48 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
                 add(f"zero-copy down, {live_fraction:.0%} live", shape, fmt, n_live * group_bytes, us, "h2d")
                 del hbanks
     return ceil, rows
+
+
+def bench_mixed(shapes=("super", "nano"), fmt="nvfp4", from_ram=(0, 1, 2, 4), device="cuda") -> tuple[dict, list[str]]:
+    """A direct decode step's expert kernels (ReLU^2 up, re-laid down) over A experts of which R are read from pinned
+    host memory (zero-copy) and the rest from VRAM, through one bank base as the direct schedule has it, with and
+    without the down kernel's alignment hint for host rows; against all-VRAM and against the PCIe floor (the R
+    blocks' bytes over the pinned host-to-device rate). Lines of a table."""
+    from sluice.kernels.decode import down_relaid, matvec
+
+    device = torch.device(device)
+    ceil = ceilings(device)
+    lines = [f"{'shape':6} {'R':>2} {'variant':14} {'us':>8} {'PCIe floor us':>13} {'x floor':>8}"]
+    for shape in shapes:
+        kind, Dx, I, A = SHAPES[shape]
+        assert kind == "relu2", "the mixed bench times ReLU^2 experts"
+        vbanks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device)
+        hbanks, _, _ = make_banks(kind, fmt, Dx, I, A, device, pin=True)
+        x = torch.randn(Dx, device=device, dtype=torch.bfloat16)
+        h = torch.empty(A, I, device=device, dtype=torch.bfloat16)
+        nbytes = L["up"].nbytes + L["down"].nbytes
+        for R in from_ram:
+            floor = R * nbytes / (ceil["h2d"] * 1e3)  # us
+            ram = torch.zeros(A, dtype=torch.bool)
+            ram[torch.randperm(A, generator=torch.Generator().manual_seed(R))[:R]] = True  # R of the K positions
+            variants = {}
+            for vb, hb in zip(vbanks, hbanks):
+                offs = torch.arange(A, dtype=torch.int64) * block_bytes
+                offs = torch.where(ram, hb.data_ptr() - vb.data_ptr() + offs, offs).to(device)
+
+                def step(vb=vb, offs=offs, host=None):
+                    matvec(vb, offs, x, L["up"], "relu2", torch.bfloat16, h)
+                    return down_relaid(vb, offs, h, L["down"], skip=False, host=host)
+
+                variants.setdefault("as in VRAM", []).append(step)
+                if R:
+                    variants.setdefault("host hint", []).append(lambda step=step: step(host=True))
+            for name, fns in variants.items():
+                us = _time(fns)
+                ratio = f"{us / floor:8.2f}" if floor else "       -"
+                lines.append(f"{shape:6} {R:2d} {name:14} {us:8.1f} {floor:13.1f} {ratio}")
+        del vbanks, hbanks
+    return ceil, lines
 
 
 MATVEC_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4), (32, 128, 4),

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
-                                    SCALE_GROUPS, block_scale, e2m1_scaled, fp4_word_dot, fp4_word_dot_f16x2, group_scale, load_bias,
+                                    SCALE_GROUPS, block_scale, e2m1_scaled, fp4_group_dot_f16x2, fp4_word_dot, fp4_word_dot_f16x2, group_scale, load_bias,
                                     tensor_scale, x_pair, x_pair_scales)
 from sluice.kernels.layout import ProjLayout
 
@@ -209,10 +209,10 @@ def _matvec_kernel(
 
 @triton.jit
 def _down_relaid_kernel(
-    bank, offs, h, part, Dx, I, GROUPS_PER_SPLIT, NSPLIT, live,
+    bank, offs, h, part, Dx, I, GROUPS_PER_SPLIT, NSPLIT, live, HQ, HINV,
     W_OFF, S_OFF, S2_OFF, S_STRIDE,
     FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr,
-    HOST: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+    HOST: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, F16X2: tl.constexpr, ASM: tl.constexpr,
 ):
     a = tl.program_id(0)
     sp = tl.program_id(1)
@@ -223,40 +223,109 @@ def _down_relaid_kernel(
     else:
         base = bank + tl.load(offs + a)
     hp = h + a * I
-    acc = tl.zeros([R, BD], dtype=tl.float32)  # R = rows of one group: 8 FP4 byte rows or 16 neurons
-    g0 = sp * GROUPS_PER_SPLIT
-    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, I // 16)
+    if F16X2:  # NVFP4 as int32 words of four outputs' bytes, f16x2 products with h's pairs (`h_pairs`)
+        _down_f16x2(base, hp, HQ + a * (I // 2), HINV + a, part + (a * NSPLIT + sp) * Dx, live + a * NSPLIT + sp, Dx, I,
+                    sp * GROUPS_PER_SPLIT, W_OFF, S_OFF, S2_OFF, S_STRIDE, GROUPS_PER_SPLIT, FMT, S2_INV, SG, SKIP_BELOW, BD, ASM)
+    else:
+        acc = tl.zeros([R, BD], dtype=tl.float32)  # R = rows of one group: 8 FP4 byte rows or 16 neurons
+        g0 = sp * GROUPS_PER_SPLIT
+        g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, I // 16)
+        n_live = 0
+        for g in range(g0, g1):
+            hg = tl.load(hp + g * 16 + tl.arange(0, 16)).to(tl.float32)
+            if tl.max(tl.abs(hg), axis=0) > SKIP_BELOW:  # -1 reads every group, 0 skips all-zero groups
+                n_live += 1
+                if FMT == NVFP4 or FMT == MXFP4:
+                    r = g * 8 + tl.arange(0, R)  # byte row r holds neurons 2r (low nibble) and 2r+1 (high)
+                    b = tl.load(base + W_OFF + r[:, None] * Dx + d[None, :], mask=dm[None, :], other=0).to(tl.int32)
+                    s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + d, dm, FMT)
+                    h_lo = tl.load(hp + g * 16 + 2 * tl.arange(0, R)).to(tl.float32)
+                    h_hi = tl.load(hp + g * 16 + 2 * tl.arange(0, R) + 1).to(tl.float32)
+                    acc += (e2m1_scaled(b & 15) * h_lo[:, None] + e2m1_scaled(b >> 4) * h_hi[:, None]) * s[None, :]
+                else:
+                    i = g * 16 + tl.arange(0, R)
+                    if FMT == DENSE:
+                        w = tl.load((base + W_OFF).to(tl.pointer_type(WDT)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
+                    else:
+                        w = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
+                    w = w.to(tl.float32) * hg[:, None]
+                    if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # 16 divides BLOCK: one scale row for the group
+                        w = w * block_scale(base + S_OFF, (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, dm, FMT)[None, :]
+                    acc += w
+        out = tl.sum(acc, axis=0)
+        if FMT == NVFP4 or FMT == MXFP4:
+            out = out * E2M1_UNSCALE
+        if FMT == FP8_ROW:
+            out = out * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + d, mask=dm, other=0.0)
+        out = out * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
+        tl.store(part + (a * NSPLIT + sp) * Dx + d, out, mask=dm)
+        if tl.program_id(2) == 0:
+            tl.store(live + a * NSPLIT + sp, n_live)
+
+
+@triton.jit
+def _down_f16x2(base, hp, hq, hinv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, S_STRIDE, GPS, FMT: tl.constexpr,
+                S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr, BD: tl.constexpr, ASM: tl.constexpr):
+    """_down_relaid_kernel's NVFP4 path through f16x2 (dequant.fp4_group_dot_f16x2): a program's BD outputs as BD / 4
+    int32 words per byte row; each scale group's 8 rows in one call, its four sums per word scaled in fp32."""
+    BW: tl.constexpr = BD // 4
+    DW = Dx // 4  # words per byte row
+    c = tl.program_id(2) * BW + tl.arange(0, BW)
+    cm = c < DW
+    rows = (base + W_OFF).to(tl.pointer_type(tl.int32)) + c
+    zero = tl.zeros([BW], dtype=tl.int32)
+    acc = tl.zeros([BW, 4], dtype=tl.float32)
+    g1 = tl.minimum(g0 + GPS, I // 16)
     n_live = 0
     for g in range(g0, g1):
         hg = tl.load(hp + g * 16 + tl.arange(0, 16)).to(tl.float32)
         if tl.max(tl.abs(hg), axis=0) > SKIP_BELOW:  # -1 reads every group, 0 skips all-zero groups
             n_live += 1
-            if FMT == NVFP4 or FMT == MXFP4:
-                r = g * 8 + tl.arange(0, R)  # byte row r holds neurons 2r (low nibble) and 2r+1 (high)
-                b = tl.load(base + W_OFF + r[:, None] * Dx + d[None, :], mask=dm[None, :], other=0).to(tl.int32)
-                s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + d, dm, FMT)
-                h_lo = tl.load(hp + g * 16 + 2 * tl.arange(0, R)).to(tl.float32)
-                h_hi = tl.load(hp + g * 16 + 2 * tl.arange(0, R) + 1).to(tl.float32)
-                acc += (e2m1_scaled(b & 15) * h_lo[:, None] + e2m1_scaled(b >> 4) * h_hi[:, None]) * s[None, :]
-            else:
-                i = g * 16 + tl.arange(0, R)
-                if FMT == DENSE:
-                    w = tl.load((base + W_OFF).to(tl.pointer_type(WDT)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
-                else:
-                    w = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
-                w = w.to(tl.float32) * hg[:, None]
-                if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # 16 divides BLOCK: one scale row for the group
-                    w = w * block_scale(base + S_OFF, (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, dm, FMT)[None, :]
-                acc += w
-    out = tl.sum(acc, axis=0)
-    if FMT == NVFP4 or FMT == MXFP4:
-        out = out * E2M1_UNSCALE
-    if FMT == FP8_ROW:
-        out = out * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + d, mask=dm, other=0.0)
-    out = out * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
-    tl.store(part + (a * NSPLIT + sp) * Dx + d, out, mask=dm)
+            r = rows + g * 8 * DW
+            d0, d1, d2, d3 = fp4_group_dot_f16x2(
+                tl.load(r, mask=cm, other=0), tl.load(r + DW, mask=cm, other=0), tl.load(r + 2 * DW, mask=cm, other=0),
+                tl.load(r + 3 * DW, mask=cm, other=0), tl.load(r + 4 * DW, mask=cm, other=0), tl.load(r + 5 * DW, mask=cm, other=0),
+                tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0),
+                zero + tl.load(hq + g * 8), zero + tl.load(hq + g * 8 + 1), zero + tl.load(hq + g * 8 + 2),
+                zero + tl.load(hq + g * 8 + 3), zero + tl.load(hq + g * 8 + 4), zero + tl.load(hq + g * 8 + 5),
+                zero + tl.load(hq + g * 8 + 6), zero + tl.load(hq + g * 8 + 7), ASM)
+            dots = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), [BW, 4])  # [w, j]: output 4w + j
+            s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + 4 * c[:, None] + tl.arange(0, 4)[None, :], cm[:, None], FMT)
+            acc += dots * s
+    d = tl.program_id(2) * BD + tl.arange(0, BD)
+    o = tl.reshape(acc, [BD]) * tl.load(hinv) * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
+    tl.store(out + d, o, mask=d < Dx)
     if tl.program_id(2) == 0:
-        tl.store(live + a * NSPLIT + sp, n_live)
+        tl.store(live, n_live)
+
+
+@triton.jit
+def _h_pairs_kernel(h, hq, hinv, I, BW: tl.constexpr, BM: tl.constexpr):
+    """Row r of h [R, I] -> hq[r] int32 [I/2] (pair p = h[2p], h[2p+1] as f16x2, scaled as `x_pair_scales` scales) and
+    hinv[r]. Grid (R, cdiv(I/2, BW)): each program finds the row's largest |h| itself and packs BW pairs."""
+    r = tl.program_id(0)
+    hp = h + r * I
+    m = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, I, BM):
+        k = k0 + tl.arange(0, BM)
+        m = tl.maximum(m, tl.abs(tl.load(hp + k, mask=k < I, other=0.0).to(tl.float32)))
+    scale, inv = x_pair_scales(tl.max(m, axis=0))
+    if tl.program_id(1) == 0:
+        tl.store(hinv + r, inv)
+    p = tl.program_id(1) * BW + tl.arange(0, BW)
+    pm = p < I // 2
+    lo = (tl.load(hp + 2 * p, mask=pm, other=0.0).to(tl.float32) * scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    hi = (tl.load(hp + 2 * p + 1, mask=pm, other=0.0).to(tl.float32) * scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(hq + r * (I // 2) + p, (lo & 0xFFFF) | (hi << 16), mask=pm)
+
+
+def h_pairs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [R, I] -> (int32 [R, I/2] f16x2 pairs (h[2p], h[2p+1]) scaled per row, fp32 [R] unscale) for down_relaid's f16x2 path."""
+    R, I = h.shape
+    hq = torch.empty(R, I // 2, dtype=torch.int32, device=h.device)
+    hinv = torch.empty(R, dtype=torch.float32, device=h.device)
+    _h_pairs_kernel[(R, triton.cdiv(I // 2, 256))](h, hq, hinv, I, BW=256, BM=1024)
+    return hq, hinv
 
 
 @triton.jit
@@ -331,8 +400,13 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
 
 
 def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout: ProjLayout, skip: bool,
-                splits: int = 0, bd: int = 512, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                splits: int = 0, bd: int = 512, num_warps: int = 4, host: bool | None = None,
+                f16x2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """ReLU^2 down for A experts from re-laid blocks: h [A, I] -> (partials [A, S, Dx] fp32, live groups [A, S] int32).
+    host: some blocks are read from host memory (zero-copy), so tell the compiler that rows start 16-byte aligned:
+    wide loads, which zero-copy reads need and which made FP4 / FP8 rows read from HBM alone slower (BENCHMARKS.md);
+    None: whether the bank is host memory. f16x2 (NVFP4): h packed into f16x2 pairs first (`h_pairs`, one more launch),
+    each scale group's rows read as int32 words and multiplied in f16x2 (sm_89+ PTX; Triton fp16 elsewhere).
 
     Default split of the groups: 32 for NVFP4, 16 otherwise (from the H200 sweep in BENCHMARKS.md)."""
     A, I = h.shape
@@ -346,9 +420,13 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     part = torch.empty(A, splits, Dx, dtype=torch.float32, device=h.device)
     live = torch.empty(A, splits, dtype=torch.int32, device=h.device)
     bd = min(bd, triton.next_power_of_2(Dx))
+    f16x2 = f16x2 and layout.fmt == FORMAT_CODES["nvfp4"]
+    assert not f16x2 or Dx % 4 == 0, Dx
+    hq, hinv = h_pairs(h) if f16x2 else (live, live)
     _down_relaid_kernel[(A, splits, triton.cdiv(Dx, bd))](
-        bank, offs, h, part, Dx, I, gps, splits, live, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride,
+        bank, offs, h, part, Dx, I, gps, splits, live, hq, hinv, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride,
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
-        SKIP_BELOW=0.0 if skip else -1.0, HOST=bank.device.type == "cpu", R=8 if layout.fmt in SCALE_GROUPS else 16, BD=bd, num_warps=num_warps,
+        SKIP_BELOW=0.0 if skip else -1.0, HOST=bank.device.type == "cpu" if host is None else host,
+        R=8 if layout.fmt in SCALE_GROUPS else 16, BD=bd, F16X2=f16x2, ASM=f16x2 and h.is_cuda, num_warps=num_warps,
     )
     return part, live

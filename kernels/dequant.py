@@ -154,6 +154,92 @@ def fp4_word_dot_f16x2(word, X0, X1, X2, X3, ASM: tl.constexpr):
     return lo.to(tl.float32) + hi.to(tl.float32)
 
 
+_ROW_PTX = """
+            shl.b32 tL, {w}, 2;
+            and.b32 tL, tL, 471604252;
+            shl.b32 tU, {w}, 4;
+            and.b32 tU, tU, -2139062144;
+            or.b32 sL, tL, tU;
+            shr.u32 tL, {w}, 2;
+            and.b32 tL, tL, 471604252;
+            and.b32 tU, {w}, -2139062144;
+            or.b32 sH, tL, tU;
+            prmt.b32 p0, sL, sH, 20800;
+            prmt.b32 p1, sL, sH, 29538;
+            mov.b32 {{q0, q1}}, p0;
+            mov.b32 {{q2, q3}}, p1;
+            cvt.rn.f16x2.e4m3x2 c0, q0;
+            cvt.rn.f16x2.e4m3x2 c1, q1;
+            cvt.rn.f16x2.e4m3x2 c2, q2;
+            cvt.rn.f16x2.e4m3x2 c3, q3;
+"""
+
+
+def _group_dot_ptx(rows: int) -> str:
+    """PTX for fp4_group_dot_f16x2: per row, the word's four bytes become e4m3 pairs (low nibble, high nibble) by
+    shifts, masks and two byte permutes (prmt), four f16x2 conversions, and four f16x2 FMAs with the row's h pair."""
+    body = []
+    for i in range(rows):
+        body.append(_ROW_PTX.format(w=f"${4 + i}"))
+        op = "mul.rn.f16x2 a{j}, c{j}, ${h};" if i == 0 else "fma.rn.f16x2 a{j}, c{j}, ${h}, a{j};"
+        body += [op.format(j=j, h=4 + rows + i) for j in range(4)]
+    for j in range(4):
+        body += [f"mov.b32 {{e0, e1}}, a{j};", "cvt.f32.f16 f0, e0;", "cvt.f32.f16 f1, e1;", "add.f32 f0, f0, f1;",
+                 f"mov.b32 ${j}, f0;"]
+    return ("{\n.reg .b32 tL, tU, sL, sH, p0, p1;\n.reg .b16 q<4>, e<2>;\n.reg .b32 c<4>, a<4>;\n.reg .f32 f<2>;\n"
+            + "\n".join(body) + "\n}")
+
+
+GROUP_DOT_PTX = tl.constexpr(_group_dot_ptx(8))
+GROUP_DOT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
+
+
+@triton.jit
+def fp4_group_dot_f16x2(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, ASM: tl.constexpr):
+    """A re-laid FP4 down's 8 byte rows of one scale group (16 neurons), four outputs per int32 word: Wi the words of
+    row i (byte j = output j's two nibbles, low = neuron 2i, high = 2i+1 of the group), Hi the int32 bits of that
+    row's h pair as f16x2. Returns the four outputs' sums over the group (E2M1 * 2**-6 times h, fp32), as a tuple.
+    Products and the group's sums in f16x2 (h is scaled so that they fit); the two halves added in fp32.
+    ASM: one inline-PTX call (sm_89+); else the same pairing in Triton fp16 (mul + add where PTX fuses)."""
+    if ASM:
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+            asm=GROUP_DOT_PTX,
+            constraints=GROUP_DOT_CONSTRAINTS,
+            args=[W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        return (d0.to(tl.float32, bitcast=True), d1.to(tl.float32, bitcast=True), d2.to(tl.float32, bitcast=True),
+                d3.to(tl.float32, bitcast=True))
+    return (_group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, 0),
+            _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, 1),
+            _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, 2),
+            _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, 3))
+
+
+@triton.jit
+def _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, J: tl.constexpr):
+    """fp4_group_dot_f16x2's output J in Triton fp16: low-nibble and high-nibble products summed apart, then added."""
+    lo = _nibble_f16(W0, 2 * J) * _f16_half(H0, 0)
+    hi = _nibble_f16(W0, 2 * J + 1) * _f16_half(H0, 1)
+    lo = lo + _nibble_f16(W1, 2 * J) * _f16_half(H1, 0)
+    hi = hi + _nibble_f16(W1, 2 * J + 1) * _f16_half(H1, 1)
+    lo = lo + _nibble_f16(W2, 2 * J) * _f16_half(H2, 0)
+    hi = hi + _nibble_f16(W2, 2 * J + 1) * _f16_half(H2, 1)
+    lo = lo + _nibble_f16(W3, 2 * J) * _f16_half(H3, 0)
+    hi = hi + _nibble_f16(W3, 2 * J + 1) * _f16_half(H3, 1)
+    lo = lo + _nibble_f16(W4, 2 * J) * _f16_half(H4, 0)
+    hi = hi + _nibble_f16(W4, 2 * J + 1) * _f16_half(H4, 1)
+    lo = lo + _nibble_f16(W5, 2 * J) * _f16_half(H5, 0)
+    hi = hi + _nibble_f16(W5, 2 * J + 1) * _f16_half(H5, 1)
+    lo = lo + _nibble_f16(W6, 2 * J) * _f16_half(H6, 0)
+    hi = hi + _nibble_f16(W6, 2 * J + 1) * _f16_half(H6, 1)
+    lo = lo + _nibble_f16(W7, 2 * J) * _f16_half(H7, 0)
+    hi = hi + _nibble_f16(W7, 2 * J + 1) * _f16_half(H7, 1)
+    return lo.to(tl.float32) + hi.to(tl.float32)
+
+
 @triton.jit
 def x_pair_scales(mx):
     """For a row whose largest |x| is mx: (scale, 2**6 / scale), scale a power of two putting mx in [2**13, 2**14)

@@ -103,13 +103,14 @@ class TritonExperts:
             self.total_groups += A * (self.layouts["down"].k // 16)
 
     def _decode(self, bank, offs, down_bank, down_offs, x: torch.Tensor, wts: torch.Tensor, y_dtype: torch.dtype,
-                zero_skip: bool) -> torch.Tensor:
-        """One token x [Dx] through A experts: weighted outputs [A, Dx] in y_dtype (expert a's in row a)."""
+                zero_skip: bool, host: bool | None = None) -> torch.Tensor:
+        """One token x [Dx] through A experts: weighted outputs [A, Dx] in y_dtype (expert a's in row a). host: some
+        blocks may be in host memory (kernels/decode.py down_relaid)."""
         L, A, x_dtype = self.layouts, offs.numel(), x.dtype
         h = torch.empty(A, L["up"].n, dtype=x_dtype, device=x.device)
         if self.kind == "relu2":
             matvec(bank, offs, x, L["up"], "relu2", x_dtype, h, act=self.act, fp4_words=self.fp4_words)
-            part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip)
+            part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip, host=host, f16x2=self.fp4_words == 3)
             self.live_groups += live.sum()
             return (part.sum(1).to(x_dtype).float() * wts.float()[:, None]).to(y_dtype)
         matvec(bank, offs, x, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, act_args=self.act_args,

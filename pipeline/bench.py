@@ -148,14 +148,16 @@ def format_bench(r: dict, block_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def resident_roofline(d: dict, split: dict) -> str:
+def resident_roofline(d: dict, resident_ms: float | None, how: str = "GPU time") -> str:
     """Add to a bench's decode figures `d` the roofline of the performance issue: the PCIe time of the bytes moved
-    per token plus the resident part's own GPU time (`profile_decode`'s split); returns the line that reports it."""
-    if "roofline_ms_per_token" not in d or "resident_ms" not in split:
+    per token plus the resident part's own time, `how` it was measured (its GPU time from `profile_decode`'s split,
+    or "alone": decode steps of schedules/resident-alone.yaml); returns the line that reports it."""
+    if "roofline_ms_per_token" not in d or resident_ms is None:
         return ""
-    d["resident_ms_per_token"] = split["resident_ms"]
-    d["pcie_plus_resident_ms_per_token"] = roof = d["roofline_ms_per_token"] + split["resident_ms"]
-    return (f"roofline with the resident part: PCIe {d['roofline_ms_per_token']:.2f} + resident {split['resident_ms']:.2f} = "
+    key = "alone" if how == "alone" else "gpu"
+    d[f"resident_{key}_ms_per_token"] = resident_ms
+    d[f"pcie_plus_resident_{key}_ms_per_token"] = roof = d["roofline_ms_per_token"] + resident_ms
+    return (f"roofline with the resident part ({how}): PCIe {d['roofline_ms_per_token']:.2f} + resident {resident_ms:.2f} = "
             f"{roof:.2f} ms/token; decode median {d['ms_per_token_median']:.2f} ms is {d['ms_per_token_median'] / roof:.2f} x")
 
 

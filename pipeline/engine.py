@@ -93,9 +93,11 @@ class Engine:
         fetch = schedule.stage("fetch")
         h2d = schedule.stage("h2d").knobs if schedule.stage("h2d") else H2DKnobs()
         readers = config.readers or (fetch.knobs.readers if fetch else FetchKnobs.readers)
-        direct = schedule.stage("direct") is not None  # every block held in RAM: by default as much RAM as that takes
+        # every block held in RAM (by default as much RAM as that takes), unless the stage skips the routed experts
+        direct = schedule.stage("direct") is not None and schedule.stage("direct").knobs.routed
+        no_blocks = schedule.stage("direct") is not None and not direct  # routed experts skipped: one RAM slot will do
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
-            store.total_blocks * store.block_bytes if direct else available_ram() // 4
+            store.total_blocks * store.block_bytes if direct else store.block_bytes if no_blocks else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         if direct and store.total_blocks * store.block_bytes > available_ram():
             raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: "
@@ -103,6 +105,9 @@ class Engine:
                               f"{format_bytes(available_ram())} this machine has available; use a streaming schedule (overlap)")
         if config.fused_mamba and not triton_runs_on(device):
             raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
+        # by default on CUDA (1.2-1.4 x faster decode on an H200, BENCHMARKS.md); a CPU keeps transformers' step (the
+        # kernels would run in Triton's interpreter there)
+        fused_mamba = config.fused_mamba if config.fused_mamba is not None else device.type == "cuda"
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK
         if config.vram_budget is not None and device.type == "cuda":
@@ -135,7 +140,7 @@ class Engine:
         elif h2d.hot_set:
             get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=h2d.hot_set)
         for layer in model.layers:
-            layer.prefill_piece, layer.fused_decode = piece, config.fused_mamba
+            layer.prefill_piece, layer.fused_decode = piece, fused_mamba
         try:
             coordinator = Coordinator(schedule, rt)
         except BaseException:

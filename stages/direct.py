@@ -8,7 +8,9 @@ GPU, gathers the K offsets from the table, runs the layer's expert kernels on th
 weighted outputs in combine's fixed order and finishes the layer: one CUDA graph per layer (the
 stage's `graphs`, for models whose MoE functions are pure: `MoEBlock.graph_safe`; others run the same
 step eagerly), so the host enqueues a whole decode step without a round trip to the GPU. Outputs
-are bit-identical to the streaming schedules' (the same kernels on the same bytes, the same sum).
+are bit-identical to the streaming schedules' (the same kernels on the same bytes, the same sum), but for one case:
+with no VRAM tier the bank is host memory, for which the re-laid down kernel declares its rows aligned, and on a
+GPU its FP4 / FP8 partial sums then add in another order (equal within fp32 rounding; tests/test_kernels.py).
 
 VRAM tier (`vram`): the routed experts are counted on the GPU; every `refresh` one-token steps the
 host reads the counts (decayed by `decay` each time), and the most used blocks that the tier lacks
@@ -23,6 +25,11 @@ small staging bank (double-buffered, so a group's copies run under the previous 
 
 Needs every block in RAM (`--ram-cache` at least the store's expert bytes) and keeps routed ids on the
 GPU, so it does not record routing traces; the trace shows one `direct` span per MoE layer.
+
+`routed: false` skips the routed experts (their kernels, and loading their blocks at open): each MoE layer still
+routes and runs its shared expert and its own projections, with a zero routed sum. The outputs are not the
+model's; what it is for is the performance issue's roofline term "the resident part's own time, measured alone"
+(schedules/resident-alone.yaml, `sluice bench model --resident-alone`).
 """
 
 from __future__ import annotations
@@ -55,6 +62,10 @@ class DirectKnobs:
     margin: float = 1.0  # a block replaces a VRAM one only when its decayed count beats that one's by more than this
     prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
     fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (stages/compute.py fp4_formulation)
+    routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
+    host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
+    # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
+    # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
 
 
 class Direct(Stage):
@@ -81,11 +92,12 @@ class Direct(Stage):
         self.layers = list(store.moe_layers)  # MoE index -> model layer
         self.index = {layer: i for i, layer in enumerate(self.layers)}
         E = store.manifest.num_experts
-        self.ram_entries = self._load_all()  # (layer, expert) -> held RAM entry
-        self.vram = rt.vram if knobs.vram and rt.vram is not None and rt.vram.capacity else None
+        self.ram_entries = self._load_all() if knobs.routed else {}  # (layer, expert) -> held RAM entry
+        self.vram = rt.vram if knobs.vram and knobs.routed and rt.vram is not None and rt.vram.capacity else None
         base = (self.vram.arena if self.vram is not None else rt.ram.arena).data
         self.base = base
-        self._ram_off = [[self.ram_entries[(layer, e)].buf.data_ptr() - base.data_ptr() for e in range(E)] for layer in self.layers]
+        self._ram_off = [[self.ram_entries[(layer, e)].buf.data_ptr() - base.data_ptr() if knobs.routed else 0 for e in range(E)]
+                         for layer in self.layers]
         self.table = torch.tensor(self._ram_off, dtype=torch.int64, device=dev)  # [n_moe, E] byte offsets from base
         self.in_vram = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # 1 where the table points at VRAM
         self.uses = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
@@ -153,13 +165,15 @@ class Direct(Stage):
             self.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         ids_cpu, arrived = self.rt.streams.to_host(self.stream, ids)
         await self.rt.streams.arrived(arrived)
-        experts, rows = group_by_expert(ids_cpu.long(), li.x.device)
+        experts, rows = group_by_expert(ids_cpu.long(), li.x.device) if self.knobs.routed else ([], {})
         for e in experts:
             self.rt.stats.tier("vram" if (i, e) in self._slot_of else "ram")
         with self.rt.streams.use(self.stream):
             y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
             w = weights.reshape(-1)
-            if self.backend == "triton":
+            if not self.knobs.routed:
+                y.zero_()
+            elif self.backend == "triton":
                 self._prompt_experts(block, i, experts, rows, xe, w, y)
             else:
                 self._torch(block, experts, rows, xe, w, y)
@@ -218,8 +232,9 @@ class Direct(Stage):
             self._between_tokens()
         with self.rt.streams.use(self.stream):
             h = self._stepper(block, layer)(*args)
-        self.token_blocks += block.top_k
-        self._kernel(block).count_groups(block.top_k)
+        if self.knobs.routed:
+            self.token_blocks += block.top_k
+            self._kernel(block).count_groups(block.top_k)
         return h
 
     def _stepper(self, block, layer=None):
@@ -229,16 +244,20 @@ class Direct(Stage):
         if fn is None:
             kern, i, K = self._kernel(block), self.index[block.layer], block.top_k
             ones = torch.ones(K, dtype=torch.int64, device=self.rt.device)
-            zero_skip, base = self.knobs.zero_skip, self.base
+            zero_skip, base, skip = self.knobs.zero_skip, self.base, not self.knobs.routed
+            # with a VRAM tier the bank is VRAM and the blocks outside it are read from pinned RAM over PCIe
+            host = True if self.knobs.host_hint and self.vram is not None else None
 
             def experts(x, residual):
                 weights, ids = block.router(x)
                 xe = block.expert_input(x)
+                if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width
+                    return residual + block.finish(torch.zeros_like(xe), x).view_as(residual)
                 idx = ids[0]
                 offs = self.table[i].index_select(0, idx)
                 self.uses[i].index_add_(0, idx, ones)
                 self.vram_served.add_(self.in_vram[i].index_select(0, idx).sum())
-                y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip)  # [K, Dx], row k
+                y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip, host)  # [K, Dx], row k
                 routed = y.view(1, K, -1).sum(dim=1).to(x.dtype)
                 return residual + block.finish(routed, x).view_as(residual)
 

@@ -112,3 +112,50 @@ def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
     with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a streaming schedule"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct")
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
+def test_resident_alone_skips_only_the_routed_experts(variant, backend, stores, refs, monkeypatch, tmp_path):
+    """schedules/resident-alone.yaml (the roofline's "resident part alone"): no block is loaded, no expert kernel
+    runs, and prompts and one-token steps (the torch path, and the Triton backend's one-token step function)
+    give transformers' logits with the routed experts' weights zeroed (router, shared expert, latent projections
+    and mixers all still run); the real model's logits differ."""
+    import yaml
+
+    from sluice.kernels.experts import TritonExperts
+    from sluice.models.base import cache_kw
+    from sluice.stages.direct import Direct
+
+    ran = []
+    for cls, name in ((TritonExperts, "_decode"), (TritonExperts, "run"), (Direct, "_torch"), (Direct, "_prompt_experts")):
+        monkeypatch.setattr(cls, name, lambda self, *a, **k: ran.append(name))
+    doc = yaml.safe_load((SCHEDULES_DIR / "resident-alone.yaml").read_text())
+    doc["stages"]["direct"]["backend"] = backend
+    schedule = tmp_path / "alone.yaml"
+    schedule.write_text(yaml.safe_dump(doc))
+    model = refs.load(variant)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.zero_()
+
+        def ref_greedy(n):
+            out, ids, logits = None, list(PROMPT), []
+            for _ in range(n):
+                step = torch.tensor([ids if out is None else ids[-1:]])
+                kw = {} if out is None else cache_kw(out.past_key_values)
+                out = model(step, use_cache=True, **kw)
+                logits.append(out.logits[0, -1].float())
+                ids.append(int(logits[-1].argmax()))
+            return torch.stack(logits)
+
+        want = ref_greedy(4)
+    with sluice.load(stores[variant], device=DEVICE, schedule=str(schedule)) as engine:
+        assert len(engine.rt.ram) == 0 and engine.rt.ram.capacity == 1
+        got = greedy_logits(engine, PROMPT, 4)
+        assert engine.rt.stats.snapshot()["blocks"] == {"vram": 0, "ram": 0, "disk": 0}
+    assert not ran, f"expert work ran: {ran}"
+    diff = (got - want).abs().max().item()
+    assert diff <= LOGIT_ATOL, f"{variant}/resident-alone: max |dlogit| {diff:.3g} against transformers without routed experts"
+    assert (got[0] - refs.logits(variant, PROMPT)[-1]).abs().max().item() > 100 * LOGIT_ATOL

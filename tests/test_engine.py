@@ -265,12 +265,15 @@ def test_profile_names_real_expert_kernels():
 
 
 def test_resident_roofline_adds_the_resident_part_to_the_pcie_time():
-    """The performance issue's roofline: PCIe time of the bytes moved plus the resident part's own GPU time
-    (figures of an H200 run: 0.99 + 2.58 ms against a 4.67 ms median)."""
+    """The performance issue's roofline: PCIe time of the bytes moved plus the resident part's own time, as GPU time
+    (figures of an H200 run: 0.99 + 2.58 ms against a 4.67 ms median) or measured alone (kept apart in the JSON)."""
     from sluice.pipeline.bench import resident_roofline
 
     d = {"roofline_ms_per_token": 0.99, "ms_per_token_median": 4.67}
-    line = resident_roofline(d, {"busy_ms": 4.28, "experts_ms": 1.70, "resident_ms": 2.58})
-    assert abs(d["pcie_plus_resident_ms_per_token"] - 3.57) < 1e-9 and d["resident_ms_per_token"] == 2.58
-    assert "= 3.57 ms/token" in line and "is 1.31 x" in line
-    assert resident_roofline({"ms_per_token_median": 4.67}, {}) == ""  # a CPU run: no PCIe roofline, no GPU split
+    line = resident_roofline(d, 2.58)
+    assert abs(d["pcie_plus_resident_gpu_ms_per_token"] - 3.57) < 1e-9 and d["resident_gpu_ms_per_token"] == 2.58
+    assert "(GPU time)" in line and "= 3.57 ms/token" in line and "is 1.31 x" in line
+    line = resident_roofline(d, 3.07, "alone")
+    assert abs(d["pcie_plus_resident_alone_ms_per_token"] - 4.06) < 1e-9 and d["resident_gpu_ms_per_token"] == 2.58
+    assert "(alone)" in line and "is 1.15 x" in line
+    assert resident_roofline({"ms_per_token_median": 4.67}, None) == ""  # a CPU run: no PCIe roofline

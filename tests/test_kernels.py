@@ -114,6 +114,21 @@ def test_zero_skip_reads_only_live_groups_and_changes_nothing(fmt):
     assert int(live.sum()) == expected < int(live_full.sum())
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4", "mxfp4"])
+def test_down_host_hint_changes_only_rounding(fmt):
+    """The re-laid down's alignment hint for blocks read from host memory (the direct schedule's `host_hint`) changes
+    how rows load, and on a GPU the order of the partial sums' additions (FP4 / FP8: the last bits differ): the
+    partials agree within fp32 rounding."""
+    A, Dx, I = 3, 64, 96
+    bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=11)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)["down"]
+    h = torch.relu(torch.randn(A, I, device=DEVICE)) ** 2
+    want = down_relaid(bank, offs, h, lay, skip=False, host=False)
+    got = down_relaid(bank, offs, h, lay, skip=False, host=True)
+    assert rel_err(got[0].cpu(), want[0].cpu()) < 1e-6 and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("A, Dx, I", SIZES[:2])
 def test_swiglu_decode(fmt, A, Dx, I):
@@ -355,3 +370,34 @@ def test_expert_graph_capture_while_another_thread_pins_memory():
         worker.join()
     assert not errors, errors
     assert len(kern._graphs) == 4
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct"])
+@pytest.mark.parametrize("A, Dx, I, scale", [(1, 64, 32, 1.0), (3, 96, 48, 1e-20), (2, 1040, 80, 1e20)])
+def test_relaid_down_f16x2(fmt, A, Dx, I, scale):
+    """The re-laid NVFP4 down through f16x2 (h packed as scaled fp16 pairs, each scale group's rows as int32 words):
+    within fp16 rounding of the reference for h far outside fp16's range (with an outlier), columns past a tile's end
+    masked (1040 outputs: three tiles of 512, the last partial), zero-skip counting as the fp32 path; h pairs
+    swapped (each nibble with its neighbour's activation) or two groups' rows exchanged are far off."""
+    from sluice.kernels import decode as dec
+
+    bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=A + Dx)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)["down"]
+    h = (torch.relu(torch.randn(A, I, device=DEVICE)) ** 2) * scale
+    h[:, 5] *= 40
+    h.view(A, -1, 16)[:, 1] = 0  # a dead group
+    ref = torch.stack([dense[a]["down"].double() @ h.double().cpu()[a] for a in range(A)])
+    for skip in (False, True):
+        part, live = down_relaid(bank, offs, h, lay, skip=skip, f16x2=True)
+        assert rel_err(part.sum(1).cpu(), ref) < 3e-3
+        assert torch.equal(live, down_relaid(bank, offs, h, lay, skip=skip)[1])
+    real = dec.h_pairs
+    try:
+        for wrong in (lambda q: (q << 16) | ((q >> 16) & 0xFFFF),  # the pair's halves exchanged
+                      lambda q: q.view(A, -1, 8).roll(1, dims=1).reshape(A, -1)):  # each group's activations another group's
+            dec.h_pairs = lambda v, wrong=wrong: (lambda q, inv: (wrong(q).contiguous(), inv))(*real(v))
+            part, _ = down_relaid(bank, offs, h, lay, skip=False, f16x2=True)
+            assert rel_err(part.sum(1).cpu(), ref) > 0.2
+    finally:
+        dec.h_pairs = real

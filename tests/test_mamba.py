@@ -82,20 +82,24 @@ def test_fused_mamba_decode_follows_transformers(stores, refs, monkeypatch):
     def decode(engine):
         return greedy_logits(engine, PROMPT, 10)
 
-    with sluice.load(stores[variant], device=DEVICE) as engine:
+    with sluice.load(stores[variant], device=DEVICE, fused_mamba=False) as engine:
         plain = decode(engine)
     from sluice.kernels import mamba
 
     calls = []
     step = mamba.mamba_step
     monkeypatch.setattr(mamba, "mamba_step", lambda *a, **k: calls.append(1) or step(*a, **k))
-    with sluice.load(stores[variant], device=DEVICE, fused_mamba=True) as engine:
+    # without graphs, so that every step calls the kernels from Python and is counted (a graph runs them at capture)
+    with sluice.load(stores[variant], device=DEVICE, fused_mamba=True, resident_graphs=False) as engine:
         mixers = sum(layer.decode_state is not None and type(layer).__name__ == "_MixerLayer"
                      and layer.block.block_type in ("mamba", "linear_attention") for layer in engine.model.layers)
         fused = decode(engine)
     assert mixers and len(calls) == 9 * mixers  # every one-token step of every Mamba-2 mixer went through the kernels
     assert [int(t) for t in fused.argmax(-1)] == ref_tokens
     assert (fused - plain).abs().max().item() < 1e-3 * plain.abs().max().item()
+    if DEVICE.startswith("cuda"):  # the same steps replayed as CUDA graphs: the same kernels, the same logits
+        with sluice.load(stores[variant], device=DEVICE, fused_mamba=True) as engine:
+            assert torch.equal(decode(engine), fused)
 
 
 def test_fused_mamba_needs_triton(stores, monkeypatch):
@@ -104,3 +108,11 @@ def test_fused_mamba_needs_triton(stores, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="fused_mamba: its Triton kernels need CUDA"):
         sluice.load(stores["nemotron_h_latent"], device="cpu", fused_mamba=True)
+
+
+def test_fused_mamba_is_the_default_on_cuda_only(stores):
+    """Unset, fused_mamba is on with CUDA (where it is timed faster) and off on a CPU (Triton would be interpreted)."""
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
+        assert {layer.fused_decode for layer in engine.model.layers} == {DEVICE.startswith("cuda")}
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE, fused_mamba=False) as engine:
+        assert {layer.fused_decode for layer in engine.model.layers} == {False}
