@@ -127,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     bc.add_argument("--threads", type=int, nargs="*", help="CPU threads (default: torch's); several: one table each, "
                     "to see how the kernels scale")
     bc.add_argument("--eager", action="store_true", help="without torch.compile")
+    bc.add_argument("--int8", action="store_true", help="FP4 experts also with int8 activations (AVX-512 VNNI): a second row")
     bc.set_defaults(func=cmd_bench_cpu)
 
     bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
@@ -498,7 +499,8 @@ def cmd_bench_cpu(args) -> int:
     from sluice.kernels.bench import FORMATS, bench_cpu, format_table
 
     for threads in args.threads or [None]:
-        read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), threads, not args.eager)
+        read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), threads, not args.eager,
+                               int8=args.int8)
         print(f"threads {torch.get_num_threads()}")
         print(format_table({"RAM read": read}, rows), flush=True)
     return 0

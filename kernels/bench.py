@@ -315,10 +315,11 @@ def format_table(ceil: dict, rows: list[Row]) -> str:
 
 
 def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None = None, compiled: bool = True,
-              experts: int = 32) -> tuple[float, list[Row]]:
+              experts: int = 32, int8: bool = False) -> tuple[float, list[Row]]:
     """The CPU expert kernels (kernels/cpu.py), one token through one expert at a time, cycling over
     `experts` distinct blocks (more bytes than the caches hold), against the memory read rate measured
-    now (a sum over 1 GiB with the same threads). Returns (read GB/s, rows)."""
+    now (a sum over 1 GiB with the same threads). With `int8`, FP4 experts also with int8 activations (a
+    second row, where the machine has AVX-512 VNNI). Returns (read GB/s, rows)."""
     import types
 
     from sluice.kernels.cpu import CpuExperts
@@ -336,18 +337,22 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
             block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
             bank = block.repeat(experts)
             manifest = types.SimpleNamespace(formats=fmts, slots=slots)
-            cpu = CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
-                             compiled=compiled, act_name="relu2" if kind == "relu2" else "silu")  # as the engine builds it
             x = torch.randn(Dx)
             blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(experts)]
-            cpu.run(blocks[0], x)  # compile
-            dt = float("inf")
-            for _ in range(3):  # the best of three passes: shared machines are noisy
-                t = time.perf_counter()
-                for b in blocks:
-                    cpu.run(b, x)
-                dt = min(dt, (time.perf_counter() - t) / experts)
             nbytes = sum(s.nbytes for s in slots)
-            gbps = nbytes / dt / 1e9
-            rows.append(Row(f"cpu expert ({kind})", shape, fmt, nbytes / 1e6, dt * 1e6, gbps, "RAM read", 100 * gbps / read))
+            for q8 in (False, True) if int8 and fmt in ("nvfp4", "mxfp4") else (False,):
+                cpu = CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
+                                 compiled=compiled, act_name="relu2" if kind == "relu2" else "silu", int8=q8)  # as the engine builds it
+                if q8 and not cpu.int8:
+                    continue  # no AVX-512 VNNI here
+                cpu.run(blocks[0], x)  # compile
+                dt = float("inf")
+                for _ in range(3):  # the best of three passes: shared machines are noisy
+                    t = time.perf_counter()
+                    for b in blocks:
+                        cpu.run(b, x)
+                    dt = min(dt, (time.perf_counter() - t) / experts)
+                gbps = nbytes / dt / 1e9
+                rows.append(Row(f"cpu expert ({kind}{', int8' if q8 else ''})", shape, fmt, nbytes / 1e6, dt * 1e6, gbps, "RAM read",
+                                100 * gbps / read))
     return read, rows

@@ -7,11 +7,13 @@ Each projection is a matvec written as elementwise torch ops and one reduction o
 (nibbles looked up in the E2M1 table, scales applied per group, products summed), which
 torch.compile's C++ backend fuses into one vectorised, multi-threaded pass over the weights
 (`compile=False` runs the same ops eagerly: slower, same arithmetic up to summation order).
-FP4 and FP8 projections take a native path when the machine has a C compiler: kernels/cpu_native.c,
+FP4, FP8 and BF16 projections take a native path when the machine has a C compiler: kernels/cpu_native.c,
 built once per machine under SLUICE_HOME/build (-O3 -march=native -fopenmp) and called through ctypes,
 which releases the GIL; torch.compile's loops keep a short inner reduction per scale group that does
 not vectorise well, and its E4M3 decode stays scalar (BENCHMARKS.md). Without a compiler the torch
-path serves.
+path serves. `int8` (AVX-512 VNNI): FP4 projections with x rounded to int8 per scale group and the products
+summed in int32 (vpdpbusd, 128 weights an instruction), exact sums of the rounded x (`q8_reference`), ~0.5% off
+the fp32 result; opt-in (the compute stage's `cpu_int8`).
 Reference: kernels/formats.py's dequantisation + kernels/experts_ref.py (tests/test_cpu_kernels.py).
 
 Shapes, as stored: FP4 weight [N, K/2] bytes (re-laid [K/2, N]), group scales [N, K/g] (re-laid
@@ -137,6 +139,16 @@ def native_kernels():
             lib.sluice_fp4_relu2_expert.argtypes = [ptr, ptr, long_, f32, ptr, ptr, long_, f32, ptr, ptr, long_, long_,
                                                     ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr]
             lib.sluice_fp4_relu2_expert.restype = None
+            lib.sluice_fp4_relu2_expert_q8.argtypes = lib.sluice_fp4_relu2_expert.argtypes + [ptr, ptr, ptr]
+            lib.sluice_fp4_relu2_expert_q8.restype = None
+            lib.sluice_q8_prep.argtypes = [ptr, ptr, long_, ctypes.c_int, ptr, ptr, ptr, ptr]
+            lib.sluice_q8_prep.restype = ctypes.c_int
+            lib.sluice_fp4_q8.argtypes = [ptr, ptr, long_, ptr, ptr, ptr, ptr, long_, long_, ctypes.c_int, ctypes.c_int,
+                                          ctypes.c_int, ptr]
+            lib.sluice_fp4_q8.restype = ctypes.c_int
+            lib.sluice_q8_available.restype = ctypes.c_int
+            for fn in (lib.sluice_bf16_nmajor, lib.sluice_bf16_kmajor):
+                fn.argtypes, fn.restype = [ptr, ptr, long_, long_, ptr], None
             lib.sluice_set_threads.argtypes = [ctypes.c_int]
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
@@ -160,6 +172,61 @@ def fp4_matvec_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.
     return y
 
 
+class Q8:
+    """x's even and odd elements quantized to int8 per FP4 scale group (`half` bytes of the row: 16 or 32 inputs) for
+    kernels/cpu_native.c's int8 path (AVX-512 VNNI): qe, qo [K2] int8, xs [K2/4] (each 4-byte quad's group scale / 2),
+    corr [K2/4] int32 (12 * the quad's sum of qe + qo, which the kernels' offset table adds)."""
+
+    def __init__(self, lib, xe: torch.Tensor, xo: torch.Tensor, half: int):
+        k2 = xe.numel()
+        self.qe, self.qo = torch.empty(k2, dtype=torch.int8), torch.empty(k2, dtype=torch.int8)
+        self.xs, self.corr = torch.empty(k2 // 4 + 1, dtype=torch.float32), torch.empty(k2 // 4 + 1, dtype=torch.int32)
+        self.ok = bool(lib.sluice_q8_prep(xe.data_ptr(), xo.data_ptr(), k2, half, self.qe.data_ptr(), self.qo.data_ptr(),
+                                          self.xs.data_ptr(), self.corr.data_ptr()))  # False: not whole groups of quads
+
+    def args(self) -> tuple[int, int, int, int]:
+        return self.qe.data_ptr(), self.qo.data_ptr(), self.xs.data_ptr(), self.corr.data_ptr()
+
+
+def fp4_matvec_q8_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.Tensor, xo: torch.Tensor, group: int,
+                         e8m0: bool, kmajor: bool, threads: int = 0) -> torch.Tensor | None:
+    """fp4_matvec with x rounded to int8 per scale group (`q8_reference`'s arithmetic) through the VNNI kernels;
+    None where they do not run (no AVX-512 VNNI, or sizes they do not take)."""
+    p, s = packed.contiguous(), scale.contiguous()
+    n, k2 = (p.shape[1], p.shape[0]) if kmajor else (p.shape[0], p.shape[1])
+    y = torch.empty(n, dtype=torch.float32)
+    lib.sluice_set_threads(threads or torch.get_num_threads())
+    q = Q8(lib, xe.contiguous(), xo.contiguous(), group // 2)
+    ran = q.ok and lib.sluice_fp4_q8(p.data_ptr(), s.data_ptr(), s.stride(0), *q.args(), n, k2, group // 2, int(e8m0), int(kmajor), y.data_ptr())
+    return y if ran else None
+
+
+def q8_reference(packed: torch.Tensor, scale: torch.Tensor, xe: torch.Tensor, xo: torch.Tensor, group: int, e8m0: bool,
+                 kmajor: bool) -> torch.Tensor:
+    """The int8 path's arithmetic in float64: x's even and odd elements rounded (half to even) to int8 steps of
+    max|x| / 127 per scale group, then fp4_matvec's sum on them; exact up to the kernels' fp32 summation order."""
+    half = group // 2
+    xe, xo = xe.double(), xo.double()
+    m = torch.maximum(xe.abs().view(-1, half).amax(1), xo.abs().view(-1, half).amax(1)).float()
+    inv = torch.where(m > 0, 127.0 / m, torch.zeros_like(m)).repeat_interleave(half)
+    step = (m / 127.0).double().repeat_interleave(half)
+    qe, qo = torch.round(xe.float() * inv).double() * step, torch.round(xo.float() * inv).double() * step
+    return _fp4_matvec_f64(packed, scale, qe, qo, group, e8m0, kmajor)
+
+
+def _fp4_matvec_f64(packed, scale, xe, xo, group, e8m0, kmajor) -> torch.Tensor:
+    """fp4_matvec in float64 (the reference for the int8 path's exact integer sums)."""
+    pk = packed.view(torch.uint8).to(torch.int32)
+    lo, hi = e2m1(pk & 15).double(), e2m1(pk >> 4).double()
+    s = (e8m0_f32(scale) if e8m0 else e4m3_f32(scale)).double()
+    half = group // 2
+    if kmajor:  # [K2, N], scales [K2/half, N]
+        t = lo * xe[:, None] + hi * xo[:, None]
+        return (t.view(-1, half, t.shape[1]) * s[:, None, :]).sum((0, 1))
+    t = lo * xe[None, :] + hi * xo[None, :]
+    return (t.view(t.shape[0], -1, half) * s[:, :, None]).sum((1, 2))
+
+
 def fp8_matvec_native(lib, w: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, block: int, kmajor: bool,
                       threads: int = 0) -> torch.Tensor:
     """E4M3 weights (with block scales, F32 or E8M0, or none: the caller applies a tensor / row scale)
@@ -173,6 +240,17 @@ def fp8_matvec_native(lib, w: torch.Tensor, scale: torch.Tensor | None, x: torch
     fn = lib.sluice_fp8_kmajor if kmajor else lib.sluice_fp8_nmajor
     fn(w.data_ptr(), s.data_ptr() if s is not None else None, s.stride(0) if s is not None else 0, block, int(e8m0),
        x.contiguous().data_ptr(), n, k, y.data_ptr())
+    return y
+
+
+def bf16_matvec_native(lib, w: torch.Tensor, x: torch.Tensor, kmajor: bool, threads: int = 0) -> torch.Tensor:
+    """BF16 weights [N, K] (or re-laid [K, N]) dotted with x [K] fp32 through kernels/cpu_native.c: dense_matvec's
+    arithmetic up to summation order."""
+    w = w.contiguous()
+    n, k = (w.shape[1], w.shape[0]) if kmajor else (w.shape[0], w.shape[1])
+    y = torch.empty(n, dtype=torch.float32)
+    lib.sluice_set_threads(threads or torch.get_num_threads())
+    (lib.sluice_bf16_kmajor if kmajor else lib.sluice_bf16_nmajor)(w.data_ptr(), x.contiguous().data_ptr(), n, k, y.data_ptr())
     return y
 
 
@@ -206,8 +284,10 @@ def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: 
         else:
             y = _kernel("fp8_block", fp8_block_matvec, compiled)(w, s, x, fmt.block, s.dtype == torch.float8_e8m0fnu, kmajor)
     else:
-        lib = native_kernels() if native and w.dtype == torch.float8_e4m3fn else None
-        if lib is not None:
+        lib = native_kernels() if native and w.dtype in (torch.float8_e4m3fn, torch.bfloat16) else None
+        if lib is not None and w.dtype == torch.bfloat16:
+            y = bf16_matvec_native(lib, w, x, kmajor, threads)
+        elif lib is not None:
             y = fp8_matvec_native(lib, w, None, x, 0, kmajor, threads)
         else:
             y = _kernel("dense", dense_matvec, compiled)(w, x, kmajor)
@@ -249,14 +329,33 @@ class _Fp4Call:
         self.lib.sluice_set_threads(self.threads or torch.get_num_threads())
         return block.data_ptr(), x[0::2].contiguous(), x[1::2].contiguous()
 
-    def __call__(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, block: torch.Tensor, x: torch.Tensor, int8: bool = False) -> torch.Tensor:
         base, xe, xo = self.inputs(block, x)
         y = torch.empty(self.n, dtype=torch.float32)
-        self.fn(base + self.w_off, base + self.s_off, self.s_stride, xe.data_ptr(), xo.data_ptr(), self.n, self.k2, self.half,
-                self.e8m0, y.data_ptr())
+        q = Q8(self.lib, xe, xo, self.half) if int8 else None
+        ran = q is not None and q.ok and self.lib.sluice_fp4_q8(base + self.w_off, base + self.s_off, self.s_stride, *q.args(),
+                                                                self.n, self.k2, self.half, self.e8m0, int(self.kmajor), y.data_ptr())
+        if not ran:
+            self.fn(base + self.w_off, base + self.s_off, self.s_stride, xe.data_ptr(), xo.data_ptr(), self.n, self.k2, self.half,
+                    self.e8m0, y.data_ptr())
         if self.s2_off >= 0:
             y.mul_(self.factor(base))
         return y
+
+
+def _relu2_expert_q8(up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """_relu2_expert with int8 activations (x and relu(up)^2 rounded per scale group, `Q8`): one native call."""
+    base, xe, xo = up.inputs(block, x)
+    I, Dx = up.n, down.n
+    M = max(Dx, I) // 2
+    f32 = torch.float32
+    h, he, ho, y = torch.empty(I, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(Dx, dtype=f32)
+    q, xs, c = torch.empty(2 * M, dtype=torch.int8), torch.empty(M // 4 + 1, dtype=f32), torch.empty(M // 4 + 1, dtype=torch.int32)
+    up.lib.sluice_fp4_relu2_expert_q8(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off,
+                                      base + down.s_off, down.s_stride, down.factor(base), xe.data_ptr(), xo.data_ptr(), Dx, I,
+                                      up.half, up.e8m0, h.data_ptr(), he.data_ptr(), ho.data_ptr(), y.data_ptr(), q.data_ptr(),
+                                      xs.data_ptr(), c.data_ptr())
+    return y
 
 
 def _relu2_expert(up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +378,7 @@ class CpuExperts:
     re-laid down) lets the native path run the whole expert in one call."""
 
     def __init__(self, manifest, kind: str, act: Callable, glu: Callable | None = None, compiled: bool = True,
-                 native: bool = True, threads: int = 0, act_name: str = ""):
+                 native: bool = True, threads: int = 0, act_name: str = "", int8: bool = False):
         m = manifest
         self.kind, self.act, self.glu, self.compiled, self.native, self.threads = kind, act, glu, compiled, native, threads
         self.formats: dict[str, WeightFormat] = m.formats
@@ -295,10 +394,12 @@ class CpuExperts:
         up, down = self.fp4.get("up"), self.fp4.get("down")
         self.fused = (kind == "relu2" and act_name == "relu2" and up is not None and down is not None and not up.kmajor and down.kmajor
                       and (up.half, up.e8m0) == (down.half, down.e8m0) and up.n == 2 * down.k2)
+        # FP4 projections with activations rounded to int8 per scale group (AVX-512 VNNI): ~0.5% off each output
+        self.int8 = bool(int8 and self.fp4 and lib.sluice_q8_available())
 
     def _proj(self, block: torch.Tensor, proj: str, x: torch.Tensor) -> torch.Tensor:
         if proj in self.fp4:
-            return self.fp4[proj](block, x)
+            return self.fp4[proj](block, x, self.int8)
         t = {s.suffix: s.view(block) for s in self.slots[proj]}
         return proj_matvec(t, self.formats[proj], self.kmajor[proj], x, self.compiled, self.native, self.threads)
 
@@ -306,7 +407,7 @@ class CpuExperts:
     def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [Dx] fp32 -> the expert's output [Dx] fp32."""
         if self.fused:
-            return _relu2_expert(self.fp4["up"], self.fp4["down"], block, x)
+            return (_relu2_expert_q8 if self.int8 else _relu2_expert)(self.fp4["up"], self.fp4["down"], block, x)
         if self.kind == "relu2":
             h = self.act(self._proj(block, "up", x))
         else:

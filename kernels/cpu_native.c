@@ -1,4 +1,5 @@
-/* FP4 (NVFP4 / MXFP4) matvec on the CPU over a block's stored bytes: kernels/cpu.py's native path.
+/* FP4 (NVFP4 / MXFP4), FP8 and BF16 matvecs on the CPU over a block's stored bytes: kernels/cpu.py's native path.
+ * (FP8 and BF16 below the FP4 kernels; then FP4 with int8 activations through AVX-512 VNNI.)
  *
  * Built at first use with the machine's C compiler (-O3 -march=native -fopenmp) and called through
  * ctypes, which releases the GIL for the call. E2M1 codes through a 16-entry table, scale bytes through
@@ -150,13 +151,16 @@ void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const 
 #define CHUNK 256
 
 /* E4M3 bytes -> floats / 256, vectorised: sign to bit 15 and exponent + mantissa to bits 7-14 make an
- * fp16 of the same value / 2**8 (biases 7 and 15; subnormals too), converted by vcvtph2ps */
+ * fp16 of the same value / 2**8 (biases 7 and 15; subnormals too), converted by vcvtph2ps. The byte shifted
+ * left by 7 puts the sign at bit 14; adding that bit to itself carries it to bit 15 and clears bit 14. */
 #ifdef __AVX512F__
+static inline __m256i e4m3_f16bits(__m256i h) {
+    __m256i f = _mm256_slli_epi16(h, 7);
+    return _mm256_add_epi16(f, _mm256_and_si256(f, _mm256_set1_epi16(0x4000)));
+}
+
 static inline __m512 e4m3x16(const uint8_t *p) {
-    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                                _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_cvtph_ps(f);
+    return _mm512_cvtph_ps(e4m3_f16bits(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p))));
 }
 #elif defined(__AVX2__) && defined(__F16C__)
 static inline __m256 e4m3x8(const uint8_t *p) {
@@ -409,4 +413,289 @@ void sluice_fp4_relu2_expert(const uint8_t *up, const uint8_t *up_s, long up_s_s
     sluice_fp4_kmajor(down, down_s, down_s_stride, he, ho, Dx, I / 2, half, e8m0, y);
     for (long n = 0; n < Dx; n++)
         y[n] *= down_s2;
+}
+
+/* ---- FP4 with int8 activations (AVX-512 VNNI): x quantized per scale group to int8, products summed in int32 by
+ * vpdpbusd, 64 weight bytes (128 nibbles) a step. The unsigned operand is the weight: a 16-entry table gives
+ * 2 * E2M1 + 12 (0..24), and 12 * (the group's quantized x) is subtracted back. Per group g of `half` bytes:
+ *   y_n += wscale[n, g] * xs[g] / 2 * sum_j (2 E2M1(w_nj)) * q_j,   q_j = rint(x_j / xs[g]),  xs[g] = max|x| / 127
+ * Exact integer sums within a group; the rounding of x to 8 bits is the approximation (kernels/cpu.py q8_reference).
+ *
+ * sluice_q8_prep: xe, xo [K2] -> qe, qo [K2] int8; xs_lane [K2/4] (each 4-byte quad's group scale / 2);
+ *                 corr [K2/4] (12 * the quad's sum of qe + qo). K2 a multiple of `half` (8 or 16). */
+
+int sluice_q8_available(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int sluice_q8_prep(const float *xe, const float *xo, long K2, int half, int8_t *qe, int8_t *qo, float *xs_lane,
+                   int32_t *corr) {
+    if (K2 % half || half % 4)
+        return 0;  /* the int8 kernels take whole groups of whole quads only */
+    for (long g0 = 0; g0 < K2; g0 += half) {
+        float m = 0.0f;
+        for (long j = g0; j < g0 + half; j++) {
+            float a = xe[j] < 0 ? -xe[j] : xe[j], b = xo[j] < 0 ? -xo[j] : xo[j];
+            m = a > m ? a : m;
+            m = b > m ? b : m;
+        }
+        float s = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
+        for (long j = g0; j < g0 + half; j++) {
+            qe[j] = (int8_t)__builtin_lrintf(xe[j] * inv);
+            qo[j] = (int8_t)__builtin_lrintf(xo[j] * inv);
+        }
+        for (long q = g0 / 4; q < (g0 + half) / 4; q++) {
+            int32_t c = 0;
+            for (int j = 0; j < 4; j++)
+                c += qe[4 * q + j] + qo[4 * q + j];
+            corr[q] = 12 * c;
+            xs_lane[q] = 0.5f * s;
+        }
+    }
+    return 1;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* 2 * E2M1 + 12 for the 16 codes, in each 128-bit lane (for vpshufb) */
+static inline __m512i e2m1x2p12_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+}
+
+/* 16 scale bytes (one per int32 lane) -> floats: E4M3 through fp16 bits (x 256), or E8M0 */
+static inline __m512 scales16(__m128i b, int e8m0) {
+    if (e8m0)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23));
+    return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_f16bits(_mm256_cvtepu8_epi16(b))), _mm512_set1_ps(256.0f));
+}
+
+/* the scale bytes of a 64-byte step's 16 quads: 8 groups (NVFP4, each twice) or 4 (MXFP4, each 4 times) */
+static inline __m128i step_scales(const uint8_t *s, int half) {
+    if (half == 8)
+        return _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)s), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    return _mm_shuffle_epi8(_mm_cvtsi32_si128(*(const int32_t *)s), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+}
+
+/* n-major: y[n] = row n . x, K2 a multiple of 64 */
+static void q8_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
+                      const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
+        const uint8_t *row = p + n * K2, *srow = s + n * s_stride;
+        __m512 acc = _mm512_setzero_ps();
+        for (long c = 0; c < K2; c += 64) {
+            __m512i b = _mm512_loadu_si512(row + c);
+            __m512i wl = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low4));
+            __m512i wh = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4));
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(qe + c));
+            d = _mm512_dpbusd_epi32(d, wh, _mm512_loadu_si512(qo + c));
+            d = _mm512_sub_epi32(d, _mm512_loadu_si512(corr + c / 4));
+            __m512 sv = _mm512_mul_ps(scales16(step_scales(srow + c / half, half), e8m0), _mm512_loadu_ps(xs_lane + c / 4));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc);
+        }
+        y[n] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+/* k-major (re-laid down, [K2, N] bytes, scales [K2 / half, N]): y[n] = column n . x. Each thread a run of scale
+ * groups; per group, 4 rows at a time are interleaved into int32 lanes of (r0, r1, r2, r3) bytes per output (in a
+ * fixed permutation of each 64 outputs, undone once at the end) and summed by vpdpbusd; the group's int32 sums
+ * are then scaled into the thread's fp32 sums (all N in L1), added across threads at the end. N a multiple of 64. */
+static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
+                     const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
+    int T = omp_get_max_threads();
+    long need = 2L * T * N;
+    if (need > rows_cap) {
+        free(rows_buf);
+        rows_buf = aligned_alloc(64, (size_t)need * sizeof(float));
+        rows_cap = rows_buf ? need : 0;
+        if (!rows_buf)
+            return 0;
+    }
+    float *buf = rows_buf;
+    long G = K2 / half;
+    int used = T;
+#pragma omp parallel num_threads(T)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+        used = nt;
+        float *acc = buf + 2L * t * N;
+        const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
+        /* scale bytes of a 64-output chunk into the 4 vectors' output order */
+        const __m512i sperm = _mm512_set_epi8(
+            63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12, 59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24,
+            11, 10, 9, 8, 55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4, 51, 50, 49, 48, 35, 34, 33, 32, 19, 18,
+            17, 16, 3, 2, 1, 0);
+        for (long n = 0; n < N; n++)
+            acc[n] = 0.0f;
+        for (long g = G * t / nt; g < G * (t + 1) / nt; g++) {
+            long k0 = g * half;
+            int32_t cg = 0;
+            for (long q = k0 / 4; q < (k0 + half) / 4; q++)
+                cg += corr[q];
+            const __m512i cv = _mm512_set1_epi32(cg);
+            const __m512 xs = _mm512_set1_ps(xs_lane[k0 / 4]);
+            const uint8_t *sr = s + g * s_stride;
+            for (long n0 = 0; n0 < N; n0 += 64) {
+                __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+                for (long k = k0; k < k0 + half; k += 4) {
+                    const uint8_t *r = p + k * N + n0;
+                    __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + N);
+                    __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
+                    __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
+                    __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
+                    __m512i xe4 = _mm512_set1_epi32(*(const int32_t *)(qe + k)), xo4 = _mm512_set1_epi32(*(const int32_t *)(qo + k));
+#define Q8_STEP(D, V)                                                                                               \
+    do {                                                                                                            \
+        __m512i v_ = (V);                                                                                           \
+        D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(v_, low4)), xe4);                   \
+        D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v_, 4), low4)), xo4); \
+    } while (0)
+                    Q8_STEP(d0, _mm512_unpacklo_epi16(t0, t2));
+                    Q8_STEP(d1, _mm512_unpackhi_epi16(t0, t2));
+                    Q8_STEP(d2, _mm512_unpacklo_epi16(t1, t3));
+                    Q8_STEP(d3, _mm512_unpackhi_epi16(t1, t3));
+#undef Q8_STEP
+                }
+                /* lane 4b + j of d_i is output n0 + 16 b + 4 i + j: the sums stay in this order (acc[n0 + 16 i + 4 b + j])
+                 * until the end; the group's scales are permuted to match */
+                __m512i sb = _mm512_permutexvar_epi8(sperm, _mm512_loadu_si512(sr + n0));
+                __m512i dv[4] = {d0, d1, d2, d3};
+                for (int i = 0; i < 4; i++) {
+                    __m512 sv = _mm512_mul_ps(scales16(_mm512_extracti32x4_epi32(sb, 0), e8m0), xs);
+                    sb = _mm512_alignr_epi32(sb, sb, 4);
+                    float *a = acc + n0 + 16 * i;
+                    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dv[i], cv)), sv, _mm512_loadu_ps(a)));
+                }
+            }
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += 64) {  /* the threads' sums added, and put in output order */
+        float sum[64];
+        for (int m = 0; m < 64; m += 16) {
+            __m512 v = _mm512_loadu_ps(buf + n0 + m);
+            for (int t = 1; t < used; t++)
+                v = _mm512_add_ps(v, _mm512_loadu_ps(buf + 2L * t * N + n0 + m));
+            _mm512_storeu_ps(sum + m, v);
+        }
+        for (int i = 0; i < 4; i++)
+            for (int b = 0; b < 4; b++)
+                for (int j = 0; j < 4; j++)
+                    y[n0 + 16 * b + 4 * i + j] = sum[16 * i + 4 * b + j];
+    }
+    return 1;
+}
+#endif
+
+/* int8-activation FP4 matvec: 1 if it ran (AVX-512 VNNI and fitting sizes), else 0 (the caller uses the fp32 one) */
+int sluice_fp4_q8(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo, const float *xs_lane,
+                  const int32_t *corr, long N, long K2, int half, int e8m0, int kmajor, float *y) {
+    init_scales();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (!kmajor && K2 % 64 == 0) {
+        q8_nmajor(p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
+        return 1;
+    }
+    if (kmajor && N % 64 == 0 && K2 % half == 0 && half % 4 == 0)
+        return q8_kmajor(p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
+#endif
+    (void)p; (void)s; (void)s_stride; (void)qe; (void)qo; (void)xs_lane; (void)corr; (void)N; (void)K2; (void)half; (void)e8m0;
+    (void)kmajor; (void)y;
+    return 0;
+}
+
+/* sluice_fp4_relu2_expert with int8 activations (x, then relu(up)^2, quantized per scale group, sluice_q8_prep), each
+ * matvec falling back to the fp32 kernel where the int8 one does not run. Scratch: q [2 * M] int8, xs, c [M / 4] with
+ * M = max(Dx, I) / 2. */
+void sluice_fp4_relu2_expert_q8(const uint8_t *up, const uint8_t *up_s, long up_s_stride, float up_s2,
+                                const uint8_t *down, const uint8_t *down_s, long down_s_stride, float down_s2,
+                                const float *xe, const float *xo, long Dx, long I, int half, int e8m0,
+                                float *h, float *he, float *ho, float *y, int8_t *q, float *xs, int32_t *c) {
+    long M = (Dx > I ? Dx : I) / 2;
+    if (!sluice_q8_prep(xe, xo, Dx / 2, half, q, q + M, xs, c) ||
+        !sluice_fp4_q8(up, up_s, up_s_stride, q, q + M, xs, c, I, Dx / 2, half, e8m0, 0, h))
+        sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, h);
+    for (long i = 0; i < I / 2; i++) {
+        float a = h[2 * i] * up_s2, b = h[2 * i + 1] * up_s2;
+        a = a > 0.0f || a != a ? a : 0.0f;
+        b = b > 0.0f || b != b ? b : 0.0f;
+        he[i] = a * a;
+        ho[i] = b * b;
+    }
+    if (!sluice_q8_prep(he, ho, I / 2, half, q, q + M, xs, c) ||
+        !sluice_fp4_q8(down, down_s, down_s_stride, q, q + M, xs, c, Dx, I / 2, half, e8m0, 1, y))
+        sluice_fp4_kmajor(down, down_s, down_s_stride, he, ho, Dx, I / 2, half, e8m0, y);
+    for (long n = 0; n < Dx; n++)
+        y[n] *= down_s2;
+}
+
+/* ---- BF16 matvec: weights [N, K] (n-major) or a re-laid down [K, N] (k-major), bf16 bits widened to fp32 in
+ * registers (a shift), fp32 FMAs: the torch path's arithmetic up to summation order. x [K], y [N]. */
+
+#ifdef __AVX512F__
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+static inline float bf16_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
+
+void sluice_bf16_nmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        const uint16_t *row = w + n * K;
+        long k = 0;
+        float acc = 0.0f;
+#ifdef __AVX512F__
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        for (; k + 32 <= K; k += 32) {
+            a0 = _mm512_fmadd_ps(bf16x16(row + k), _mm512_loadu_ps(x + k), a0);
+            a1 = _mm512_fmadd_ps(bf16x16(row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        }
+        acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+        for (; k < K; k++)
+            acc += bf16_f32(row[k]) * x[k];
+        y[n] = acc;
+    }
+}
+
+void sluice_bf16_kmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
+#pragma omp parallel for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += 64) {
+        long wd = N - n0 < 64 ? N - n0 : 64;
+        float part[64];
+        for (long i = 0; i < wd; i++)
+            part[i] = 0.0f;
+#ifdef __AVX512F__
+        if (wd == 64) {  /* 64 outputs' sums in four registers while the rows stream by */
+            __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+            for (long k = 0; k < K; k++) {
+                const uint16_t *r = w + k * N + n0;
+                const __m512 xk = _mm512_set1_ps(x[k]);
+                p0 = _mm512_fmadd_ps(bf16x16(r), xk, p0);
+                p1 = _mm512_fmadd_ps(bf16x16(r + 16), xk, p1);
+                p2 = _mm512_fmadd_ps(bf16x16(r + 32), xk, p2);
+                p3 = _mm512_fmadd_ps(bf16x16(r + 48), xk, p3);
+            }
+            _mm512_storeu_ps(part, p0);
+            _mm512_storeu_ps(part + 16, p1);
+            _mm512_storeu_ps(part + 32, p2);
+            _mm512_storeu_ps(part + 48, p3);
+        } else
+#endif
+        {
+            for (long k = 0; k < K; k++)
+                for (long i = 0; i < wd; i++)
+                    part[i] += bf16_f32(w[k * N + n0 + i]) * x[k];
+        }
+        for (long i = 0; i < wd; i++)
+            y[n0 + i] = part[i];
+    }
 }

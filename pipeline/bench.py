@@ -157,8 +157,13 @@ def resident_roofline(d: dict, resident_ms: float | None, how: str = "GPU time")
     key = "alone" if how == "alone" else "gpu"
     d[f"resident_{key}_ms_per_token"] = resident_ms
     d[f"pcie_plus_resident_{key}_ms_per_token"] = roof = d["roofline_ms_per_token"] + resident_ms
-    return (f"roofline with the resident part ({how}): PCIe {d['roofline_ms_per_token']:.2f} + resident {resident_ms:.2f} = "
+    line = (f"roofline with the resident part ({how}): PCIe {d['roofline_ms_per_token']:.2f} + resident {resident_ms:.2f} = "
             f"{roof:.2f} ms/token; decode median {d['ms_per_token_median']:.2f} ms is {d['ms_per_token_median'] / roof:.2f} x")
+    if "disk_roofline_ms_per_token" in d:  # blocks read from disk too (a cold run): their time counted the same way
+        d[f"disk_plus_resident_{key}_ms_per_token"] = roof = d["disk_roofline_ms_per_token"] + resident_ms
+        line += (f"\n  with disk reads: disk + PCIe {d['disk_roofline_ms_per_token']:.2f} + resident {resident_ms:.2f} = {roof:.2f} "
+                 f"ms/token; {d['ms_per_token_median'] / roof:.2f} x")
+    return line
 
 
 def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -65,6 +65,8 @@ class ComputeKnobs:
     graphs: bool = True  # one-token batches replay a CUDA graph of the expert kernels (triton backend on CUDA)
     cpu_compile: bool = True  # the hybrid path's CPU kernels through torch.compile (else eager torch ops)
     cpu_threads: int = 0  # the hybrid path's native CPU kernels' threads; 0: all cores but two (the host's own work)
+    cpu_int8: bool = False  # the hybrid path's FP4 experts with activations rounded to int8 per scale group (AVX-512 VNNI;
+    # 1.4-1.8 x faster ReLU^2 experts, each output ~0.5% off the fp32 kernels': kernels/cpu.py)
     fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (fp4_formulation)
 
 
@@ -197,7 +199,7 @@ class Compute(Stage):
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             threads = self.knobs.cpu_threads or max(1, cores - 2)
             self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile, threads=threads,
-                                        act_name=block.act_name)
+                                        act_name=block.act_name, int8=self.knobs.cpu_int8)
         t = time.perf_counter()
         block_view = db.bank.narrow(0, db.offset, rt.store.block_bytes)
         out = torch.stack([self._cpu[key].run(block_view, row) for row in x])

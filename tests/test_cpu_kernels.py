@@ -51,12 +51,12 @@ def test_cpu_experts_compiled(fmt, kind):
     _check(kind, fmt, 64, 96, compiled=True)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0", "bf16"])
 @pytest.mark.parametrize("kind", ["relu2", "relu2-one-call", "swiglu"])
 @pytest.mark.parametrize("Dx, I", SIZES + [(320, 544)])
 def test_native_kernels_match_the_reference(kind, fmt, Dx, I):
     """The C kernels: both layouts, every scale kind (FP4 E4M3 / E8M0 groups; FP8 per tensor, per row, in
-    blocks with F32 or E8M0 scales, blocks that end mid-row), outputs in whole 64-wide chunks and not;
+    blocks with F32 or E8M0 scales, blocks that end mid-row), BF16, outputs in whole 64-wide chunks and not;
     a ReLU^2 FP4 expert also in one call (up, activation, down)."""
     from sluice.kernels.cpu import native_kernels
 
@@ -149,3 +149,68 @@ def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
     assert cpu.native_kernels() is None
     _check("relu2", "nvfp4", 64, 96, compiled=False, native=True)
+
+
+def _q8_lib():
+    from sluice.kernels.cpu import native_kernels
+
+    lib = native_kernels()
+    if lib is None or not lib.sluice_q8_available():
+        pytest.skip("no AVX-512 VNNI (or no C compiler) here: the int8 path is not built")
+    return lib
+
+
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("e8m0", [False, True])
+@pytest.mark.parametrize("N, K2", [(40, 128), (128, 48), (96, 96), (256, 192)])
+def test_int8_fp4_kernels(kmajor, e8m0, N, K2):
+    """The int8-activation FP4 kernels (AVX-512 VNNI): equal to their arithmetic in float64 (x rounded to int8 per
+    scale group, exact sums; q8_reference) up to fp32 summation order, every scale byte included; within ~1% of the
+    unrounded result but not equal to it (the rounding is real); sizes they do not take (n-major rows not a multiple
+    of 64 bytes, k-major outputs not a multiple of 64) return None; x's even and odd elements swapped fails."""
+    from sluice.kernels.cpu import _fp4_matvec_f64, fp4_matvec_q8_native, q8_reference
+
+    lib = _q8_lib()
+    g = torch.Generator().manual_seed(N + K2)
+    group = 32 if e8m0 else 16
+    G = K2 // (group // 2)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes >= 100) & (codes <= 154)] if e8m0 else codes[(codes & 0x7F) != 0x7F]
+    sc = codes.repeat(-(-N * G // codes.numel()))[: N * G].reshape(N, G)[torch.randperm(N, generator=g)]
+    sc = sc if not kmajor else sc.t().contiguous()
+    scale = sc.view(torch.float8_e8m0fnu) if e8m0 else sc.view(torch.float8_e4m3fn)
+    packed = torch.randint(0, 256, (K2, N) if kmajor else (N, K2), dtype=torch.uint8, generator=g)
+    xe, xo = torch.randn(K2, generator=g), torch.randn(K2, generator=g)
+    xe[3] = 0.0
+    got = fp4_matvec_q8_native(lib, packed, scale, xe, xo, group, e8m0, kmajor)
+    if (kmajor and N % 64) or (not kmajor and K2 % 64):
+        assert got is None
+        return
+    want = q8_reference(packed, scale, xe, xo, group, e8m0, kmajor)
+    exact = _fp4_matvec_f64(packed, scale, xe.double(), xo.double(), group, e8m0, kmajor)
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert rel(got, want) < 1e-5
+    assert 1e-4 < rel(got, exact) < 2e-2
+    assert rel(fp4_matvec_q8_native(lib, packed, scale, xo, xe, group, e8m0, kmajor), want) > 0.1
+
+
+@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("relu2", "mxfp4"), ("swiglu", "nvfp4")])
+def test_int8_cpu_experts(kind, fmt):
+    """A whole expert with int8 activations (the ReLU^2 one in one native call: x and relu(up)^2 each rounded per
+    scale group) stays within ~2% of the reference, and differs from the fp32 path's result."""
+    _q8_lib()
+    Dx, I = 128, 256
+    bank, offs, manifest, dense = make_bank(kind, fmt, 2, Dx, I, seed=5)
+    act = relu2 if kind == "relu2" else F.silu
+    fused = "relu2" if kind == "relu2" else ""
+    q8 = CpuExperts(manifest, kind, act, compiled=False, act_name=fused, int8=True)
+    fp32 = CpuExperts(manifest, kind, act, compiled=False, act_name=fused)
+    assert q8.int8 and q8.fused == fp32.fused == bool(fused)
+    for a in range(2):
+        block = bank[int(offs[a]) : int(offs[a]) + manifest.block_bytes]
+        x = torch.randn(Dx, generator=torch.Generator().manual_seed(a))
+        ref = expert_ref(kind, x[None].double(), {k: v.double() for k, v in dense[a].items()}, act)[0]
+        got, full = q8.run(block, x), fp32.run(block, x)
+        err = float((got.double() - ref).norm() / ref.norm())
+        assert 1e-4 < err < 2e-2, f"{kind}/{fmt}: relative error {err:.2e}"
+        assert float((full.double() - ref).norm() / ref.norm()) < 1e-5

@@ -176,3 +176,28 @@ def test_fp4_matvec_f16x2_keeps_the_reference_tokens(case, base, quantized, tmp_
     ref_step = ref_model.logits("m", PROMPT + [int(first.argmax())])[-1]
     print(f"{case}: f16x2 step max |dlogit| {(step - ref_step).abs().max().item():.2e}, KL {mean_kl(ref_step[None], step[None]):.2e}")
     assert mean_kl(ref_step[None], step[None]) < 1e-5 and (step - ref_step).abs().max().item() < 1e-2
+
+
+def test_hybrid_cpu_int8_knob_reaches_the_cpu_experts(quantized, tmp_path):
+    """The compute stage's `cpu_int8` builds the hybrid path's CPU experts with int8 activations where the machine
+    has AVX-512 VNNI. The tiny model's FP4 rows (32 inputs) are below the int8 kernels' 64-byte steps, so they fall
+    back to the fp32 kernels and the reference's tokens hold; the int8 arithmetic itself is tested at real widths in
+    tests/test_cpu_kernels.py."""
+    import yaml
+
+    from sluice.kernels.cpu import native_kernels
+    from sluice.pipeline.schedule import SCHEDULES_DIR
+
+    store, ref_path = quantized["nemotron_nvfp4_all"]
+    _, ref_tokens = _reference(ref_path, 6)
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    doc["stages"]["h2d"] = {**(doc["stages"]["h2d"] or {}), "cpu_share": 1.0}
+    doc["stages"]["compute"] = {**(doc["stages"]["compute"] or {}), "cpu_compile": False, "cpu_int8": True}
+    path = tmp_path / "hybrid-int8.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with sluice.load(store, device=DEVICE, schedule=str(path)) as engine:
+        assert engine.generate(PROMPT, 6) == ref_tokens
+        stage = next(s for spec, s in engine.coordinator.stages if spec.name == "compute")
+        assert stage._cpu and engine.rt.stats.cpu_blocks > 0
+        lib = native_kernels()
+        assert all(c.int8 == bool(lib is not None and lib.sluice_q8_available()) for c in stage._cpu.values())
