@@ -147,6 +147,9 @@ def native_kernels():
                                           ctypes.c_int, ptr]
             lib.sluice_fp4_q8.restype = ctypes.c_int
             lib.sluice_q8_available.restype = ctypes.c_int
+            proj = [ptr, ptr, long_, f32]
+            lib.sluice_fp4_swiglu_expert.argtypes = proj * 3 + [ptr, ptr, long_, long_, ctypes.c_int, ctypes.c_int] + [ptr] * 8 + [ctypes.c_int]
+            lib.sluice_fp4_swiglu_expert.restype = None
             for fn in (lib.sluice_bf16_nmajor, lib.sluice_bf16_kmajor):
                 fn.argtypes, fn.restype = [ptr, ptr, long_, long_, ptr], None
             lib.sluice_set_threads.argtypes = [ctypes.c_int]
@@ -358,6 +361,22 @@ def _relu2_expert_q8(up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch
     return y
 
 
+def _swiglu_expert(gate: _Fp4Call, up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch.Tensor, int8: bool) -> torch.Tensor:
+    """A SwiGLU FP4 expert with plain SiLU (gate, up, silu(g) * u, down) in one native call, int8 activations or not."""
+    base, xe, xo = up.inputs(block, x)
+    I, Dx = up.n, down.n
+    M = max(Dx, I) // 2
+    f32 = torch.float32
+    g, u, he, ho, y = (torch.empty(n, dtype=f32) for n in (I, I, I // 2, I // 2, Dx))
+    q, xs, c = torch.empty(2 * M, dtype=torch.int8), torch.empty(M // 4 + 1, dtype=f32), torch.empty(M // 4 + 1, dtype=torch.int32)
+    args = []
+    for p in (gate, up, down):
+        args += [base + p.w_off, base + p.s_off, p.s_stride, p.factor(base)]
+    up.lib.sluice_fp4_swiglu_expert(*args, xe.data_ptr(), xo.data_ptr(), Dx, I, up.half, up.e8m0, g.data_ptr(), u.data_ptr(),
+                                    he.data_ptr(), ho.data_ptr(), y.data_ptr(), q.data_ptr(), xs.data_ptr(), c.data_ptr(), int(int8))
+    return y
+
+
 def _relu2_expert(up: _Fp4Call, down: _Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A ReLU^2 FP4 expert in one native call (up, the activation, the re-laid down): the result of
     up -> relu^2 -> down through _Fp4Call, with the GIL released for all of it."""
@@ -375,7 +394,8 @@ class CpuExperts:
     """A store's experts on the CPU, one token and one expert at a time, from block buffers (uint8 views of
     RAM slots). `act` / `glu` are the MoE block's own (transformers' activation, the model's gated unit).
     threads: the native kernels' OpenMP threads (0: torch's count). act_name "relu2" (with FP4 up and
-    re-laid down) lets the native path run the whole expert in one call."""
+    re-laid down) lets the native path run the whole expert in one call, as "silu" (plain SiLU, no `glu`) does for a
+    SwiGLU FP4 expert."""
 
     def __init__(self, manifest, kind: str, act: Callable, glu: Callable | None = None, compiled: bool = True,
                  native: bool = True, threads: int = 0, act_name: str = "", int8: bool = False):
@@ -394,6 +414,11 @@ class CpuExperts:
         up, down = self.fp4.get("up"), self.fp4.get("down")
         self.fused = (kind == "relu2" and act_name == "relu2" and up is not None and down is not None and not up.kmajor and down.kmajor
                       and (up.half, up.e8m0) == (down.half, down.e8m0) and up.n == 2 * down.k2)
+        gate = self.fp4.get("gate")
+        self.fused_swiglu = (kind == "swiglu" and act_name == "silu" and glu is None and gate is not None and up is not None
+                             and down is not None and not (gate.kmajor or up.kmajor or down.kmajor)
+                             and (gate.half, gate.e8m0) == (up.half, up.e8m0) == (down.half, down.e8m0)
+                             and gate.n == up.n == 2 * down.k2 and down.n == 2 * up.k2)
         # FP4 projections with activations rounded to int8 per scale group (AVX-512 VNNI): ~0.5% off each output
         self.int8 = bool(int8 and self.fp4 and lib.sluice_q8_available())
 
@@ -408,6 +433,8 @@ class CpuExperts:
         """x [Dx] fp32 -> the expert's output [Dx] fp32."""
         if self.fused:
             return (_relu2_expert_q8 if self.int8 else _relu2_expert)(self.fp4["up"], self.fp4["down"], block, x)
+        if self.fused_swiglu:
+            return _swiglu_expert(self.fp4["gate"], self.fp4["up"], self.fp4["down"], block, x, self.int8)
         if self.kind == "relu2":
             h = self.act(self._proj(block, "up", x))
         else:

@@ -699,3 +699,33 @@ void sluice_bf16_kmajor(const uint16_t *w, const float *x, long N, long K, float
             y[n0 + i] = part[i];
     }
 }
+
+/* A SwiGLU FP4 expert in one call: y = down_s2 * down(silu(g) * u), g = gate_s2 * gate(x), u = up_s2 * up(x); gate,
+ * up [I, Dx/2] and down [Dx, I/2] n-major. int8: x and the gated unit's output rounded per scale group (as in
+ * sluice_fp4_relu2_expert_q8), each matvec falling back to fp32 where the int8 kernel does not run. Scratch: g, u [I],
+ * he, ho [I/2]; q [2 M] int8, xs, c [M / 4] with M = max(Dx, I) / 2. */
+void sluice_fp4_swiglu_expert(const uint8_t *gate, const uint8_t *gate_s, long gate_s_stride, float gate_s2,
+                              const uint8_t *up, const uint8_t *up_s, long up_s_stride, float up_s2,
+                              const uint8_t *down, const uint8_t *down_s, long down_s_stride, float down_s2,
+                              const float *xe, const float *xo, long Dx, long I, int half, int e8m0, float *g, float *u,
+                              float *he, float *ho, float *y, int8_t *q, float *xs, int32_t *c, int int8) {
+    long M = (Dx > I ? Dx : I) / 2;
+    int q8 = int8 && sluice_q8_prep(xe, xo, Dx / 2, half, q, q + M, xs, c);
+    if (!q8 || !sluice_fp4_q8(gate, gate_s, gate_s_stride, q, q + M, xs, c, I, Dx / 2, half, e8m0, 0, g))
+        sluice_fp4_nmajor(gate, gate_s, gate_s_stride, xe, xo, I, Dx / 2, half, e8m0, g);
+    if (!q8 || !sluice_fp4_q8(up, up_s, up_s_stride, q, q + M, xs, c, I, Dx / 2, half, e8m0, 0, u))
+        sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, u);
+    for (long i = 0; i < I; i++) {
+        float a = g[i] * gate_s2, b = u[i] * up_s2;
+        float h = a / (1.0f + __builtin_expf(-a)) * b;
+        if (i % 2)
+            ho[i / 2] = h;
+        else
+            he[i / 2] = h;
+    }
+    q8 = int8 && sluice_q8_prep(he, ho, I / 2, half, q, q + M, xs, c);
+    if (!q8 || !sluice_fp4_q8(down, down_s, down_s_stride, q, q + M, xs, c, Dx, I / 2, half, e8m0, 0, y))
+        sluice_fp4_nmajor(down, down_s, down_s_stride, he, ho, Dx, I / 2, half, e8m0, y);
+    for (long n = 0; n < Dx; n++)
+        y[n] *= down_s2;
+}

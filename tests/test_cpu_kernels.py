@@ -27,7 +27,7 @@ def _check(kind: str, fmt: str, Dx: int, I: int, compiled: bool, bias: bool = Fa
         mutate(bank, manifest)
     act = relu2 if kind == "relu2" else F.silu
     cpu = CpuExperts(manifest, kind, act, compiled=compiled, native=native, act_name=fused)
-    assert cpu.fused == bool(fused), "the one-call ReLU^2 expert path was (not) taken"
+    assert (cpu.fused or cpu.fused_swiglu) == bool(fused), "the one-call expert path was (not) taken"
     for a in range(2):
         block = bank[int(offs[a]) : int(offs[a]) + manifest.block_bytes]
         x = torch.randn(Dx, generator=torch.Generator().manual_seed(a))
@@ -52,21 +52,22 @@ def test_cpu_experts_compiled(fmt, kind):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0", "bf16"])
-@pytest.mark.parametrize("kind", ["relu2", "relu2-one-call", "swiglu"])
+@pytest.mark.parametrize("kind", ["relu2", "relu2-one-call", "swiglu", "swiglu-one-call"])
 @pytest.mark.parametrize("Dx, I", SIZES + [(320, 544)])
 def test_native_kernels_match_the_reference(kind, fmt, Dx, I):
     """The C kernels: both layouts, every scale kind (FP4 E4M3 / E8M0 groups; FP8 per tensor, per row, in
     blocks with F32 or E8M0 scales, blocks that end mid-row), BF16, outputs in whole 64-wide chunks and not;
-    a ReLU^2 FP4 expert also in one call (up, activation, down)."""
+    a ReLU^2 FP4 expert also in one call (up, activation, down), and a SwiGLU one with plain SiLU (gate, up, down)."""
     from sluice.kernels.cpu import native_kernels
 
     if native_kernels() is None:
         pytest.skip("no C compiler here: the native FP4 path is not built")
-    one_call = kind == "relu2-one-call"
+    one_call = kind.endswith("-one-call")
     if one_call and "fp4" not in fmt:
         pytest.skip("the one-call expert is FP4's")
     Dx, I = fit(fmt, Dx, I)
-    _check(kind.removesuffix("-one-call"), fmt, Dx, I, compiled=False, native=True, fused="relu2" if one_call else "")
+    kind = kind.removesuffix("-one-call")
+    _check(kind, fmt, Dx, I, compiled=False, native=True, fused=("relu2" if kind == "relu2" else "silu") if one_call else "")
 
 
 def _swap_nibbles(bank, manifest):
@@ -84,6 +85,16 @@ def _shift_block_scales(bank, manifest):
         raw = bank[a * manifest.block_bytes + s.offset : a * manifest.block_bytes + s.offset + s.nbytes]
         t = raw.view(torch.float32).view(s.shape) if s.dtype == "F32" else raw.view(s.shape)
         t.copy_(t.roll(1, dims=-1))
+
+
+def test_one_call_swiglu_expert_fails_on_swapped_nibbles():
+    """The one-call SwiGLU FP4 expert reads `up`'s nibbles the store's way round: swapped, the match breaks."""
+    from sluice.kernels.cpu import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler here")
+    with pytest.raises(AssertionError, match="relative error"):
+        _check("swiglu", "nvfp4", 64, 96, compiled=False, native=True, mutate=_swap_nibbles, fused="silu")
 
 
 @pytest.mark.parametrize("native", [False, True, "one-call"])
@@ -202,10 +213,10 @@ def test_int8_cpu_experts(kind, fmt):
     Dx, I = 128, 256
     bank, offs, manifest, dense = make_bank(kind, fmt, 2, Dx, I, seed=5)
     act = relu2 if kind == "relu2" else F.silu
-    fused = "relu2" if kind == "relu2" else ""
+    fused = "relu2" if kind == "relu2" else "silu"
     q8 = CpuExperts(manifest, kind, act, compiled=False, act_name=fused, int8=True)
     fp32 = CpuExperts(manifest, kind, act, compiled=False, act_name=fused)
-    assert q8.int8 and q8.fused == fp32.fused == bool(fused)
+    assert q8.int8 and q8.fused == fp32.fused == (kind == "relu2") and q8.fused_swiglu == fp32.fused_swiglu == (kind == "swiglu")
     for a in range(2):
         block = bank[int(offs[a]) : int(offs[a]) + manifest.block_bytes]
         x = torch.randn(Dx, generator=torch.Generator().manual_seed(a))
