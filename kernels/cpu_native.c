@@ -480,12 +480,27 @@ static inline __m128i step_scales(const uint8_t *s, int half) {
 }
 
 /* n-major: y[n] = row n . x, K2 a multiple of 64 */
+#define Q8_ROW_GROUPS 1024  /* rows with more scale groups decode their scales step by step instead */
+
 static void q8_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
                       const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
+    const long G = K2 / half;
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) {
         const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
+        /* a step's 16 lanes take groups 0,0,1,1,..,7,7 (NVFP4) or 0,0,0,0,..,3,3,3,3 (MXFP4) of its scales */
+        const __m512i spread = half == 8 ? _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)
+                                         : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         const uint8_t *row = p + n * K2, *srow = s + n * s_stride;
+        float sc[Q8_ROW_GROUPS + 16];  /* the row's scales, decoded 16 at a time before the steps */
+        int whole = G <= Q8_ROW_GROUPS;
+        if (whole)
+            for (long g = 0; g < G; g += 16) {
+                __m128i b = G - g >= 16 ? _mm_loadu_si128((const __m128i *)(srow + g)) : _mm_setzero_si128();
+                if (G - g < 16)
+                    memcpy(&b, srow + g, (size_t)(G - g));
+                _mm512_storeu_ps(sc + g, scales16(b, e8m0));
+            }
         __m512 acc = _mm512_setzero_ps();
         for (long c = 0; c < K2; c += 64) {
             __m512i b = _mm512_loadu_si512(row + c);
@@ -494,8 +509,9 @@ static void q8_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const i
             __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(qe + c));
             d = _mm512_dpbusd_epi32(d, wh, _mm512_loadu_si512(qo + c));
             d = _mm512_sub_epi32(d, _mm512_loadu_si512(corr + c / 4));
-            __m512 sv = _mm512_mul_ps(scales16(step_scales(srow + c / half, half), e8m0), _mm512_loadu_ps(xs_lane + c / 4));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc);
+            __m512 ws = whole ? _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(sc + c / half)))
+                              : scales16(step_scales(srow + c / half, half), e8m0);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_loadu_ps(xs_lane + c / 4)), acc);
         }
         y[n] = _mm512_reduce_add_ps(acc);
     }

@@ -1,4 +1,4 @@
-"""CPU expert kernels (kernels/cpu.py) against the plain-torch reference, every format and expert kind,
+"""CPU expert kernels (kernels/cpu.py, kernels/cpu_native.py) against the plain-torch reference, every format and expert kind,
 the re-laid K-major `down` included: the torch ops eagerly and through torch.compile, and FP4 / FP8
 through the native C path (kernels/cpu_native.c)."""
 
@@ -58,7 +58,7 @@ def test_native_kernels_match_the_reference(kind, fmt, Dx, I):
     """The C kernels: both layouts, every scale kind (FP4 E4M3 / E8M0 groups; FP8 per tensor, per row, in
     blocks with F32 or E8M0 scales, blocks that end mid-row), BF16, outputs in whole 64-wide chunks and not;
     a ReLU^2 FP4 expert also in one call (up, activation, down), and a SwiGLU one with plain SiLU (gate, up, down)."""
-    from sluice.kernels.cpu import native_kernels
+    from sluice.kernels.cpu_native import native_kernels
 
     if native_kernels() is None:
         pytest.skip("no C compiler here: the native FP4 path is not built")
@@ -89,7 +89,7 @@ def _shift_block_scales(bank, manifest):
 
 def test_one_call_swiglu_expert_fails_on_swapped_nibbles():
     """The one-call SwiGLU FP4 expert reads `up`'s nibbles the store's way round: swapped, the match breaks."""
-    from sluice.kernels.cpu import native_kernels
+    from sluice.kernels.cpu_native import native_kernels
 
     if native_kernels() is None:
         pytest.skip("no C compiler here")
@@ -103,7 +103,7 @@ def test_one_call_swiglu_expert_fails_on_swapped_nibbles():
 def test_wrong_unpacking_must_fail(native, fmt, Dx, I, mutate):
     """Bytes read wrongly (FP4 nibbles the wrong way round, FP8 block scales one tile off) break the match
     in both paths: the tests above can tell."""
-    from sluice.kernels.cpu import native_kernels
+    from sluice.kernels.cpu_native import native_kernels
 
     if native and native_kernels() is None:
         pytest.skip("no C compiler here")
@@ -130,7 +130,8 @@ def test_fp8_decodes_match_torch():
 def test_native_fp4_every_scale_byte(kmajor, e8m0):
     """Every scale byte (E4M3 subnormals and E8M0 extremes included; not NaN) scales its group in the C
     kernels as in the torch path, in both layouts (the re-laid one decodes scales 16 at a time in registers)."""
-    from sluice.kernels.cpu import fp4_matvec, fp4_matvec_native, native_kernels
+    from sluice.kernels.cpu import fp4_matvec
+    from sluice.kernels.cpu_native import fp4_matvec_native, native_kernels
 
     lib = native_kernels()
     if lib is None:
@@ -153,17 +154,17 @@ def test_native_fp4_every_scale_byte(kmajor, e8m0):
 
 def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     """A compiler that fails leaves the torch path serving FP4, with a warning, not an error."""
-    import sluice.kernels.cpu as cpu
+    import sluice.kernels.cpu_native as native
 
-    monkeypatch.setattr(cpu, "_NATIVE", [])
+    monkeypatch.setattr(native, "_NATIVE", [])
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
-    assert cpu.native_kernels() is None
+    assert native.native_kernels() is None
     _check("relu2", "nvfp4", 64, 96, compiled=False, native=True)
 
 
 def _q8_lib():
-    from sluice.kernels.cpu import native_kernels
+    from sluice.kernels.cpu_native import native_kernels
 
     lib = native_kernels()
     if lib is None or not lib.sluice_q8_available():
@@ -179,7 +180,8 @@ def test_int8_fp4_kernels(kmajor, e8m0, N, K2):
     scale group, exact sums; q8_reference) up to fp32 summation order, every scale byte included; within ~1% of the
     unrounded result but not equal to it (the rounding is real); sizes they do not take (n-major rows not a multiple
     of 64 bytes, k-major outputs not a multiple of 64) return None; x's even and odd elements swapped fails."""
-    from sluice.kernels.cpu import _fp4_matvec_f64, fp4_matvec_q8_native, q8_reference
+    from sluice.kernels.cpu import _fp4_matvec_f64, q8_reference
+    from sluice.kernels.cpu_native import fp4_matvec_q8_native
 
     lib = _q8_lib()
     g = torch.Generator().manual_seed(N + K2)

@@ -185,7 +185,7 @@ def test_hybrid_cpu_int8_knob_reaches_the_cpu_experts(quantized, tmp_path):
     tests/test_cpu_kernels.py."""
     import yaml
 
-    from sluice.kernels.cpu import native_kernels
+    from sluice.kernels.cpu_native import native_kernels
     from sluice.pipeline.schedule import SCHEDULES_DIR
 
     store, ref_path = quantized["nemotron_nvfp4_all"]
