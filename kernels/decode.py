@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
-                                    SCALE_GROUPS, block_scale, e2m1_scaled, fp4_group_dot_f16x2, fp4_word_dot, fp4_word_dot_f16x2, group_scale, load_bias,
-                                    tensor_scale, x_pair, x_pair_scales)
+                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, fp4_word_dot, fp4_word_dot_f16x2,
+                                    group_scale, load_bias, row_pair_scales, tensor_scale, x_pair)
 from sluice.kernels.layout import ProjLayout
 
 RELU2 = tl.constexpr(0)
@@ -305,18 +305,13 @@ def _h_pairs_kernel(h, hq, hinv, I, BW: tl.constexpr, BM: tl.constexpr):
     hinv[r]. Grid (R, cdiv(I/2, BW)): each program finds the row's largest |h| itself and packs BW pairs."""
     r = tl.program_id(0)
     hp = h + r * I
-    m = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, I, BM):
-        k = k0 + tl.arange(0, BM)
-        m = tl.maximum(m, tl.abs(tl.load(hp + k, mask=k < I, other=0.0).to(tl.float32)))
-    scale, inv = x_pair_scales(tl.max(m, axis=0))
+    scale, inv = row_pair_scales(hp, I, BM)
     if tl.program_id(1) == 0:
         tl.store(hinv + r, inv)
     p = tl.program_id(1) * BW + tl.arange(0, BW)
     pm = p < I // 2
-    lo = (tl.load(hp + 2 * p, mask=pm, other=0.0).to(tl.float32) * scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    hi = (tl.load(hp + 2 * p + 1, mask=pm, other=0.0).to(tl.float32) * scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    tl.store(hq + r * (I // 2) + p, (lo & 0xFFFF) | (hi << 16), mask=pm)
+    tl.store(hq + r * (I // 2) + p, f16x2_bits(tl.load(hp + 2 * p, mask=pm, other=0.0), tl.load(hp + 2 * p + 1, mask=pm, other=0.0),
+                                               scale), mask=pm)
 
 
 def h_pairs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,11 +329,7 @@ def _x_pairs_kernel(v, V_STRIDE, xq, xinv, K, NW, BW: tl.constexpr, BM: tl.const
     (R, cdiv(NW, BW)): each program finds the row's largest |x| itself (K is a hidden size) and packs BW words."""
     r = tl.program_id(0)
     vp = v + r * V_STRIDE
-    m = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BM):
-        k = k0 + tl.arange(0, BM)
-        m = tl.maximum(m, tl.abs(tl.load(vp + k, mask=k < K, other=0.0).to(tl.float32)))
-    scale, inv = x_pair_scales(tl.max(m, axis=0))
+    scale, inv = row_pair_scales(vp, K, BM)
     if tl.program_id(1) == 0:
         tl.store(xinv + r, inv)
     w = tl.program_id(1) * BW + tl.arange(0, BW)

@@ -253,11 +253,25 @@ def x_pair_scales(mx):
 def x_pair(vp, w, wm, J: tl.constexpr, scale):
     """x pair J of words w (see above) as int32 bits of f16x2, x scaled by `scale`."""
     E0: tl.constexpr = 4 * (J % 2) + J // 2
-    a = tl.load(vp + w * 8 + E0, mask=wm, other=0.0).to(tl.float32) * scale
-    b = tl.load(vp + w * 8 + (E0 + 2), mask=wm, other=0.0).to(tl.float32) * scale
-    lo = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return f16x2_bits(tl.load(vp + w * 8 + E0, mask=wm, other=0.0), tl.load(vp + w * 8 + (E0 + 2), mask=wm, other=0.0), scale)
+
+
+@triton.jit
+def f16x2_bits(a, b, scale):
+    """a * scale and b * scale rounded to fp16 and packed as int32 bits of f16x2 (a in the low half)."""
+    lo = (a.to(tl.float32) * scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = (b.to(tl.float32) * scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return lo | (hi << 16)
+
+
+@triton.jit
+def row_pair_scales(vp, K, BM: tl.constexpr):
+    """`x_pair_scales` for the row of K values at vp: its largest |value| found BM at a time."""
+    m = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BM):
+        k = k0 + tl.arange(0, BM)
+        m = tl.maximum(m, tl.abs(tl.load(vp + k, mask=k < K, other=0.0).to(tl.float32)))
+    return x_pair_scales(tl.max(m, axis=0))
 
 
 @triton.jit
