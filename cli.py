@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--sweep", action="store_true", help="time each kernel over tile configurations instead")
     bk.add_argument("--mixed", metavar="R", type=int, nargs="*",
                     help="time a direct decode step's ReLU^2 expert kernels with R of the experts read from host memory "
-                         "(e.g. --mixed 0 1 2 4): dispatch orders and the host alignment hint, against the PCIe floor")
+                         "(e.g. --mixed 0 1 2 4), with and without the host alignment hint, against the PCIe floor")
     bk.add_argument("--launch-timing", action="store_true",
                     help="time single launches (do_bench) instead of calls captured in a CUDA graph, as decode runs them")
     bk.set_defaults(func=cmd_bench_kernels)

@@ -94,8 +94,9 @@ class Engine:
         h2d = schedule.stage("h2d").knobs if schedule.stage("h2d") else H2DKnobs()
         readers = config.readers or (fetch.knobs.readers if fetch else FetchKnobs.readers)
         # every block held in RAM (by default as much RAM as that takes), unless the stage skips the routed experts
-        direct = schedule.stage("direct") is not None and schedule.stage("direct").knobs.routed
-        no_blocks = schedule.stage("direct") is not None and not direct  # routed experts skipped: one RAM slot will do
+        direct_stage = schedule.stage("direct")
+        direct = direct_stage is not None and direct_stage.knobs.routed
+        no_blocks = direct_stage is not None and not direct  # routed experts skipped: one RAM slot will do
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
             store.total_blocks * store.block_bytes if direct else store.block_bytes if no_blocks else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
