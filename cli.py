@@ -136,6 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--live", type=float, default=0.25, help="fraction of live 16-neuron groups for zero-copy down")
     bk.add_argument("--json", type=Path, help="also write the rows as JSON")
     bk.add_argument("--sweep", action="store_true", help="time each kernel over tile configurations instead")
+    bk.add_argument("--only", nargs="*", help="with --sweep: just these kernels (matvec-up, matvec-up-words-gather, matvec-up-words, "
+                    "matvec-up-f16x2, down-relaid, down-relaid-f16x2, prefill-up)")
     bk.add_argument("--mixed", metavar="R", type=int, nargs="*",
                     help="time a direct decode step's ReLU^2 expert kernels with R of the experts read from host memory "
                          "(e.g. --mixed 0 1 2 4), with and without the host alignment hint, against the PCIe floor")
@@ -518,7 +520,7 @@ def cmd_bench_kernels(args) -> int:
         raise SluiceError("bench kernels needs a CUDA GPU")
     kbench.TIMING = "launch" if args.launch_timing else "graph"
     if args.sweep:
-        for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS)):
+        for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), only=tuple(args.only or ())):
             print(line, flush=True)
         return 0
     if args.mixed is not None:

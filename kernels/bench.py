@@ -252,13 +252,18 @@ def bench_mixed(shapes=("super", "nano"), fmt="nvfp4", from_ram=(0, 1, 2, 4), de
 
 
 MATVEC_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4), (32, 128, 4),
-                  (4, 512, 2), (2, 1024, 2), (16, 1024, 8), (32, 256, 4), (16, 1024, 4), (32, 1024, 4)]  # (bn, bk, warps)
-DOWN_CONFIGS = [(512, 16, 4), (1024, 8, 4), (1024, 16, 8), (256, 16, 4), (512, 32, 4), (1024, 32, 8)]  # (bd, splits, warps)
+                  (4, 512, 2), (2, 1024, 2), (16, 1024, 8), (32, 256, 4), (16, 1024, 4), (32, 1024, 4), (64, 256, 8),
+                  (64, 128, 4), (32, 512, 8), (64, 512, 8), (32, 512, 4)]  # (bn, bk, warps)
+DOWN_CONFIGS = [(512, 16, 4), (1024, 8, 4), (1024, 16, 8), (256, 16, 4), (512, 32, 4), (1024, 32, 8), (2048, 32, 8),
+                (512, 64, 4), (1024, 64, 4), (256, 64, 2)]  # (bd, splits, warps)
 PREFILL_CONFIGS = [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (32, 128, 128, 8)]  # (bm, bn, bk, warps)
 
 
-def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32, prefill_experts=64) -> list[str]:
-    """Time each kernel over tile configurations; lines 'kernel shape fmt config us GB/s'."""
+def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32, prefill_experts=64,
+          only: tuple[str, ...] = ()) -> list[str]:
+    """Time each kernel over tile configurations; lines 'kernel shape fmt config us GB/s'. only: just these kernels
+    (matvec-up, matvec-up-words-gather, matvec-up-words, matvec-up-f16x2, down-relaid, down-relaid-f16x2, prefill-up)."""
+    want = lambda name: not only or name in only  # noqa: E731
     from sluice.kernels.decode import down_relaid, matvec
     from sluice.kernels.prefill import grouped_gemm, tile_items
 
@@ -272,7 +277,7 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
             fp4 = fmt in ("nvfp4", "mxfp4")
             variants = [("matvec-up", 0)] + ([("matvec-up-words-gather", 1), ("matvec-up-words", 2)] if fp4 else []) \
                 + ([("matvec-up-f16x2", 3)] if fmt == "nvfp4" else [])
-            for (bn, bk, nw), (name, words) in [(c, v) for c in MATVEC_CONFIGS for v in variants]:
+            for (bn, bk, nw), (name, words) in [(c, v) for c in MATVEC_CONFIGS for v in variants if want(v[0])]:
                 try:
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,
                                                    num_warps=nw, fp4_words=words) for b in banks])
@@ -281,10 +286,14 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
                     lines.append(f"{name} {shape} {fmt} bn={bn} bk={bk} w={nw} failed: {type(e).__name__}")
             if kind == "relu2":
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
-                for bd, sp, nw in DOWN_CONFIGS:
-                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, splits=sp, bd=bd, num_warps=nw) for b in banks])
-                    lines.append(f"down-relaid {shape} {fmt} bd={bd} splits={sp} w={nw} {us:.1f}us {A * L['down'].nbytes / us / 1e3:.0f}GB/s")
+                for (bd, sp, nw), (name, f16x2) in [(c, v) for c in DOWN_CONFIGS for v in [("down-relaid", False)]
+                                                    + ([("down-relaid-f16x2", True)] if fmt == "nvfp4" else []) if want(v[0])]:
+                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, splits=sp, bd=bd, num_warps=nw, f16x2=f16x2)
+                                for b in banks])
+                    lines.append(f"{name} {shape} {fmt} bd={bd} splits={sp} w={nw} {us:.1f}us {A * L['down'].nbytes / us / 1e3:.0f}GB/s")
             del banks
+            if not want("prefill-up"):
+                continue
             E = prefill_experts
             banks, L, block_bytes = make_banks(kind, fmt, Dx, I, E, device)
             offs = torch.arange(E, dtype=torch.int64, device=device) * block_bytes
@@ -315,9 +324,10 @@ def format_table(ceil: dict, rows: list[Row]) -> str:
 
 
 def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None = None, compiled: bool = True,
-              experts: int = 32, int8: bool = False) -> tuple[float, list[Row]]:
+              experts: int = 32, int8: bool = False, min_bytes: int = 768 << 20) -> tuple[float, list[Row]]:
     """The CPU expert kernels (kernels/cpu.py), one token through one expert at a time, cycling over
-    `experts` distinct blocks (more bytes than the caches hold), against the memory read rate measured
+    `experts` distinct blocks, or more where they hold less than `min_bytes` (the GPU machine's CPU reports
+    300 MiB of L3: the blocks must not fit), against the memory read rate measured
     now (a sum over 1 GiB with the same threads). With `int8`, FP4 experts also with int8 activations (a
     second row, where the machine has AVX-512 VNNI). Returns (read GB/s, rows)."""
     import types
@@ -335,10 +345,11 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
         for fmt in formats:
             tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
             block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
-            bank = block.repeat(experts)
+            n = max(experts, -(-min_bytes // block_bytes))
+            bank = block.repeat(n)
             manifest = types.SimpleNamespace(formats=fmts, slots=slots)
             x = torch.randn(Dx)
-            blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(experts)]
+            blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
             nbytes = sum(s.nbytes for s in slots)
             for q8 in (False, True) if int8 and fmt in ("nvfp4", "mxfp4") else (False,):
                 cpu = CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
@@ -351,7 +362,7 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
                     t = time.perf_counter()
                     for b in blocks:
                         cpu.run(b, x)
-                    dt = min(dt, (time.perf_counter() - t) / experts)
+                    dt = min(dt, (time.perf_counter() - t) / n)
                 gbps = nbytes / dt / 1e9
                 rows.append(Row(f"cpu expert ({kind}{', int8' if q8 else ''})", shape, fmt, nbytes / 1e6, dt * 1e6, gbps, "RAM read",
                                 100 * gbps / read))

@@ -55,6 +55,15 @@ static void init_scales(void) {
 
 #define scale_f32(b, e8m0) SCALES[(e8m0) != 0][(b)]
 
+/* Software prefetch distances (bytes ahead in a stream): the GPU machine's Xeon keeps too few of one core's
+ * reads in flight while it decodes (a core's kernels read at half its plain read rate without them;
+ * BENCHMARKS.md, tenth session). Prefetches never fault, so reaching past a buffer's end is harmless. */
+#define PF_ROW 2048  /* n-major: along the thread's run of rows (contiguous) */
+#define PF_KROW 256  /* k-major: along each of the rows read side by side */
+#define PF_KSTEP 8   /* k-major by column chunks: rows ahead of the one read */
+#define prefetch(p) __builtin_prefetch((p), 0, 3)
+
+
 void sluice_set_threads(int n) {
     init_scales();
     if (n > 0)
@@ -107,6 +116,8 @@ void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const 
             const float *lut = SCALES[e8m0 != 0];
             __m512 vacc = _mm512_setzero_ps();
             for (; g0 + 16 <= K2; g0 += 16) {
+                if (!(g0 & 63))
+                    prefetch(row + g0 + PF_ROW);
                 __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g0)));
                 __m512 lo = _mm512_permutexvar_ps(c, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
                 __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + g0), _mm512_mul_ps(lo, _mm512_loadu_ps(xe + g0)));
@@ -179,6 +190,18 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 static __thread float *rows_buf;
 static __thread long rows_cap;
 
+/* the calling thread's rows_buf for a team of T threads over N outputs, or NULL when it cannot be had (the
+ * team's threads see their own rows_buf: pass them this pointer) */
+static float *team_buf(int T, long N) {
+    long need = 2L * T * N;
+    if (need > rows_cap) {
+        free(rows_buf);
+        rows_buf = aligned_alloc(64, (size_t)need * sizeof(float));
+        rows_cap = rows_buf ? need : 0;
+    }
+    return rows_buf;
+}
+
 /* k-major by rows: each thread takes a run of scale groups and streams their rows whole (contiguous
  * bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), keeping all N
  * outputs' partial sums in L1 (part, per group) and its running sums (acc); the threads' sums are
@@ -186,16 +209,10 @@ static __thread long rows_cap;
 static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
     int T = omp_get_max_threads();
-    long need = 2L * T * N;
-    if (need > rows_cap) {
-        free(rows_buf);
-        rows_buf = aligned_alloc(64, (size_t)need * sizeof(float));
-        rows_cap = rows_buf ? need : 0;
-        if (!rows_buf)
-            return 0;
-    }
+    float *buf = team_buf(T, N);
+    if (!buf)
+        return 0;
     long G = (K2 + half - 1) / half;
-    float *buf = rows_buf;  /* the caller's: rows_buf is thread-local, the team's threads would see their own */
     int used = T;
 #pragma omp parallel num_threads(T)
     {
@@ -215,6 +232,10 @@ static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const 
                 const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
                 const __m512 a1 = _mm512_set1_ps(xe[j + 1]), b1 = _mm512_set1_ps(xo[j + 1]);
                 for (long n = 0; n < N; n += 16) {
+                    if (!(n & 63)) {
+                        prefetch(r0 + n + PF_KROW);
+                        prefetch(r1 + n + PF_KROW);
+                    }
                     __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
                     __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + n)));
                     __m512 v = _mm512_loadu_ps(part + n);
@@ -325,8 +346,11 @@ void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
             float part = 0.0f;
 #ifdef __AVX512F__
             __m512 v = _mm512_setzero_ps();
-            for (; k + 16 <= end; k += 16)
+            for (; k + 16 <= end; k += 16) {
+                if (!(k & 63))
+                    prefetch(row + k + PF_ROW);
                 v = _mm512_fmadd_ps(e4m3x16(row + k), _mm512_loadu_ps(x + k), v);
+            }
             part = 256.0f * _mm512_reduce_add_ps(v);
 #elif defined(__AVX2__) && defined(__F16C__)
             __m256 v = _mm256_setzero_ps();
@@ -359,6 +383,7 @@ void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
                 __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
                 for (long k = k0; k < end; k++) {
                     const uint8_t *r = w + k * N + n0;
+                    prefetch(r + PF_KSTEP * N);
                     const __m512 xk = _mm512_set1_ps(256.0f * x[k]);
                     p0 = _mm512_fmadd_ps(e4m3x16(r), xk, p0);
                     p1 = _mm512_fmadd_ps(e4m3x16(r + 16), xk, p1);
@@ -417,12 +442,12 @@ void sluice_fp4_relu2_expert(const uint8_t *up, const uint8_t *up_s, long up_s_s
 
 /* ---- FP4 with int8 activations (AVX-512 VNNI): x quantized per scale group to int8, products summed in int32 by
  * vpdpbusd, 64 weight bytes (128 nibbles) a step. The unsigned operand is the weight: a 16-entry table gives
- * 2 * E2M1 + 12 (0..24), and 12 * (the group's quantized x) is subtracted back. Per group g of `half` bytes:
+ * 2 * E2M1 + 12 (0..24), and 12 * (the group's quantized x) is subtracted back (the sums start from it). Per group g of `half` bytes:
  *   y_n += wscale[n, g] * xs[g] / 2 * sum_j (2 E2M1(w_nj)) * q_j,   q_j = rint(x_j / xs[g]),  xs[g] = max|x| / 127
  * Exact integer sums within a group; the rounding of x to 8 bits is the approximation (kernels/cpu.py q8_reference).
  *
  * sluice_q8_prep: xe, xo [K2] -> qe, qo [K2] int8; xs_lane [K2/4] (each 4-byte quad's group scale / 2);
- *                 corr [K2/4] (12 * the quad's sum of qe + qo). K2 a multiple of `half` (8 or 16). */
+ *                 corr [K2/4] (-12 * the quad's sum of qe + qo). K2 a multiple of `half` (8 or 16). */
 
 int sluice_q8_available(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -432,30 +457,35 @@ int sluice_q8_available(void) {
 #endif
 }
 
+/* one scale group of x (elements g0 .. g0 + half of xe and xo) quantized */
+static inline void q8_group(const float *xe, const float *xo, long g0, int half, int8_t *qe, int8_t *qo, float *xs_lane,
+                            int32_t *corr) {
+    float m = 0.0f;
+    for (long j = g0; j < g0 + half; j++) {
+        float a = xe[j] < 0 ? -xe[j] : xe[j], b = xo[j] < 0 ? -xo[j] : xo[j];
+        m = a > m ? a : m;
+        m = b > m ? b : m;
+    }
+    float s = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
+    for (long j = g0; j < g0 + half; j++) {
+        qe[j] = (int8_t)__builtin_lrintf(xe[j] * inv);
+        qo[j] = (int8_t)__builtin_lrintf(xo[j] * inv);
+    }
+    for (long q = g0 / 4; q < (g0 + half) / 4; q++) {
+        int32_t c = 0;
+        for (int j = 0; j < 4; j++)
+            c += qe[4 * q + j] + qo[4 * q + j];
+        corr[q] = -12 * c;
+        xs_lane[q] = 0.5f * s;
+    }
+}
+
 int sluice_q8_prep(const float *xe, const float *xo, long K2, int half, int8_t *qe, int8_t *qo, float *xs_lane,
                    int32_t *corr) {
     if (K2 % half || half % 4)
         return 0;  /* the int8 kernels take whole groups of whole quads only */
-    for (long g0 = 0; g0 < K2; g0 += half) {
-        float m = 0.0f;
-        for (long j = g0; j < g0 + half; j++) {
-            float a = xe[j] < 0 ? -xe[j] : xe[j], b = xo[j] < 0 ? -xo[j] : xo[j];
-            m = a > m ? a : m;
-            m = b > m ? b : m;
-        }
-        float s = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
-        for (long j = g0; j < g0 + half; j++) {
-            qe[j] = (int8_t)__builtin_lrintf(xe[j] * inv);
-            qo[j] = (int8_t)__builtin_lrintf(xo[j] * inv);
-        }
-        for (long q = g0 / 4; q < (g0 + half) / 4; q++) {
-            int32_t c = 0;
-            for (int j = 0; j < 4; j++)
-                c += qe[4 * q + j] + qo[4 * q + j];
-            corr[q] = 12 * c;
-            xs_lane[q] = 0.5f * s;
-        }
-    }
+    for (long g0 = 0; g0 < K2; g0 += half)
+        q8_group(xe, xo, g0, half, qe, qo, xs_lane, corr);
     return 1;
 }
 
@@ -479,67 +509,82 @@ static inline __m128i step_scales(const uint8_t *s, int half) {
     return _mm_shuffle_epi8(_mm_cvtsi32_si128(*(const int32_t *)s), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
 }
 
-/* n-major: y[n] = row n . x, K2 a multiple of 64 */
-#define Q8_ROW_GROUPS 1024  /* rows with more scale groups decode their scales step by step instead */
+/* n-major: y[n] = row n . x, K2 a multiple of 64. Per row, a run of up to Q8_SEG quads at a time: their weight-group
+ * scales are decoded, spread to one per quad and multiplied by the quad's x scale before the run's steps, so a step
+ * is a load, two table lookups, two vpdpbusd seeded with the correction, a conversion and one FMA per 64 bytes. */
+#define Q8_SEG 1024
+
+static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
+                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
+    const long G = K2 / half, per = half / 4;  /* per: quads of a scale group */
+    {
+        float sc[Q8_SEG] __attribute__((aligned(64)));
+        const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
+        __m512i spread[4];  /* vector k of a 16-group step's quads takes groups (16 k + lane) / per */
+        for (int k = 0; k < 4; k++) {
+            int32_t idx[16];
+            for (int l = 0; l < 16; l++)
+                idx[l] = (16 * k + l) / per;
+            spread[k] = _mm512_loadu_si512(idx);
+        }
+#pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) {
+            const uint8_t *row = p + n * K2, *srow = s + n * s_stride;
+            __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+            for (long c0 = 0; c0 < K2; c0 += 4 * Q8_SEG) {
+                const long c1 = K2 - c0 < 4 * Q8_SEG ? K2 : c0 + 4 * Q8_SEG, q0 = c0 / 4, nq = (c1 - c0) / 4;
+                for (long i = 0; i < nq; i += 16 * per) {  /* 16 groups' scales a step */
+                    const long g = (q0 + i) / per;
+                    __m128i b = _mm_setzero_si128();
+                    memcpy(&b, srow + g, (size_t)(G - g < 16 ? G - g : 16));
+                    const __m512 v = scales16(b, e8m0);
+                    for (int k = 0; k < per && i + 16 * k < nq; k++)
+                        _mm512_store_ps(sc + i + 16 * k,
+                                        _mm512_mul_ps(_mm512_permutexvar_ps(spread[k], v), _mm512_loadu_ps(xs_lane + q0 + i + 16 * k)));
+                }
+                long c = c0;
+#define Q8_NSTEP(ACC, C)                                                                                              \
+    do {                                                                                                              \
+        __m512i b_ = _mm512_loadu_si512(row + (C));                                                                   \
+        __m512i d_ = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr + (C) / 4),                                          \
+                                         _mm512_shuffle_epi8(table, _mm512_and_si512(b_, low4)), _mm512_loadu_si512(qe + (C))); \
+        d_ = _mm512_dpbusd_epi32(d_, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b_, 4), low4)),      \
+                                 _mm512_loadu_si512(qo + (C)));                                                       \
+        ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_load_ps(sc + ((C) - c0) / 4), ACC);                      \
+    } while (0)
+                for (; c + 128 <= c1; c += 128) {
+                    prefetch(row + c + PF_ROW);
+                    prefetch(row + c + PF_ROW + 64);
+                    Q8_NSTEP(acc0, c);
+                    Q8_NSTEP(acc1, c + 64);
+                }
+                if (c < c1) {
+                    prefetch(row + c + PF_ROW);
+                    Q8_NSTEP(acc0, c);
+                }
+#undef Q8_NSTEP
+            }
+            y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+        }
+    }
+}
 
 static void q8_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
                       const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
-    const long G = K2 / half;
-#pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
-        /* a step's 16 lanes take groups 0,0,1,1,..,7,7 (NVFP4) or 0,0,0,0,..,3,3,3,3 (MXFP4) of its scales */
-        const __m512i spread = half == 8 ? _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)
-                                         : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        const uint8_t *row = p + n * K2, *srow = s + n * s_stride;
-        float sc[Q8_ROW_GROUPS + 16];  /* the row's scales, decoded 16 at a time before the steps */
-        int whole = G <= Q8_ROW_GROUPS;
-        if (whole)
-            for (long g = 0; g < G; g += 16) {
-                __m128i b = G - g >= 16 ? _mm_loadu_si128((const __m128i *)(srow + g)) : _mm_setzero_si128();
-                if (G - g < 16)
-                    memcpy(&b, srow + g, (size_t)(G - g));
-                _mm512_storeu_ps(sc + g, scales16(b, e8m0));
-            }
-        __m512 acc = _mm512_setzero_ps();
-        for (long c = 0; c < K2; c += 64) {
-            __m512i b = _mm512_loadu_si512(row + c);
-            __m512i wl = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low4));
-            __m512i wh = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4));
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(qe + c));
-            d = _mm512_dpbusd_epi32(d, wh, _mm512_loadu_si512(qo + c));
-            d = _mm512_sub_epi32(d, _mm512_loadu_si512(corr + c / 4));
-            __m512 ws = whole ? _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(sc + c / half)))
-                              : scales16(step_scales(srow + c / half, half), e8m0);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_loadu_ps(xs_lane + c / 4)), acc);
-        }
-        y[n] = _mm512_reduce_add_ps(acc);
-    }
+#pragma omp parallel
+    q8_nmajor_team(p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
 }
 
 /* k-major (re-laid down, [K2, N] bytes, scales [K2 / half, N]): y[n] = column n . x. Each thread a run of scale
  * groups; per group, 4 rows at a time are interleaved into int32 lanes of (r0, r1, r2, r3) bytes per output (in a
  * fixed permutation of each 64 outputs, undone once at the end) and summed by vpdpbusd; the group's int32 sums
  * are then scaled into the thread's fp32 sums (all N in L1), added across threads at the end. N a multiple of 64. */
-static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
-                     const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
-    int T = omp_get_max_threads();
-    long need = 2L * T * N;
-    if (need > rows_cap) {
-        free(rows_buf);
-        rows_buf = aligned_alloc(64, (size_t)need * sizeof(float));
-        rows_cap = rows_buf ? need : 0;
-        if (!rows_buf)
-            return 0;
-    }
-    float *buf = rows_buf;
+static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
+                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float factor, float *y) {
     long G = K2 / half;
-    int used = T;
-#pragma omp parallel num_threads(T)
+    const int used = omp_get_num_threads();
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp single
-        used = nt;
+        int t = omp_get_thread_num(), nt = used;
         float *acc = buf + 2L * t * N;
         const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
         /* scale bytes of a 64-output chunk into the 4 vectors' output order */
@@ -561,6 +606,10 @@ static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const in
                 __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
                 for (long k = k0; k < k0 + half; k += 4) {
                     const uint8_t *r = p + k * N + n0;
+                    prefetch(r + PF_KROW);
+                    prefetch(r + N + PF_KROW);
+                    prefetch(r + 2 * N + PF_KROW);
+                    prefetch(r + 3 * N + PF_KROW);
                     __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + N);
                     __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
                     __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
@@ -586,24 +635,70 @@ static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const in
                     __m512 sv = _mm512_mul_ps(scales16(_mm512_extracti32x4_epi32(sb, 0), e8m0), xs);
                     sb = _mm512_alignr_epi32(sb, sb, 4);
                     float *a = acc + n0 + 16 * i;
-                    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dv[i], cv)), sv, _mm512_loadu_ps(a)));
+                    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dv[i], cv)), sv, _mm512_loadu_ps(a)));
                 }
             }
         }
     }
-#pragma omp parallel for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64) {  /* the threads' sums added, and put in output order */
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += 64) {  /* the threads' sums added (times factor), and put in output order */
         float sum[64];
         for (int m = 0; m < 64; m += 16) {
             __m512 v = _mm512_loadu_ps(buf + n0 + m);
             for (int t = 1; t < used; t++)
                 v = _mm512_add_ps(v, _mm512_loadu_ps(buf + 2L * t * N + n0 + m));
-            _mm512_storeu_ps(sum + m, v);
+            _mm512_storeu_ps(sum + m, factor == 1.0f ? v : _mm512_mul_ps(v, _mm512_set1_ps(factor)));
         }
         for (int i = 0; i < 4; i++)
             for (int b = 0; b < 4; b++)
                 for (int j = 0; j < 4; j++)
                     y[n0 + 16 * b + 4 * i + j] = sum[16 * i + 4 * b + j];
+    }
+}
+
+static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
+                     const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
+    int T = omp_get_max_threads();
+    float *buf = team_buf(T, N);
+    if (!buf)
+        return 0;
+#pragma omp parallel num_threads(T)
+    q8_kmajor_team(buf, p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, 1.0f, y);
+    return 1;
+}
+
+/* a ReLU^2 expert with int8 activations in one parallel region (sluice_fp4_relu2_expert_q8 where every step fits):
+ * x quantized by group, up, relu(up_s2 * h)^2, quantized by group, down, times down_s2; barriers between the steps */
+static int relu2_expert_q8_fused(const uint8_t *up, const uint8_t *up_s, long up_s_stride, float up_s2, const uint8_t *down,
+                                 const uint8_t *down_s, long down_s_stride, float down_s2, const float *xe, const float *xo,
+                                 long Dx, long I, int half, int e8m0, float *h, float *he, float *ho, float *y, int8_t *q,
+                                 float *xs, int32_t *c) {
+    const long M = (Dx > I ? Dx : I) / 2, K2u = Dx / 2, K2d = I / 2;
+    if (K2u % 64 || Dx % 64 || K2u % half || K2d % half || half % 4)
+        return 0;
+    int T = omp_get_max_threads();
+    float *buf = team_buf(T, Dx);
+    if (!buf)
+        return 0;
+#pragma omp parallel num_threads(T)
+    {
+#pragma omp for schedule(static)
+        for (long g0 = 0; g0 < K2u; g0 += half)
+            q8_group(xe, xo, g0, half, q, q + M, xs, c);
+        q8_nmajor_team(up, up_s, up_s_stride, q, q + M, xs, c, I, K2u, half, e8m0, h);
+#pragma omp for schedule(static)
+        for (long g0 = 0; g0 < K2d; g0 += half) {  /* h's group: the activation, then its quantization */
+            for (long i = g0; i < g0 + half; i++) {
+                float a = h[2 * i] * up_s2, b = h[2 * i + 1] * up_s2;
+                a = a > 0.0f || a != a ? a : 0.0f;
+                b = b > 0.0f || b != b ? b : 0.0f;
+                he[i] = a * a;
+                ho[i] = b * b;
+            }
+            q8_group(he, ho, g0, half, q, q + M, xs, c);
+        }
+        q8_kmajor_team(buf, down, down_s, down_s_stride, q, q + M, xs, c, Dx, K2d, half, e8m0, down_s2, y);
     }
     return 1;
 }
@@ -634,6 +729,12 @@ void sluice_fp4_relu2_expert_q8(const uint8_t *up, const uint8_t *up_s, long up_
                                 const float *xe, const float *xo, long Dx, long I, int half, int e8m0,
                                 float *h, float *he, float *ho, float *y, int8_t *q, float *xs, int32_t *c) {
     long M = (Dx > I ? Dx : I) / 2;
+    init_scales();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (relu2_expert_q8_fused(up, up_s, up_s_stride, up_s2, down, down_s, down_s_stride, down_s2, xe, xo, Dx, I, half, e8m0, h, he,
+                              ho, y, q, xs, c))
+        return;
+#endif
     if (!sluice_q8_prep(xe, xo, Dx / 2, half, q, q + M, xs, c) ||
         !sluice_fp4_q8(up, up_s, up_s_stride, q, q + M, xs, c, I, Dx / 2, half, e8m0, 0, h))
         sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, h);
@@ -671,6 +772,7 @@ void sluice_bf16_nmajor(const uint16_t *w, const float *x, long N, long K, float
 #ifdef __AVX512F__
         __m512 a0 = _mm512_setzero_ps(), a1 = a0;
         for (; k + 32 <= K; k += 32) {
+            prefetch((const char *)(row + k) + PF_ROW);
             a0 = _mm512_fmadd_ps(bf16x16(row + k), _mm512_loadu_ps(x + k), a0);
             a1 = _mm512_fmadd_ps(bf16x16(row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
         }
@@ -694,6 +796,8 @@ void sluice_bf16_kmajor(const uint16_t *w, const float *x, long N, long K, float
             __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
             for (long k = 0; k < K; k++) {
                 const uint16_t *r = w + k * N + n0;
+                prefetch(r + PF_KSTEP * N);
+                prefetch(r + PF_KSTEP * N + 32);
                 const __m512 xk = _mm512_set1_ps(x[k]);
                 p0 = _mm512_fmadd_ps(bf16x16(r), xk, p0);
                 p1 = _mm512_fmadd_ps(bf16x16(r + 16), xk, p1);

@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -25,6 +26,29 @@ from sluice.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, WeightFormat
 
 
 _NATIVE: list = []  # [ctypes library or None], once tried
+_TLS = threading.local()  # per calling thread: the OpenMP thread count it last set, and reused scratch buffers
+
+
+def set_threads(lib, threads: int) -> None:
+    """The calling thread's OpenMP thread count for the native kernels (0: torch's), set only when it changes."""
+    n = threads or torch.get_num_threads()
+    if getattr(_TLS, "threads", None) != n:
+        lib.sluice_set_threads(n)
+        _TLS.threads = n
+
+
+def scratch(key: tuple, make) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """The calling thread's buffers for `key`, made once by `make()` and reused by every later call with the
+    same key (a one-call expert's temporaries: their allocations cost more than a small expert's arithmetic on
+    16 cores); returns (tensors, their addresses)."""
+    bufs = getattr(_TLS, "bufs", None)
+    if bufs is None:
+        bufs = _TLS.bufs = {}
+    got = bufs.get(key)
+    if got is None:
+        ts = make()
+        got = bufs[key] = (ts, [t.data_ptr() for t in ts])
+    return got
 
 
 def native_kernels():
@@ -96,7 +120,7 @@ def fp4_matvec_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.
     n = p.shape[0] if not kmajor else p.shape[1]
     k2 = p.shape[1] if not kmajor else p.shape[0]
     y = torch.empty(n, dtype=torch.float32)
-    lib.sluice_set_threads(threads or torch.get_num_threads())
+    set_threads(lib, threads)
     fn = lib.sluice_fp4_kmajor if kmajor else lib.sluice_fp4_nmajor
     fn(p.data_ptr(), s.data_ptr(), s.stride(0), xe.data_ptr(), xo.data_ptr(), n, k2, group // 2, int(e8m0), y.data_ptr())
     return y
@@ -105,7 +129,8 @@ def fp4_matvec_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: torch.
 class Q8:
     """x's even and odd elements quantized to int8 per FP4 scale group (`half` bytes of the row: 16 or 32 inputs) for
     kernels/cpu_native.c's int8 path (AVX-512 VNNI): qe, qo [K2] int8, xs [K2/4] (each 4-byte quad's group scale / 2),
-    corr [K2/4] int32 (12 * the quad's sum of qe + qo, which the kernels' offset table adds)."""
+    corr [K2/4] int32 (-12 * the quad's sum of qe + qo: the kernels' sums start from it, taking back the offset of
+    their table)."""
 
     def __init__(self, lib, xe: torch.Tensor, xo: torch.Tensor, half: int):
         k2 = xe.numel()
@@ -125,7 +150,7 @@ def fp4_matvec_q8_native(lib, packed: torch.Tensor, scale: torch.Tensor, xe: tor
     p, s = packed.contiguous(), scale.contiguous()
     n, k2 = (p.shape[1], p.shape[0]) if kmajor else (p.shape[0], p.shape[1])
     y = torch.empty(n, dtype=torch.float32)
-    lib.sluice_set_threads(threads or torch.get_num_threads())
+    set_threads(lib, threads)
     q = Q8(lib, xe.contiguous(), xo.contiguous(), group // 2)
     ran = q.ok and lib.sluice_fp4_q8(p.data_ptr(), s.data_ptr(), s.stride(0), *q.args(), n, k2, group // 2, int(e8m0), int(kmajor), y.data_ptr())
     return y if ran else None
@@ -140,7 +165,7 @@ def fp8_matvec_native(lib, w: torch.Tensor, scale: torch.Tensor | None, x: torch
     y = torch.empty(n, dtype=torch.float32)
     e8m0 = scale is not None and scale.dtype == torch.float8_e8m0fnu
     s = None if scale is None else (scale.view(torch.uint8) if e8m0 else scale.float()).contiguous()
-    lib.sluice_set_threads(threads or torch.get_num_threads())
+    set_threads(lib, threads)
     fn = lib.sluice_fp8_kmajor if kmajor else lib.sluice_fp8_nmajor
     fn(w.data_ptr(), s.data_ptr() if s is not None else None, s.stride(0) if s is not None else 0, block, int(e8m0),
        x.contiguous().data_ptr(), n, k, y.data_ptr())
@@ -153,7 +178,7 @@ def bf16_matvec_native(lib, w: torch.Tensor, x: torch.Tensor, kmajor: bool, thre
     w = w.contiguous()
     n, k = (w.shape[1], w.shape[0]) if kmajor else (w.shape[0], w.shape[1])
     y = torch.empty(n, dtype=torch.float32)
-    lib.sluice_set_threads(threads or torch.get_num_threads())
+    set_threads(lib, threads)
     (lib.sluice_bf16_kmajor if kmajor else lib.sluice_bf16_nmajor)(w.data_ptr(), x.contiguous().data_ptr(), n, k, y.data_ptr())
     return y
 
@@ -185,8 +210,18 @@ class Fp4Call:
     def inputs(self, block: torch.Tensor, x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """A native call's inputs: the block's address and x's even and odd elements; sets the threads."""
         assert block.is_contiguous() and block.dtype == torch.uint8
-        self.lib.sluice_set_threads(self.threads or torch.get_num_threads())
+        set_threads(self.lib, self.threads)
         return block.data_ptr(), x[0::2].contiguous(), x[1::2].contiguous()
+
+    def expert_inputs(self, block: torch.Tensor, x: torch.Tensor, sizes: tuple[tuple[int, torch.dtype], ...]) -> tuple[int, int, int, list[int]]:
+        """A one-call expert's inputs (this projection takes x): the block's address, x's even and odd elements'
+        addresses, and scratch buffers of `sizes` ((numel, dtype) each), all in the calling thread's reused buffers."""
+        assert block.is_contiguous() and block.dtype == torch.uint8
+        set_threads(self.lib, self.threads)
+        k2 = self.k2
+        (xeo, *_), ptrs = scratch((id(self), k2, sizes), lambda: (torch.empty(2, k2), *(torch.empty(n, dtype=d) for n, d in sizes)))
+        xeo.copy_(x.view(k2, 2).t())
+        return block.data_ptr(), ptrs[0], ptrs[0] + 4 * k2, ptrs[1:]
 
     def __call__(self, block: torch.Tensor, x: torch.Tensor, int8: bool = False) -> torch.Tensor:
         base, xe, xo = self.inputs(block, x)
@@ -204,43 +239,40 @@ class Fp4Call:
 
 def relu2_expert_q8(up: Fp4Call, down: Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """relu2_expert with int8 activations (x and relu(up)^2 rounded per scale group, `Q8`): one native call."""
-    base, xe, xo = up.inputs(block, x)
     I, Dx = up.n, down.n
     M = max(Dx, I) // 2
     f32 = torch.float32
-    h, he, ho, y = torch.empty(I, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(Dx, dtype=f32)
-    q, xs, c = torch.empty(2 * M, dtype=torch.int8), torch.empty(M // 4 + 1, dtype=f32), torch.empty(M // 4 + 1, dtype=torch.int32)
+    base, xe, xo, (h, he, ho, q, xs, c) = up.expert_inputs(block, x, ((I, f32), (I // 2, f32), (I // 2, f32), (2 * M, torch.int8),
+                                                                   (M // 4 + 1, f32), (M // 4 + 1, torch.int32)))
+    y = torch.empty(Dx, dtype=f32)
     up.lib.sluice_fp4_relu2_expert_q8(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off,
-                                      base + down.s_off, down.s_stride, down.factor(base), xe.data_ptr(), xo.data_ptr(), Dx, I,
-                                      up.half, up.e8m0, h.data_ptr(), he.data_ptr(), ho.data_ptr(), y.data_ptr(), q.data_ptr(),
-                                      xs.data_ptr(), c.data_ptr())
+                                      base + down.s_off, down.s_stride, down.factor(base), xe, xo, Dx, I, up.half, up.e8m0, h, he, ho,
+                                      y.data_ptr(), q, xs, c)
     return y
 
 
 def swiglu_expert(gate: Fp4Call, up: Fp4Call, down: Fp4Call, block: torch.Tensor, x: torch.Tensor, int8: bool) -> torch.Tensor:
     """A SwiGLU FP4 expert with plain SiLU (gate, up, silu(g) * u, down) in one native call, int8 activations or not."""
-    base, xe, xo = up.inputs(block, x)
     I, Dx = up.n, down.n
     M = max(Dx, I) // 2
     f32 = torch.float32
-    g, u, he, ho, y = (torch.empty(n, dtype=f32) for n in (I, I, I // 2, I // 2, Dx))
-    q, xs, c = torch.empty(2 * M, dtype=torch.int8), torch.empty(M // 4 + 1, dtype=f32), torch.empty(M // 4 + 1, dtype=torch.int32)
+    base, xe, xo, (g, u, he, ho, q, xs, c) = up.expert_inputs(block, x, ((I, f32), (I, f32), (I // 2, f32), (I // 2, f32),
+                                                                      (2 * M, torch.int8), (M // 4 + 1, f32), (M // 4 + 1, torch.int32)))
+    y = torch.empty(Dx, dtype=f32)
     args = []
     for p in (gate, up, down):
         args += [base + p.w_off, base + p.s_off, p.s_stride, p.factor(base)]
-    up.lib.sluice_fp4_swiglu_expert(*args, xe.data_ptr(), xo.data_ptr(), Dx, I, up.half, up.e8m0, g.data_ptr(), u.data_ptr(),
-                                    he.data_ptr(), ho.data_ptr(), y.data_ptr(), q.data_ptr(), xs.data_ptr(), c.data_ptr(), int(int8))
+    up.lib.sluice_fp4_swiglu_expert(*args, xe, xo, Dx, I, up.half, up.e8m0, g, u, he, ho, y.data_ptr(), q, xs, c, int(int8))
     return y
 
 
 def relu2_expert(up: Fp4Call, down: Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A ReLU^2 FP4 expert in one native call (up, the activation, the re-laid down): the result of
     up -> relu^2 -> down through Fp4Call, with the GIL released for all of it."""
-    base, xe, xo = up.inputs(block, x)
     I, Dx = up.n, down.n
     f32 = torch.float32
-    h, he, ho, y = torch.empty(I, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(I // 2, dtype=f32), torch.empty(Dx, dtype=f32)
+    base, xe, xo, (h, he, ho) = up.expert_inputs(block, x, ((I, f32), (I // 2, f32), (I // 2, f32)))
+    y = torch.empty(Dx, dtype=f32)
     up.lib.sluice_fp4_relu2_expert(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off, base + down.s_off,
-                                   down.s_stride, down.factor(base), xe.data_ptr(), xo.data_ptr(), Dx, I, up.half, up.e8m0,
-                                   h.data_ptr(), he.data_ptr(), ho.data_ptr(), y.data_ptr())
+                                   down.s_stride, down.factor(base), xe, xo, Dx, I, up.half, up.e8m0, h, he, ho, y.data_ptr())
     return y

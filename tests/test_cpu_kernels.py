@@ -210,7 +210,8 @@ def test_int8_fp4_kernels(kmajor, e8m0, N, K2):
 @pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("relu2", "mxfp4"), ("swiglu", "nvfp4")])
 def test_int8_cpu_experts(kind, fmt):
     """A whole expert with int8 activations (the ReLU^2 one in one native call: x and relu(up)^2 each rounded per
-    scale group) stays within ~2% of the reference, and differs from the fp32 path's result."""
+    scale group) stays within ~2% of the reference, and differs from the fp32 path's result; the ReLU^2 one call
+    gives its steps' result bit for bit."""
     _q8_lib()
     Dx, I = 128, 256
     bank, offs, manifest, dense = make_bank(kind, fmt, 2, Dx, I, seed=5)
@@ -218,6 +219,7 @@ def test_int8_cpu_experts(kind, fmt):
     fused = "relu2" if kind == "relu2" else "silu"
     q8 = CpuExperts(manifest, kind, act, compiled=False, act_name=fused, int8=True)
     fp32 = CpuExperts(manifest, kind, act, compiled=False, act_name=fused)
+    steps = CpuExperts(manifest, kind, act, compiled=False, int8=True)  # projection by projection, the activation in torch
     assert q8.int8 and q8.fused == fp32.fused == (kind == "relu2") and q8.fused_swiglu == fp32.fused_swiglu == (kind == "swiglu")
     for a in range(2):
         block = bank[int(offs[a]) : int(offs[a]) + manifest.block_bytes]
@@ -227,3 +229,5 @@ def test_int8_cpu_experts(kind, fmt):
         err = float((got.double() - ref).norm() / ref.norm())
         assert 1e-4 < err < 2e-2, f"{kind}/{fmt}: relative error {err:.2e}"
         assert float((full.double() - ref).norm() / ref.norm()) < 1e-5
+        if kind == "relu2":  # the one call (one parallel region) is the same arithmetic as its steps
+            assert torch.equal(got, steps.run(block, x))
