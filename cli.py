@@ -138,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--sweep", action="store_true", help="time each kernel over tile configurations instead")
     bk.add_argument("--only", nargs="*", help="with --sweep: just these kernels (matvec-up, matvec-up-words-gather, matvec-up-words, "
                     "matvec-up-f16x2, down-relaid, down-relaid-f16x2, prefill-up)")
+    bk.add_argument("--prefill-rows", type=int, default=32, help="with --sweep: rows per expert of the prefill GEMM")
+    bk.add_argument("--prefill-experts", type=int, default=64, help="with --sweep: experts in one prefill GEMM launch "
+                    "(the direct schedule's prompt steps launch `prompt_group` at a time)")
     bk.add_argument("--mixed", metavar="R", type=int, nargs="*",
                     help="time a direct decode step's ReLU^2 expert kernels with R of the experts read from host memory "
                          "(e.g. --mixed 0 1 2 4), with and without the host alignment hint, against the PCIe floor")
@@ -520,7 +523,8 @@ def cmd_bench_kernels(args) -> int:
         raise SluiceError("bench kernels needs a CUDA GPU")
     kbench.TIMING = "launch" if args.launch_timing else "graph"
     if args.sweep:
-        for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), only=tuple(args.only or ())):
+        for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), only=tuple(args.only or ()),
+                          prefill_rows=args.prefill_rows, prefill_experts=args.prefill_experts):
             print(line, flush=True)
         return 0
     if args.mixed is not None:

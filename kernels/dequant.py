@@ -331,14 +331,36 @@ def group_scale(sp, idx, mask, FMT: tl.constexpr):
 
 
 @triton.jit
-def load_fp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB, FMT: tl.constexpr, SG: tl.constexpr):
-    """FP4 tile: bytes W[n, kb] (kb [BKB] byte columns; byte j holds elements 2j (low) and 2j+1 (high)).
+def repeat_cols(s, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """s [R, G] -> [R, G * W]: each column repeated W times (a tile's group scales, one per element)."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], [R, G, W]), [R, G * W])
 
-    Returns (lo, hi) fp32 [BN, BKB], each scaled by its group's scale (group = j // (SG / 2)).
+
+@triton.jit
+def repeat_rows(s, G: tl.constexpr, W: tl.constexpr, C: tl.constexpr):
+    """s [G, C] -> [G * W, C]: each row repeated W times."""
+    return tl.reshape(tl.broadcast_to(s[:, None, :], [G, W, C]), [G * W, C])
+
+
+@triton.jit
+def load_fp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, k0, N, KB, FMT: tl.constexpr, SG: tl.constexpr, BN: tl.constexpr,
+                  BKB: tl.constexpr):
+    """FP4 tile: bytes W[n, k0 : k0 + BKB] (byte j holds elements 2j (low) and 2j+1 (high)); n [BN] rows.
+
+    Returns (lo, hi) fp32 [BN, BKB], each scaled by its group's scale (group = j // (SG / 2)). Where the tile holds
+    whole groups, their scales load once per group (not once per byte) and E2M1_UNSCALE goes into them.
     NVFP4's second-level scale is left to the caller."""
+    kb = k0 + tl.arange(0, BKB)
     mask = (n[:, None] < N) & (kb[None, :] < KB)
     b = tl.load((base + W_OFF) + n[:, None] * KB + kb[None, :], mask=mask, other=0).to(tl.int32)
-    s = group_scale(base + S_OFF, n[:, None] * S_STRIDE + kb[None, :] // (SG // 2), mask, FMT)
+    HG: tl.constexpr = SG // 2  # bytes per scale group
+    if BKB % HG == 0:
+        G: tl.constexpr = BKB // HG
+        g = k0 // HG + tl.arange(0, G)
+        sg = group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], (n[:, None] < N) & (g[None, :] < KB // HG), FMT)
+        s = repeat_cols(sg * E2M1_UNSCALE, BN, G, HG)
+        return e2m1_scaled(b & 15) * s, e2m1_scaled(b >> 4) * s
+    s = group_scale(base + S_OFF, n[:, None] * S_STRIDE + kb[None, :] // HG, mask, FMT)
     return e2m1_to_f32(b & 15) * s, e2m1_to_f32(b >> 4) * s
 
 

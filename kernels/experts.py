@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from sluice.kernels.decode import ACTS, FP4_WORDS, down_relaid, matvec
+from sluice.kernels.dequant import SCALE_GROUPS
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
 from sluice.pipeline.graphs import shared_pool
@@ -56,7 +57,11 @@ class TritonExperts:
                 y[flat_rows] = self._decode(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             return
         h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
-        bm = BM if max(counts) > 16 else 16  # short prompts: do not pad every expert to 64 rows
+        most = max(counts)
+        if L["up"].fmt in SCALE_GROUPS:  # FP4: 32-row tiles up to 48 rows an expert (the H200 sweep), then 64
+            bm = 16 if most <= 16 else 32 if most <= 48 else 64
+        else:
+            bm = BM if most > 16 else 16  # short prompts: do not pad every expert to 64 rows
         items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)
         xrows = flat_rows // K
         if self.kind == "relu2":

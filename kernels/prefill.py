@@ -21,14 +21,15 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.decode import EPILOGUES, PLAIN, SWIGLU, TL_DTYPES, WEIGHTED, _act, _biased, _glu
-from sluice.kernels.dequant import DENSE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, block_scale, e2m1_to_f32, group_scale, load_fp4_tile, load_tile, tensor_scale
+from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, SCALE_GROUPS, block_scale, e2m1_scaled,
+                                    e2m1_to_f32, group_scale, load_fp4_tile, load_tile, repeat_rows, tensor_scale)
 from sluice.kernels.layout import ProjLayout
 
 
 @triton.jit
 def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
               FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, SG: tl.constexpr, KMAJOR: tl.constexpr,
-              DOT_DT: tl.constexpr, IEEE: tl.constexpr, BK: tl.constexpr):
+              DOT_DT: tl.constexpr, IEEE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """acc [BM, BN] += x[xr, :] @ W[n, :]^T over all of K (per-tensor scales excluded)."""
     nm = n < N
     if FMT == NVFP4 or FMT == MXFP4:
@@ -40,11 +41,20 @@ def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
             xo = tl.load(xp + xr[:, None] + 2 * kb[None, :] + 1, mask=mm[:, None] & km[None, :], other=0.0).to(DOT_DT)
             if KMAJOR:  # bytes [K/2, N]; scales [K/SG, N]
                 b = tl.load(base + W_OFF + kb[:, None] * N + n[None, :], mask=km[:, None] & nm[None, :], other=0).to(tl.int32)
-                s = group_scale(base + S_OFF, (kb[:, None] // (SG // 2)) * S_STRIDE + n[None, :], km[:, None] & nm[None, :], FMT)
-                lo = e2m1_to_f32(b & 15) * s
-                hi = e2m1_to_f32(b >> 4) * s
+                HG: tl.constexpr = SG // 2  # bytes per scale group
+                if (BK // 2) % HG == 0:  # whole groups: each group's scales load once
+                    G: tl.constexpr = BK // 2 // HG
+                    g = k0 // HG + tl.arange(0, G)
+                    sg = group_scale(base + S_OFF, g[:, None] * S_STRIDE + n[None, :], (g < KB // HG)[:, None] & nm[None, :], FMT)
+                    s = repeat_rows(sg * E2M1_UNSCALE, G, HG, BN)
+                    lo = e2m1_scaled(b & 15) * s
+                    hi = e2m1_scaled(b >> 4) * s
+                else:
+                    s = group_scale(base + S_OFF, (kb[:, None] // HG) * S_STRIDE + n[None, :], km[:, None] & nm[None, :], FMT)
+                    lo = e2m1_to_f32(b & 15) * s
+                    hi = e2m1_to_f32(b >> 4) * s
             else:
-                lo_t, hi_t = load_fp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, kb, N, KB, FMT, SG)
+                lo_t, hi_t = load_fp4_tile(base, W_OFF, S_OFF, S_STRIDE, n, k0, N, KB, FMT, SG, BN, BK // 2)
                 lo = tl.trans(lo_t)
                 hi = tl.trans(hi_t)
             if IEEE:
@@ -95,7 +105,7 @@ def _grouped_gemm_kernel(
     nm = n < N
     base = bank + tl.multiple_of(tl.load(offs + a), 16)  # blocks start 4 KiB-aligned in every bank
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc = _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, SG, KMAJOR, DOT_DT, IEEE, BK)
+    acc = _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, SG, KMAJOR, DOT_DT, IEEE, BN, BK)
     if FMT == FP8_ROW:
         if KMAJOR:  # row-major tiles applied the per-row scale already
             acc = acc * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
@@ -109,7 +119,7 @@ def _grouped_gemm_kernel(
     else:
         if EPI == SWIGLU:
             g = tl.zeros([BM, BN], dtype=tl.float32)
-            g = _tile_dot(g, base, G_W_OFF, G_S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, SG, KMAJOR, DOT_DT, IEEE, BK)
+            g = _tile_dot(g, base, G_W_OFF, G_S_OFF, S_STRIDE, x, xr, mm, n, N, K, FMT, WDT, BLOCK, SG, KMAJOR, DOT_DT, IEEE, BN, BK)
             g = g * tensor_scale(base, G_S_OFF, G_S2_OFF, FMT, S2_INV)
             g = _biased(g.to(X_DT).to(tl.float32), base, G_B_OFF, n[None, :], N, HAS_BIAS, BDT, X_DT)
             h = _glu(g, acc, ACT, X_DT, ALPHA, LIMIT)
@@ -133,8 +143,12 @@ def tile_items(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
 def grouped_gemm(bank: torch.Tensor, offs: torch.Tensor, x: torch.Tensor, xrows: torch.Tensor, items: torch.Tensor,
                  layout: ProjLayout, epilogue: str, x_dtype: torch.dtype, out: torch.Tensor, gate: ProjLayout | None = None,
                  act: int = 0, orows: torch.Tensor | None = None, wts: torch.Tensor | None = None,
-                 act_args: tuple[float, float] = (0.0, 0.0), bm: int = 16, bn: int = 64, bk: int = 64, num_warps: int = 4) -> torch.Tensor:
-    """Launch over `items` (int32 [n, 3], device) built by `tile_items` with the same bm."""
+                 act_args: tuple[float, float] = (0.0, 0.0), bm: int = 16, bn: int = 0, bk: int = 0, num_warps: int = 0) -> torch.Tensor:
+    """Launch over `items` (int32 [n, 3], device) built by `tile_items` with the same bm. bn, bk, num_warps 0: by format,
+    FP4 128 x 128 with 8 warps (its tiles' decoding is the cost: wider ones share it across more of the dot), else
+    64 x 64 with 4 (the H200 sweeps in BENCHMARKS.md)."""
+    fp4 = layout.fmt in SCALE_GROUPS
+    bn, bk, num_warps = bn or (128 if fp4 else 64), bk or (128 if fp4 else 64), num_warps or (8 if fp4 else 4)
     g = gate or layout
     dot_dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
     dummy = offs
