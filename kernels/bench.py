@@ -326,7 +326,8 @@ def format_table(ceil: dict, rows: list[Row]) -> str:
 
 def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None = None, compiled: bool = True,
               experts: int = 32, int8: bool = False, min_bytes: int = 768 << 20) -> tuple[float, list[Row]]:
-    """The CPU expert kernels (kernels/cpu.py), one token through one expert at a time, cycling over
+    """The CPU expert kernels (kernels/cpu.py), one token through one expert at a time (and, for experts that run whole in
+    one native call, a layer's top-k of them per call: the "cpu layer" rows, microseconds per expert), cycling over
     `experts` distinct blocks, or more where they hold less than `min_bytes` (the GPU machine's CPU reports
     300 MiB of L3: the blocks must not fit), against the memory read rate measured
     now (a sum over 1 GiB with the same threads). With `int8`, FP4 experts also with int8 activations (a
@@ -367,4 +368,15 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
                 gbps = nbytes / dt / 1e9
                 rows.append(Row(f"cpu expert ({kind}{', int8' if q8 else ''})", shape, fmt, nbytes / 1e6, dt * 1e6, gbps, "RAM read",
                                 100 * gbps / read))
+                if cpu.plan is not None:  # a layer's A experts on one token in one call (the hybrid path's one-token steps)
+                    A = SHAPES[shape][3]
+                    dt = float("inf")
+                    for _ in range(3):
+                        t = time.perf_counter()
+                        for i in range(0, n - A + 1, A):
+                            cpu.run_many(blocks[i : i + A], x)
+                        dt = min(dt, (time.perf_counter() - t) / (n // A * A))
+                    gbps = nbytes / dt / 1e9
+                    rows.append(Row(f"cpu layer ({kind}{', int8' if q8 else ''}) x{A}", shape, fmt, nbytes / 1e6, dt * 1e6, gbps,
+                                    "RAM read", 100 * gbps / read))
     return read, rows

@@ -23,8 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels.cpu_native import (Fp4Call, bf16_matvec_native, fp4_matvec_native, fp8_matvec_native, native_kernels,
-                                       relu2_expert, relu2_expert_q8, swiglu_expert)
+from sluice.kernels.cpu_native import ExpertPlan, Fp4Call, bf16_matvec_native, fp4_matvec_native, fp8_matvec_native, native_kernels
 from sluice.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, WeightFormat
 
 
@@ -190,6 +189,8 @@ class CpuExperts:
                              and gate.n == up.n == 2 * down.k2 and down.n == 2 * up.k2)
         # FP4 projections with activations rounded to int8 per scale group (AVX-512 VNNI): ~0.5% off each output
         self.int8 = bool(int8 and self.fp4 and lib.sluice_q8_available())
+        # a whole expert, or several of a layer for one token, in one native call
+        self.plan = ExpertPlan(lib, kind, up, down, gate, self.int8) if self.fused or self.fused_swiglu else None
 
     def _proj(self, block: torch.Tensor, proj: str, x: torch.Tensor) -> torch.Tensor:
         if proj in self.fp4:
@@ -198,12 +199,18 @@ class CpuExperts:
         return proj_matvec(t, self.formats[proj], self.kmajor[proj], x, self.compiled, self.native, self.threads)
 
     @torch.inference_mode()
+    def run_many(self, blocks: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Several experts (blocks of one layer) on one token: x [Dx] fp32 -> [len(blocks), Dx] fp32; one native call
+        where the experts run whole in C (`plan`)."""
+        if self.plan is not None:
+            return self.plan(blocks, x)
+        return torch.stack([self.run(b, x) for b in blocks])
+
+    @torch.inference_mode()
     def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [Dx] fp32 -> the expert's output [Dx] fp32."""
-        if self.fused:
-            return (relu2_expert_q8 if self.int8 else relu2_expert)(self.fp4["up"], self.fp4["down"], block, x)
-        if self.fused_swiglu:
-            return swiglu_expert(self.fp4["gate"], self.fp4["up"], self.fp4["down"], block, x, self.int8)
+        if self.plan is not None:
+            return self.plan([block], x)[0]
         if self.kind == "relu2":
             h = self.act(self._proj(block, "up", x))
         else:

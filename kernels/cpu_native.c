@@ -16,6 +16,7 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* E2M1 code -> value: a 16-entry table in L1 (arithmetic decodes compile to branches that random
@@ -535,8 +536,13 @@ static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, co
                 const long c1 = K2 - c0 < 4 * Q8_SEG ? K2 : c0 + 4 * Q8_SEG, q0 = c0 / 4, nq = (c1 - c0) / 4;
                 for (long i = 0; i < nq; i += 16 * per) {  /* 16 groups' scales a step */
                     const long g = (q0 + i) / per;
-                    __m128i b = _mm_setzero_si128();
-                    memcpy(&b, srow + g, (size_t)(G - g < 16 ? G - g : 16));
+                    __m128i b;  /* (a memcpy of a variable size here made the whole step twice as slow) */
+                    if (G - g >= 16)
+                        b = _mm_loadu_si128((const __m128i *)(srow + g));
+                    else {
+                        b = _mm_setzero_si128();
+                        memcpy(&b, srow + g, (size_t)(G - g));
+                    }
                     const __m512 v = scales16(b, e8m0);
                     for (int k = 0; k < per && i + 16 * k < nq; k++)
                         _mm512_store_ps(sc + i + 16 * k,
@@ -848,4 +854,81 @@ void sluice_fp4_swiglu_expert(const uint8_t *gate, const uint8_t *gate_s, long g
         sluice_fp4_nmajor(down, down_s, down_s_stride, he, ho, Dx, I / 2, half, e8m0, y);
     for (long n = 0; n < Dx; n++)
         y[n] *= down_s2;
+}
+
+/* ---- Experts by plan: one call for n experts of one layout (a layer's blocks) and one token, the work of
+ * kernels/cpu_native.py's Python side (x split into even and odd elements, scratch, the second-level scales read
+ * from each block) done here, so that a call costs a few microseconds of Python however many experts it takes.
+ * plan: int64 fields P_*, built once per store layout (cpu_native.py ExpertPlan); bases [n]: each block's address;
+ * x [Dx] fp32; y [n, Dx] fp32. Returns 0 (nothing done) for a plan it does not know. */
+enum {
+    P_KIND,  /* 0: ReLU^2 (up n-major, down re-laid k-major); 1: SwiGLU with plain SiLU (gate, up, down n-major) */
+    P_INT8,  /* activations rounded to int8 per scale group (AVX-512 VNNI; the fp32 kernels where it cannot run) */
+    P_DX, P_I, P_HALF, P_E8M0,
+    P_PROJ,  /* then per projection (up, down, gate): weight offset, scale offset, scale row stride, s2 offset (-1:
+              * none), s2 stored inverted */
+    P_LEN = P_PROJ + 3 * 5
+};
+
+static __thread float *plan_buf;
+static __thread long plan_cap;
+
+/* a projection's addresses in a block, and its second-level scale as the output's factor */
+static inline void plan_proj(const int64_t *plan, int j, const uint8_t *base, const uint8_t **w, const uint8_t **s, long *stride,
+                             float *s2) {
+    const int64_t *f = plan + P_PROJ + 5 * j;
+    *w = base + f[0];
+    *s = base + f[1];
+    *stride = (long)f[2];
+    *s2 = 1.0f;
+    if (f[3] >= 0) {
+        float v;
+        memcpy(&v, base + f[3], 4);
+        *s2 = f[4] ? 1.0f / v : v;
+    }
+}
+
+int sluice_experts(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y) {
+    const long Dx = (long)plan[P_DX], I = (long)plan[P_I], M = (Dx > I ? Dx : I) / 2;
+    const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0], int8 = (int)plan[P_INT8], kind = (int)plan[P_KIND];
+    if (kind != 0 && kind != 1)
+        return 0;
+    /* scratch, floats: xe, xo [Dx/2]; h or g [I]; u [I]; he, ho [I/2]; xs, c [M/4 + 1]; q [2M] int8 */
+    const long need = Dx + 2 * I + I + 2 * (M / 4 + 1) + (2 * M + 3) / 4 + 16;
+    if (need > plan_cap) {
+        free(plan_buf);
+        plan_buf = aligned_alloc(64, (size_t)((need + 15) / 16 * 16) * sizeof(float));
+        plan_cap = plan_buf ? need : 0;
+        if (!plan_buf)
+            return 0;
+    }
+    float *xe = plan_buf, *xo = xe + Dx / 2, *h = xo + Dx / 2, *u = h + I, *he = u + I, *ho = he + I / 2, *xs = ho + I / 2;
+    int32_t *c = (int32_t *)(xs + M / 4 + 1);
+    int8_t *q = (int8_t *)(c + M / 4 + 1);
+    for (long i = 0; i < Dx / 2; i++) {
+        xe[i] = x[2 * i];
+        xo[i] = x[2 * i + 1];
+    }
+    for (int e = 0; e < n; e++) {
+        const uint8_t *base = (const uint8_t *)(intptr_t)bases[e];
+        const uint8_t *uw, *us, *dw, *ds;
+        long ust, dst;
+        float us2, ds2;
+        plan_proj(plan, 0, base, &uw, &us, &ust, &us2);
+        plan_proj(plan, 1, base, &dw, &ds, &dst, &ds2);
+        float *ye = y + (long)e * Dx;
+        if (kind == 0 && int8)
+            sluice_fp4_relu2_expert_q8(uw, us, ust, us2, dw, ds, dst, ds2, xe, xo, Dx, I, half, e8m0, h, he, ho, ye, q, xs, c);
+        else if (kind == 0)
+            sluice_fp4_relu2_expert(uw, us, ust, us2, dw, ds, dst, ds2, xe, xo, Dx, I, half, e8m0, h, he, ho, ye);
+        else {
+            const uint8_t *gw, *gs;
+            long gst;
+            float gs2;
+            plan_proj(plan, 2, base, &gw, &gs, &gst, &gs2);
+            sluice_fp4_swiglu_expert(gw, gs, gst, gs2, uw, us, ust, us2, dw, ds, dst, ds2, xe, xo, Dx, I, half, e8m0, h, u, he, ho, ye,
+                                     q, xs, c, int8);
+        }
+    }
+    return 1;
 }

@@ -26,7 +26,7 @@ from sluice.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, WeightFormat
 
 
 _NATIVE: list = []  # [ctypes library or None], once tried
-_TLS = threading.local()  # per calling thread: the OpenMP thread count it last set, and reused scratch buffers
+_TLS = threading.local()  # per calling thread: the OpenMP thread count it last set
 
 
 def set_threads(lib, threads: int) -> None:
@@ -35,20 +35,6 @@ def set_threads(lib, threads: int) -> None:
     if getattr(_TLS, "threads", None) != n:
         lib.sluice_set_threads(n)
         _TLS.threads = n
-
-
-def scratch(key: tuple, make) -> tuple[tuple[torch.Tensor, ...], list[int]]:
-    """The calling thread's buffers for `key`, made once by `make()` and reused by every later call with the
-    same key (a one-call expert's temporaries: their allocations cost more than a small expert's arithmetic on
-    16 cores); returns (tensors, their addresses)."""
-    bufs = getattr(_TLS, "bufs", None)
-    if bufs is None:
-        bufs = _TLS.bufs = {}
-    got = bufs.get(key)
-    if got is None:
-        ts = make()
-        got = bufs[key] = (ts, [t.data_ptr() for t in ts])
-    return got
 
 
 def native_kernels():
@@ -86,24 +72,18 @@ def native_kernels():
                    ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
             for fn in (lib.sluice_fp8_nmajor, lib.sluice_fp8_kmajor):
                 fn.argtypes, fn.restype = fp8, None
-            ptr, long_, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-            lib.sluice_fp4_relu2_expert.argtypes = [ptr, ptr, long_, f32, ptr, ptr, long_, f32, ptr, ptr, long_, long_,
-                                                    ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr]
-            lib.sluice_fp4_relu2_expert.restype = None
-            lib.sluice_fp4_relu2_expert_q8.argtypes = lib.sluice_fp4_relu2_expert.argtypes + [ptr, ptr, ptr]
-            lib.sluice_fp4_relu2_expert_q8.restype = None
+            ptr, long_ = ctypes.c_void_p, ctypes.c_long
             lib.sluice_q8_prep.argtypes = [ptr, ptr, long_, ctypes.c_int, ptr, ptr, ptr, ptr]
             lib.sluice_q8_prep.restype = ctypes.c_int
             lib.sluice_fp4_q8.argtypes = [ptr, ptr, long_, ptr, ptr, ptr, ptr, long_, long_, ctypes.c_int, ctypes.c_int,
                                           ctypes.c_int, ptr]
             lib.sluice_fp4_q8.restype = ctypes.c_int
             lib.sluice_q8_available.restype = ctypes.c_int
-            proj = [ptr, ptr, long_, f32]
-            lib.sluice_fp4_swiglu_expert.argtypes = proj * 3 + [ptr, ptr, long_, long_, ctypes.c_int, ctypes.c_int] + [ptr] * 8 + [ctypes.c_int]
-            lib.sluice_fp4_swiglu_expert.restype = None
             for fn in (lib.sluice_bf16_nmajor, lib.sluice_bf16_kmajor):
                 fn.argtypes, fn.restype = [ptr, ptr, long_, long_, ptr], None
             lib.sluice_set_threads.argtypes = [ctypes.c_int]
+            lib.sluice_experts.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr]
+            lib.sluice_experts.restype = ctypes.c_int
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             get_logger().warning("CPU FP4/FP8 kernels: building the native path failed; using torch.compile's",
@@ -213,16 +193,6 @@ class Fp4Call:
         set_threads(self.lib, self.threads)
         return block.data_ptr(), x[0::2].contiguous(), x[1::2].contiguous()
 
-    def expert_inputs(self, block: torch.Tensor, x: torch.Tensor, sizes: tuple[tuple[int, torch.dtype], ...]) -> tuple[int, int, int, list[int]]:
-        """A one-call expert's inputs (this projection takes x): the block's address, x's even and odd elements'
-        addresses, and scratch buffers of `sizes` ((numel, dtype) each), all in the calling thread's reused buffers."""
-        assert block.is_contiguous() and block.dtype == torch.uint8
-        set_threads(self.lib, self.threads)
-        k2 = self.k2
-        (xeo, *_), ptrs = scratch((id(self), k2, sizes), lambda: (torch.empty(2, k2), *(torch.empty(n, dtype=d) for n, d in sizes)))
-        xeo.copy_(x.view(k2, 2).t())
-        return block.data_ptr(), ptrs[0], ptrs[0] + 4 * k2, ptrs[1:]
-
     def __call__(self, block: torch.Tensor, x: torch.Tensor, int8: bool = False) -> torch.Tensor:
         base, xe, xo = self.inputs(block, x)
         y = torch.empty(self.n, dtype=torch.float32)
@@ -237,42 +207,26 @@ class Fp4Call:
         return y
 
 
-def relu2_expert_q8(up: Fp4Call, down: Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """relu2_expert with int8 activations (x and relu(up)^2 rounded per scale group, `Q8`): one native call."""
-    I, Dx = up.n, down.n
-    M = max(Dx, I) // 2
-    f32 = torch.float32
-    base, xe, xo, (h, he, ho, q, xs, c) = up.expert_inputs(block, x, ((I, f32), (I // 2, f32), (I // 2, f32), (2 * M, torch.int8),
-                                                                   (M // 4 + 1, f32), (M // 4 + 1, torch.int32)))
-    y = torch.empty(Dx, dtype=f32)
-    up.lib.sluice_fp4_relu2_expert_q8(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off,
-                                      base + down.s_off, down.s_stride, down.factor(base), xe, xo, Dx, I, up.half, up.e8m0, h, he, ho,
-                                      y.data_ptr(), q, xs, c)
-    return y
+class ExpertPlan:
+    """A one-call FP4 expert: a ReLU^2 one (n-major up, re-laid down) or a SwiGLU one with plain SiLU (gate, up, down
+    n-major), fp32 or with int8 activations, described once as kernels/cpu_native.c's plan (fields P_*), so that
+    n blocks of the layout run for one token in one call (sluice_experts): x split, scratch and each block's
+    second-level scales are the C side's, and a call costs a few microseconds of Python."""
 
+    def __init__(self, lib, kind: str, up: Fp4Call, down: Fp4Call, gate: Fp4Call | None, int8: bool):
+        f = [0 if kind == "relu2" else 1, int(int8), down.n, up.n, up.half, up.e8m0]
+        for p in (up, down, gate):
+            f += [p.w_off, p.s_off, p.s_stride, p.s2_off, int(p.s2_inv)] if p is not None else [0, 0, 0, -1, 0]
+        self.plan = (ctypes.c_int64 * len(f))(*f)
+        self.lib, self.dx, self.threads = lib, down.n, up.threads
 
-def swiglu_expert(gate: Fp4Call, up: Fp4Call, down: Fp4Call, block: torch.Tensor, x: torch.Tensor, int8: bool) -> torch.Tensor:
-    """A SwiGLU FP4 expert with plain SiLU (gate, up, silu(g) * u, down) in one native call, int8 activations or not."""
-    I, Dx = up.n, down.n
-    M = max(Dx, I) // 2
-    f32 = torch.float32
-    base, xe, xo, (g, u, he, ho, q, xs, c) = up.expert_inputs(block, x, ((I, f32), (I, f32), (I // 2, f32), (I // 2, f32),
-                                                                      (2 * M, torch.int8), (M // 4 + 1, f32), (M // 4 + 1, torch.int32)))
-    y = torch.empty(Dx, dtype=f32)
-    args = []
-    for p in (gate, up, down):
-        args += [base + p.w_off, base + p.s_off, p.s_stride, p.factor(base)]
-    up.lib.sluice_fp4_swiglu_expert(*args, xe, xo, Dx, I, up.half, up.e8m0, g, u, he, ho, y.data_ptr(), q, xs, c, int(int8))
-    return y
-
-
-def relu2_expert(up: Fp4Call, down: Fp4Call, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A ReLU^2 FP4 expert in one native call (up, the activation, the re-laid down): the result of
-    up -> relu^2 -> down through Fp4Call, with the GIL released for all of it."""
-    I, Dx = up.n, down.n
-    f32 = torch.float32
-    base, xe, xo, (h, he, ho) = up.expert_inputs(block, x, ((I, f32), (I // 2, f32), (I // 2, f32)))
-    y = torch.empty(Dx, dtype=f32)
-    up.lib.sluice_fp4_relu2_expert(base + up.w_off, base + up.s_off, up.s_stride, up.factor(base), base + down.w_off, base + down.s_off,
-                                   down.s_stride, down.factor(base), xe, xo, Dx, I, up.half, up.e8m0, h, he, ho, y.data_ptr())
-    return y
+    def __call__(self, blocks: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """blocks: n uint8 block buffers (contiguous); x [Dx] fp32 -> [n, Dx] fp32."""
+        assert all(b.dtype == torch.uint8 and b.is_contiguous() for b in blocks)
+        set_threads(self.lib, self.threads)
+        n = len(blocks)
+        x = x.float().contiguous()
+        y = torch.empty(n, self.dx, dtype=torch.float32)
+        if not self.lib.sluice_experts(self.plan, n, (ctypes.c_int64 * n)(*[b.data_ptr() for b in blocks]), x.data_ptr(), y.data_ptr()):
+            raise RuntimeError("sluice_experts: a plan the native library does not know")
+        return y

@@ -146,18 +146,21 @@ class Compute(Stage):
         T, K = r.ids.shape
         y = torch.empty(T * K, r.xe.shape[1], dtype=li.block.combine_dtype, device=r.xe.device)
         w = r.weights.reshape(-1)
-        on_cpu: list[tuple[DeviceBlock, asyncio.Future]] = []
+        on_cpu: list[tuple[list[DeviceBlock], asyncio.Future]] = []
         xe_cpu = None
         async for batch in io.batches("device_blocks"):
-            for db in [db for db in batch if db.on_cpu]:
-                if xe_cpu is None:
-                    xe_cpu = r.xe.float().cpu()  # ready: route's sync came after it
-                tokens = (r.ids == db.expert).nonzero()[:, 0]  # ascending, as r.rows[expert]
-                fut = asyncio.get_running_loop().run_in_executor(self._cpu_pool(), self._cpu_block, li, db, xe_cpu[tokens])
-                # the RAM slot goes back as soon as the CPU is done with it: fetch may be waiting for a slot
+            cpu_dbs = [db for db in batch if db.on_cpu]
+            if cpu_dbs and xe_cpu is None:
+                xe_cpu = r.xe.float().cpu()  # ready: route's sync came after it
+            # one token: the batch's CPU blocks in one call; a prompt: each block on the tokens routed to it
+            groups = [cpu_dbs] if cpu_dbs and T == 1 else [[db] for db in cpu_dbs]
+            for dbs in groups:
+                x = xe_cpu if T == 1 else xe_cpu[(r.ids == dbs[0].expert).nonzero()[:, 0]]  # ascending, as r.rows[expert]
+                fut = asyncio.get_running_loop().run_in_executor(self._cpu_pool(), self._cpu_blocks, li, dbs, x)
+                # the RAM slots go back as soon as the CPU is done with them: fetch may be waiting for a slot
                 # to bring the layer's remaining blocks through a small cache
-                fut.add_done_callback(lambda f, db=db: db.release(None))
-                on_cpu.append((db, fut))
+                fut.add_done_callback(lambda f, dbs=dbs: [db.release(None) for db in dbs])
+                on_cpu.append((dbs, fut))
             batch = [db for db in batch if not db.on_cpu]
             if not batch:
                 continue
@@ -171,12 +174,13 @@ class Compute(Stage):
                 done = streams.record(self.stream)
             for db in batch:
                 db.release(done)
-        for db, fut in on_cpu:
-            out = await fut
-            self.rt.stats.cpu_blocks += 1
-            rows = r.rows[db.expert]
-            with streams.use(self.stream):
-                y[rows] = (out.to(y.device, non_blocking=True) * w[rows, None]).to(li.block.combine_dtype)
+        for dbs, fut in on_cpu:
+            outs = await fut
+            self.rt.stats.cpu_blocks += len(dbs)
+            for db, out in zip(dbs, outs):
+                rows = r.rows[db.expert]
+                with streams.use(self.stream):
+                    y[rows] = (out.to(y.device, non_blocking=True) * w[rows, None]).to(li.block.combine_dtype)
         return ExpertOutputs(y)
 
     def _cpu_pool(self) -> ThreadPoolExecutor:
@@ -188,8 +192,9 @@ class Compute(Stage):
             _short_gil_switch(+1)
         return self._pool
 
-    def _cpu_block(self, li: LayerInput, db: DeviceBlock, x: torch.Tensor) -> torch.Tensor:
-        """One expert on the CPU, from its RAM slot (a worker thread), token by token. x [n, Dx] fp32 -> [n, Dx] fp32."""
+    def _cpu_blocks(self, li: LayerInput, dbs: list[DeviceBlock], x: torch.Tensor) -> torch.Tensor:
+        """Experts on the CPU, from their RAM slots (a worker thread): x [n, Dx] fp32, the tokens routed to them (one
+        token for several blocks; several for one block, token by token) -> [blocks, n, Dx] fp32."""
         from sluice.kernels.cpu import CpuExperts
 
         block, rt = li.block, self.rt
@@ -201,11 +206,14 @@ class Compute(Stage):
             self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile, threads=threads,
                                         act_name=block.act_name, int8=self.knobs.cpu_int8)
         t = time.perf_counter()
-        block_view = db.bank.narrow(0, db.offset, rt.store.block_bytes)
-        out = torch.stack([self._cpu[key].run(block_view, row) for row in x])
+        views = [db.bank.narrow(0, db.offset, rt.store.block_bytes) for db in dbs]
+        if len(dbs) > 1:  # one token through every block
+            out = self._cpu[key].run_many(views, x[0])[:, None]
+        else:
+            out = torch.stack([self._cpu[key].run(views[0], row) for row in x])[None]
         if rt.device.type == "cuda":  # pinned: the copy to the GPU then waits for nothing queued before it
             out = out.pin_memory()
-        dt = (time.perf_counter() - t) / x.shape[0]  # seconds per block and token
+        dt = (time.perf_counter() - t) / (x.shape[0] * len(dbs))  # seconds per block and token
         if not first:  # the first call compiles the kernels: not a rate
             rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
         return out

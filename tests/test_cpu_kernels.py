@@ -231,3 +231,25 @@ def test_int8_cpu_experts(kind, fmt):
         assert float((full.double() - ref).norm() / ref.norm()) < 1e-5
         if kind == "relu2":  # the one call (one parallel region) is the same arithmetic as its steps
             assert torch.equal(got, steps.run(block, x))
+
+
+@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("relu2", "mxfp4"), ("swiglu", "nvfp4")])
+def test_run_many_is_run_block_by_block(kind, fmt):
+    """A layer's blocks on one token in one native call (CpuExperts.run_many: the hybrid path's one-token steps) give
+    each block's own run() bit for bit, in the order given, and match the reference."""
+    from sluice.kernels.cpu_native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler here: the native path is not built")
+    Dx, I = 128, 256
+    bank, offs, manifest, dense = make_bank(kind, fmt, 3, Dx, I, seed=7)
+    act = relu2 if kind == "relu2" else F.silu
+    cpu = CpuExperts(manifest, kind, act, compiled=False, act_name="relu2" if kind == "relu2" else "silu")
+    assert cpu.plan is not None
+    blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs][::-1]
+    x = torch.randn(Dx, generator=torch.Generator().manual_seed(3))
+    many = cpu.run_many(blocks, x)
+    assert many.shape == (3, Dx) and torch.equal(many, torch.stack([cpu.run(b, x) for b in blocks]))
+    for j, a in enumerate(reversed(range(3))):
+        ref = expert_ref(kind, x[None].double(), {k: v.double() for k, v in dense[a].items()}, act)[0]
+        assert float((many[j].double() - ref).norm() / ref.norm()) < 1e-5
