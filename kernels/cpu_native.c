@@ -515,6 +515,7 @@ static inline __m128i step_scales(const uint8_t *s, int half) {
  * is a load, two table lookups, two vpdpbusd seeded with the correction, a conversion and one FMA per 64 bytes. */
 #define Q8_SEG 1024
 
+/* q8_nmajor's work for the calling thread of a parallel region (its `omp for` splits the rows) */
 static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
                            const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
     const long G = K2 / half, per = half / 4;  /* per: quads of a scale group */
@@ -585,6 +586,8 @@ static void q8_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const i
  * groups; per group, 4 rows at a time are interleaved into int32 lanes of (r0, r1, r2, r3) bytes per output (in a
  * fixed permutation of each 64 outputs, undone once at the end) and summed by vpdpbusd; the group's int32 sums
  * are then scaled into the thread's fp32 sums (all N in L1), added across threads at the end. N a multiple of 64. */
+/* q8_kmajor's work for the calling thread of a parallel region: its run of groups into buf (sized by team_buf for the
+ * team), a barrier, then its share of the outputs summed over the team's threads, times factor */
 static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
                            const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float factor, float *y) {
     long G = K2 / half;
