@@ -136,8 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--live", type=float, default=0.25, help="fraction of live 16-neuron groups for zero-copy down")
     bk.add_argument("--json", type=Path, help="also write the rows as JSON")
     bk.add_argument("--sweep", action="store_true", help="time each kernel over tile configurations instead")
-    bk.add_argument("--only", nargs="*", help="with --sweep: just these kernels (matvec-up, matvec-up-words-gather, matvec-up-words, "
-                    "matvec-up-f16x2, down-relaid, down-relaid-f16x2, prefill-up)")
+    bk.add_argument("--only", nargs="*", choices=["matvec-up", "matvec-up-words-gather", "matvec-up-words", "matvec-up-f16x2",
+                                                  "down-relaid", "down-relaid-f16x2", "prefill-up"],
+                    help="with --sweep: just these kernels")
     bk.add_argument("--prefill-rows", type=int, default=32, help="with --sweep: rows per expert of the prefill GEMM")
     bk.add_argument("--prefill-experts", type=int, default=64, help="with --sweep: experts in one prefill GEMM launch "
                     "(the direct schedule's prompt steps launch `prompt_group` at a time)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from sluice.cli import main
 
 
@@ -72,3 +74,10 @@ def test_bench_cpu_one_table_per_thread_count(capsys):
     assert text.count("ceilings: RAM read") == 2 and "threads 1\n" in text and "threads 2\n" in text
     rows = [line for line in text.splitlines() if line.startswith("cpu expert (swiglu)")]
     assert len(rows) == 2 and all(float(r.split()[5]) > 0 for r in rows)
+
+
+def test_bench_kernels_sweep_names_its_kernels(capsys):
+    """A kernel name `bench kernels --sweep --only` does not know is refused by name, before any GPU is looked for."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kernels", "--sweep", "--only", "prefil-up"])
+    assert e.value.code == 2 and "invalid choice: 'prefil-up'" in capsys.readouterr().err
