@@ -420,6 +420,18 @@ void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
     }
 }
 
+/* he[i], ho[i] = relu(s2 * h[2i])^2, relu(s2 * h[2i+1])^2 for i in [i0, i1): a ReLU^2 expert's activation, split into the
+ * down projection's even and odd inputs (NaN stays NaN, as torch's relu keeps it) */
+static inline void relu2_pairs(const float *h, float s2, long i0, long i1, float *he, float *ho) {
+    for (long i = i0; i < i1; i++) {
+        float a = h[2 * i] * s2, b = h[2 * i + 1] * s2;
+        a = a > 0.0f || a != a ? a : 0.0f;
+        b = b > 0.0f || b != b ? b : 0.0f;
+        he[i] = a * a;
+        ho[i] = b * b;
+    }
+}
+
 /* A ReLU^2 expert in one call: FP4 `up` [I, Dx/2] n-major, FP4 `down` re-laid k-major [I/2, Dx];
  * y = down_s2 * down(relu(up_s2 * up(x))^2), the arithmetic of the two matvecs with the activation
  * between them in kernels/cpu.py, with the GIL released for the whole expert rather than taken back
@@ -429,13 +441,7 @@ void sluice_fp4_relu2_expert(const uint8_t *up, const uint8_t *up_s, long up_s_s
                              const float *xe, const float *xo, long Dx, long I, int half, int e8m0,
                              float *h, float *he, float *ho, float *y) {
     sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, h);
-    for (long i = 0; i < I / 2; i++) {
-        float a = h[2 * i] * up_s2, b = h[2 * i + 1] * up_s2;
-        a = a > 0.0f || a != a ? a : 0.0f;  /* NaN stays NaN, as torch's relu keeps it */
-        b = b > 0.0f || b != b ? b : 0.0f;
-        he[i] = a * a;
-        ho[i] = b * b;
-    }
+    relu2_pairs(h, up_s2, 0, I / 2, he, ho);
     sluice_fp4_kmajor(down, down_s, down_s_stride, he, ho, Dx, I / 2, half, e8m0, y);
     for (long n = 0; n < Dx; n++)
         y[n] *= down_s2;
@@ -503,13 +509,6 @@ static inline __m512 scales16(__m128i b, int e8m0) {
     return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_f16bits(_mm256_cvtepu8_epi16(b))), _mm512_set1_ps(256.0f));
 }
 
-/* the scale bytes of a 64-byte step's 16 quads: 8 groups (NVFP4, each twice) or 4 (MXFP4, each 4 times) */
-static inline __m128i step_scales(const uint8_t *s, int half) {
-    if (half == 8)
-        return _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)s), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-    return _mm_shuffle_epi8(_mm_cvtsi32_si128(*(const int32_t *)s), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-}
-
 /* n-major: y[n] = row n . x, K2 a multiple of 64. Per row, a run of up to Q8_SEG quads at a time: their weight-group
  * scales are decoded, spread to one per quad and multiplied by the quad's x scale before the run's steps, so a step
  * is a load, two table lookups, two vpdpbusd seeded with the correction, a conversion and one FMA per 64 bytes. */
@@ -519,37 +518,36 @@ static inline __m128i step_scales(const uint8_t *s, int half) {
 static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
                            const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
     const long G = K2 / half, per = half / 4;  /* per: quads of a scale group */
-    {
-        float sc[Q8_SEG] __attribute__((aligned(64)));
-        const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
-        __m512i spread[4];  /* vector k of a 16-group step's quads takes groups (16 k + lane) / per */
-        for (int k = 0; k < 4; k++) {
-            int32_t idx[16];
-            for (int l = 0; l < 16; l++)
-                idx[l] = (16 * k + l) / per;
-            spread[k] = _mm512_loadu_si512(idx);
-        }
+    float sc[Q8_SEG] __attribute__((aligned(64)));
+    const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
+    __m512i spread[4];  /* vector k of a 16-group step's quads takes groups (16 k + lane) / per */
+    for (int k = 0; k < 4; k++) {
+        int32_t idx[16];
+        for (int l = 0; l < 16; l++)
+            idx[l] = (16 * k + l) / per;
+        spread[k] = _mm512_loadu_si512(idx);
+    }
 #pragma omp for schedule(static)
-        for (long n = 0; n < N; n++) {
-            const uint8_t *row = p + n * K2, *srow = s + n * s_stride;
-            __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
-            for (long c0 = 0; c0 < K2; c0 += 4 * Q8_SEG) {
-                const long c1 = K2 - c0 < 4 * Q8_SEG ? K2 : c0 + 4 * Q8_SEG, q0 = c0 / 4, nq = (c1 - c0) / 4;
-                for (long i = 0; i < nq; i += 16 * per) {  /* 16 groups' scales a step */
-                    const long g = (q0 + i) / per;
-                    __m128i b;  /* (a memcpy of a variable size here made the whole step twice as slow) */
-                    if (G - g >= 16)
-                        b = _mm_loadu_si128((const __m128i *)(srow + g));
-                    else {
-                        b = _mm_setzero_si128();
-                        memcpy(&b, srow + g, (size_t)(G - g));
-                    }
-                    const __m512 v = scales16(b, e8m0);
-                    for (int k = 0; k < per && i + 16 * k < nq; k++)
-                        _mm512_store_ps(sc + i + 16 * k,
-                                        _mm512_mul_ps(_mm512_permutexvar_ps(spread[k], v), _mm512_loadu_ps(xs_lane + q0 + i + 16 * k)));
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = p + n * K2, *srow = s + n * s_stride;
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+        for (long c0 = 0; c0 < K2; c0 += 4 * Q8_SEG) {
+            const long c1 = K2 - c0 < 4 * Q8_SEG ? K2 : c0 + 4 * Q8_SEG, q0 = c0 / 4, nq = (c1 - c0) / 4;
+            for (long i = 0; i < nq; i += 16 * per) {  /* 16 groups' scales a step */
+                const long g = (q0 + i) / per;
+                __m128i b;  /* (a memcpy of a variable size here made the whole step twice as slow) */
+                if (G - g >= 16)
+                    b = _mm_loadu_si128((const __m128i *)(srow + g));
+                else {
+                    b = _mm_setzero_si128();
+                    memcpy(&b, srow + g, (size_t)(G - g));
                 }
-                long c = c0;
+                const __m512 v = scales16(b, e8m0);
+                for (int k = 0; k < per && i + 16 * k < nq; k++)
+                    _mm512_store_ps(sc + i + 16 * k,
+                                    _mm512_mul_ps(_mm512_permutexvar_ps(spread[k], v), _mm512_loadu_ps(xs_lane + q0 + i + 16 * k)));
+            }
+            long c = c0;
 #define Q8_NSTEP(ACC, C)                                                                                              \
     do {                                                                                                              \
         __m512i b_ = _mm512_loadu_si512(row + (C));                                                                   \
@@ -559,20 +557,19 @@ static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, co
                                  _mm512_loadu_si512(qo + (C)));                                                       \
         ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_load_ps(sc + ((C) - c0) / 4), ACC);                      \
     } while (0)
-                for (; c + 128 <= c1; c += 128) {
-                    prefetch(row + c + PF_ROW);
-                    prefetch(row + c + PF_ROW + 64);
-                    Q8_NSTEP(acc0, c);
-                    Q8_NSTEP(acc1, c + 64);
-                }
-                if (c < c1) {
-                    prefetch(row + c + PF_ROW);
-                    Q8_NSTEP(acc0, c);
-                }
-#undef Q8_NSTEP
+            for (; c + 128 <= c1; c += 128) {
+                prefetch(row + c + PF_ROW);
+                prefetch(row + c + PF_ROW + 64);
+                Q8_NSTEP(acc0, c);
+                Q8_NSTEP(acc1, c + 64);
             }
-            y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+            if (c < c1) {
+                prefetch(row + c + PF_ROW);
+                Q8_NSTEP(acc0, c);
+            }
+#undef Q8_NSTEP
         }
+        y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     }
 }
 
@@ -592,60 +589,58 @@ static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long 
                            const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float factor, float *y) {
     long G = K2 / half;
     const int used = omp_get_num_threads();
-    {
-        int t = omp_get_thread_num(), nt = used;
-        float *acc = buf + 2L * t * N;
-        const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
-        /* scale bytes of a 64-output chunk into the 4 vectors' output order */
-        const __m512i sperm = _mm512_set_epi8(
-            63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12, 59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24,
-            11, 10, 9, 8, 55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4, 51, 50, 49, 48, 35, 34, 33, 32, 19, 18,
-            17, 16, 3, 2, 1, 0);
-        for (long n = 0; n < N; n++)
-            acc[n] = 0.0f;
-        for (long g = G * t / nt; g < G * (t + 1) / nt; g++) {
-            long k0 = g * half;
-            int32_t cg = 0;
-            for (long q = k0 / 4; q < (k0 + half) / 4; q++)
-                cg += corr[q];
-            const __m512i cv = _mm512_set1_epi32(cg);
-            const __m512 xs = _mm512_set1_ps(xs_lane[k0 / 4]);
-            const uint8_t *sr = s + g * s_stride;
-            for (long n0 = 0; n0 < N; n0 += 64) {
-                __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
-                for (long k = k0; k < k0 + half; k += 4) {
-                    const uint8_t *r = p + k * N + n0;
-                    prefetch(r + PF_KROW);
-                    prefetch(r + N + PF_KROW);
-                    prefetch(r + 2 * N + PF_KROW);
-                    prefetch(r + 3 * N + PF_KROW);
-                    __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + N);
-                    __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
-                    __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
-                    __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
-                    __m512i xe4 = _mm512_set1_epi32(*(const int32_t *)(qe + k)), xo4 = _mm512_set1_epi32(*(const int32_t *)(qo + k));
+    const int t = omp_get_thread_num();
+    float *acc = buf + 2L * t * N;
+    const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
+    /* scale bytes of a 64-output chunk into the 4 vectors' output order */
+    const __m512i sperm = _mm512_set_epi8(
+        63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12, 59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24,
+        11, 10, 9, 8, 55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4, 51, 50, 49, 48, 35, 34, 33, 32, 19, 18,
+        17, 16, 3, 2, 1, 0);
+    for (long n = 0; n < N; n++)
+        acc[n] = 0.0f;
+    for (long g = G * t / used; g < G * (t + 1) / used; g++) {
+        long k0 = g * half;
+        int32_t cg = 0;
+        for (long q = k0 / 4; q < (k0 + half) / 4; q++)
+            cg += corr[q];
+        const __m512i cv = _mm512_set1_epi32(cg);
+        const __m512 xs = _mm512_set1_ps(xs_lane[k0 / 4]);
+        const uint8_t *sr = s + g * s_stride;
+        for (long n0 = 0; n0 < N; n0 += 64) {
+            __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+            for (long k = k0; k < k0 + half; k += 4) {
+                const uint8_t *r = p + k * N + n0;
+                prefetch(r + PF_KROW);
+                prefetch(r + N + PF_KROW);
+                prefetch(r + 2 * N + PF_KROW);
+                prefetch(r + 3 * N + PF_KROW);
+                __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + N);
+                __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
+                __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
+                __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
+                __m512i xe4 = _mm512_set1_epi32(*(const int32_t *)(qe + k)), xo4 = _mm512_set1_epi32(*(const int32_t *)(qo + k));
 #define Q8_STEP(D, V)                                                                                               \
     do {                                                                                                            \
-        __m512i v_ = (V);                                                                                           \
-        D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(v_, low4)), xe4);                   \
-        D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v_, 4), low4)), xo4); \
+    __m512i v_ = (V);                                                                                           \
+    D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(v_, low4)), xe4);                   \
+    D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v_, 4), low4)), xo4); \
     } while (0)
-                    Q8_STEP(d0, _mm512_unpacklo_epi16(t0, t2));
-                    Q8_STEP(d1, _mm512_unpackhi_epi16(t0, t2));
-                    Q8_STEP(d2, _mm512_unpacklo_epi16(t1, t3));
-                    Q8_STEP(d3, _mm512_unpackhi_epi16(t1, t3));
+                Q8_STEP(d0, _mm512_unpacklo_epi16(t0, t2));
+                Q8_STEP(d1, _mm512_unpackhi_epi16(t0, t2));
+                Q8_STEP(d2, _mm512_unpacklo_epi16(t1, t3));
+                Q8_STEP(d3, _mm512_unpackhi_epi16(t1, t3));
 #undef Q8_STEP
-                }
-                /* lane 4b + j of d_i is output n0 + 16 b + 4 i + j: the sums stay in this order (acc[n0 + 16 i + 4 b + j])
-                 * until the end; the group's scales are permuted to match */
-                __m512i sb = _mm512_permutexvar_epi8(sperm, _mm512_loadu_si512(sr + n0));
-                __m512i dv[4] = {d0, d1, d2, d3};
-                for (int i = 0; i < 4; i++) {
-                    __m512 sv = _mm512_mul_ps(scales16(_mm512_extracti32x4_epi32(sb, 0), e8m0), xs);
-                    sb = _mm512_alignr_epi32(sb, sb, 4);
-                    float *a = acc + n0 + 16 * i;
-                    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dv[i], cv)), sv, _mm512_loadu_ps(a)));
-                }
+            }
+            /* lane 4b + j of d_i is output n0 + 16 b + 4 i + j: the sums stay in this order (acc[n0 + 16 i + 4 b + j])
+             * until the end; the group's scales are permuted to match */
+            __m512i sb = _mm512_permutexvar_epi8(sperm, _mm512_loadu_si512(sr + n0));
+            __m512i dv[4] = {d0, d1, d2, d3};
+            for (int i = 0; i < 4; i++) {
+                __m512 sv = _mm512_mul_ps(scales16(_mm512_extracti32x4_epi32(sb, 0), e8m0), xs);
+                sb = _mm512_alignr_epi32(sb, sb, 4);
+                float *a = acc + n0 + 16 * i;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dv[i], cv)), sv, _mm512_loadu_ps(a)));
             }
         }
     }
@@ -698,13 +693,7 @@ static int relu2_expert_q8_fused(const uint8_t *up, const uint8_t *up_s, long up
         q8_nmajor_team(up, up_s, up_s_stride, q, q + M, xs, c, I, K2u, half, e8m0, h);
 #pragma omp for schedule(static)
         for (long g0 = 0; g0 < K2d; g0 += half) {  /* h's group: the activation, then its quantization */
-            for (long i = g0; i < g0 + half; i++) {
-                float a = h[2 * i] * up_s2, b = h[2 * i + 1] * up_s2;
-                a = a > 0.0f || a != a ? a : 0.0f;
-                b = b > 0.0f || b != b ? b : 0.0f;
-                he[i] = a * a;
-                ho[i] = b * b;
-            }
+            relu2_pairs(h, up_s2, g0, g0 + half, he, ho);
             q8_group(he, ho, g0, half, q, q + M, xs, c);
         }
         q8_kmajor_team(buf, down, down_s, down_s_stride, q, q + M, xs, c, Dx, K2d, half, e8m0, down_s2, y);
@@ -747,13 +736,7 @@ void sluice_fp4_relu2_expert_q8(const uint8_t *up, const uint8_t *up_s, long up_
     if (!sluice_q8_prep(xe, xo, Dx / 2, half, q, q + M, xs, c) ||
         !sluice_fp4_q8(up, up_s, up_s_stride, q, q + M, xs, c, I, Dx / 2, half, e8m0, 0, h))
         sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, h);
-    for (long i = 0; i < I / 2; i++) {
-        float a = h[2 * i] * up_s2, b = h[2 * i + 1] * up_s2;
-        a = a > 0.0f || a != a ? a : 0.0f;
-        b = b > 0.0f || b != b ? b : 0.0f;
-        he[i] = a * a;
-        ho[i] = b * b;
-    }
+    relu2_pairs(h, up_s2, 0, I / 2, he, ho);
     if (!sluice_q8_prep(he, ho, I / 2, half, q, q + M, xs, c) ||
         !sluice_fp4_q8(down, down_s, down_s_stride, q, q + M, xs, c, Dx, I / 2, half, e8m0, 1, y))
         sluice_fp4_kmajor(down, down_s, down_s_stride, he, ho, Dx, I / 2, half, e8m0, y);
