@@ -159,9 +159,9 @@ def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: 
 
 
 class CpuExperts:
-    """A store's experts on the CPU, one token and one expert at a time, from block buffers (uint8 views of
-    RAM slots). `act` / `glu` are the MoE block's own (transformers' activation, the model's gated unit).
-    threads: the native kernels' OpenMP threads (0: torch's count). act_name "relu2" (with FP4 up and
+    """A store's experts on the CPU, one token and one expert at a time (`run`) or a layer's blocks on one token
+    (`run_many`), from block buffers (uint8 views of RAM slots). `act` / `glu` are the MoE block's own (transformers'
+    activation, the model's gated unit). threads: the native kernels' OpenMP threads (0: torch's count). act_name "relu2" (with FP4 up and
     re-laid down) lets the native path run the whole expert in one call, as "silu" (plain SiLU, no `glu`) does for a
     SwiGLU FP4 expert."""
 
