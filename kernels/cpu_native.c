@@ -514,63 +514,81 @@ static inline __m512 scales16(__m128i b, int e8m0) {
  * is a load, two table lookups, two vpdpbusd seeded with the correction, a conversion and one FMA per 64 bytes. */
 #define Q8_SEG 1024
 
-/* q8_nmajor's work for the calling thread of a parallel region (its `omp for` splits the rows) */
-static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
-                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
-    const long G = K2 / half, per = half / 4;  /* per: quads of a scale group */
-    float sc[Q8_SEG] __attribute__((aligned(64)));
-    const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
-    __m512i spread[4];  /* vector k of a 16-group step's quads takes groups (16 k + lane) / per */
-    for (int k = 0; k < 4; k++) {
+/* the constants of the int8 n-major rows: the weight table, the nibble mask, and the spread of a 16-group step's
+ * scales to its quads (vector k of the step takes groups (16 k + lane) / per, per: quads of a scale group) */
+typedef struct {
+    __m512i table, low4, spread[4];
+    long per;
+} q8_consts;
+
+static inline q8_consts q8_nconsts(int half) {
+    q8_consts k;
+    k.table = e2m1x2p12_table();
+    k.low4 = _mm512_set1_epi8(15);
+    k.per = half / 4;
+    for (int v = 0; v < 4; v++) {
         int32_t idx[16];
         for (int l = 0; l < 16; l++)
-            idx[l] = (16 * k + l) / per;
-        spread[k] = _mm512_loadu_si512(idx);
+            idx[l] = (16 * v + l) / (int)k.per;
+        k.spread[v] = _mm512_loadu_si512(idx);
     }
-#pragma omp for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint8_t *row = p + n * K2, *srow = s + n * s_stride;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
-        for (long c0 = 0; c0 < K2; c0 += 4 * Q8_SEG) {
-            const long c1 = K2 - c0 < 4 * Q8_SEG ? K2 : c0 + 4 * Q8_SEG, q0 = c0 / 4, nq = (c1 - c0) / 4;
-            for (long i = 0; i < nq; i += 16 * per) {  /* 16 groups' scales a step */
-                const long g = (q0 + i) / per;
-                __m128i b;  /* (a memcpy of a variable size here made the whole step twice as slow) */
-                if (G - g >= 16)
-                    b = _mm_loadu_si128((const __m128i *)(srow + g));
-                else {
-                    b = _mm_setzero_si128();
-                    memcpy(&b, srow + g, (size_t)(G - g));
-                }
-                const __m512 v = scales16(b, e8m0);
-                for (int k = 0; k < per && i + 16 * k < nq; k++)
-                    _mm512_store_ps(sc + i + 16 * k,
-                                    _mm512_mul_ps(_mm512_permutexvar_ps(spread[k], v), _mm512_loadu_ps(xs_lane + q0 + i + 16 * k)));
+    return k;
+}
+
+/* one n-major row (K2 bytes, its G = K2 / half scale bytes at srow) . x; sc: scratch [Q8_SEG] floats, 64-aligned */
+static inline float q8_nrow(const q8_consts *k, const uint8_t *row, const uint8_t *srow, const int8_t *qe, const int8_t *qo,
+                            const float *xs_lane, const int32_t *corr, long K2, long G, int e8m0, float *sc) {
+    const long per = k->per;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    for (long c0 = 0; c0 < K2; c0 += 4 * Q8_SEG) {
+        const long c1 = K2 - c0 < 4 * Q8_SEG ? K2 : c0 + 4 * Q8_SEG, q0 = c0 / 4, nq = (c1 - c0) / 4;
+        for (long i = 0; i < nq; i += 16 * per) {  /* 16 groups' scales a step */
+            const long g = (q0 + i) / per;
+            __m128i b;  /* (a memcpy of a variable size here made the whole step twice as slow) */
+            if (G - g >= 16)
+                b = _mm_loadu_si128((const __m128i *)(srow + g));
+            else {
+                b = _mm_setzero_si128();
+                memcpy(&b, srow + g, (size_t)(G - g));
             }
-            long c = c0;
+            const __m512 v = scales16(b, e8m0);
+            for (int j = 0; j < per && i + 16 * j < nq; j++)
+                _mm512_store_ps(sc + i + 16 * j,
+                                _mm512_mul_ps(_mm512_permutexvar_ps(k->spread[j], v), _mm512_loadu_ps(xs_lane + q0 + i + 16 * j)));
+        }
+        long c = c0;
 #define Q8_NSTEP(ACC, C)                                                                                              \
     do {                                                                                                              \
         __m512i b_ = _mm512_loadu_si512(row + (C));                                                                   \
         __m512i d_ = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr + (C) / 4),                                          \
-                                         _mm512_shuffle_epi8(table, _mm512_and_si512(b_, low4)), _mm512_loadu_si512(qe + (C))); \
-        d_ = _mm512_dpbusd_epi32(d_, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b_, 4), low4)),      \
+                                         _mm512_shuffle_epi8(k->table, _mm512_and_si512(b_, k->low4)), _mm512_loadu_si512(qe + (C))); \
+        d_ = _mm512_dpbusd_epi32(d_, _mm512_shuffle_epi8(k->table, _mm512_and_si512(_mm512_srli_epi16(b_, 4), k->low4)), \
                                  _mm512_loadu_si512(qo + (C)));                                                       \
         ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_load_ps(sc + ((C) - c0) / 4), ACC);                      \
     } while (0)
-            for (; c + 128 <= c1; c += 128) {
-                prefetch(row + c + PF_ROW);
-                prefetch(row + c + PF_ROW + 64);
-                Q8_NSTEP(acc0, c);
-                Q8_NSTEP(acc1, c + 64);
-            }
-            if (c < c1) {
-                prefetch(row + c + PF_ROW);
-                Q8_NSTEP(acc0, c);
-            }
-#undef Q8_NSTEP
+        for (; c + 128 <= c1; c += 128) {
+            prefetch(row + c + PF_ROW);
+            prefetch(row + c + PF_ROW + 64);
+            Q8_NSTEP(acc0, c);
+            Q8_NSTEP(acc1, c + 64);
         }
-        y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+        if (c < c1) {
+            prefetch(row + c + PF_ROW);
+            Q8_NSTEP(acc0, c);
+        }
+#undef Q8_NSTEP
     }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+/* q8_nmajor's work for the calling thread of a parallel region (its `omp for` splits the rows) */
+static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
+                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
+    float sc[Q8_SEG] __attribute__((aligned(64)));
+    const q8_consts k = q8_nconsts(half);
+#pragma omp for schedule(static)
+    for (long n = 0; n < N; n++)
+        y[n] = q8_nrow(&k, p + n * K2, s + n * s_stride, qe, qo, xs_lane, corr, K2, K2 / half, e8m0, sc);
 }
 
 static void q8_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
@@ -583,6 +601,78 @@ static void q8_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const i
  * groups; per group, 4 rows at a time are interleaved into int32 lanes of (r0, r1, r2, r3) bytes per output (in a
  * fixed permutation of each 64 outputs, undone once at the end) and summed by vpdpbusd; the group's int32 sums
  * are then scaled into the thread's fp32 sums (all N in L1), added across threads at the end. N a multiple of 64. */
+
+/* scale bytes of a 64-output chunk into the k-major step's output order (below) */
+static inline __m512i q8_sperm(void) {
+    return _mm512_set_epi8(
+        63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12, 59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24,
+        11, 10, 9, 8, 55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4, 51, 50, 49, 48, 35, 34, 33, 32, 19, 18,
+        17, 16, 3, 2, 1, 0);
+}
+
+/* one k-major scale group (rows k0 .. k0 + half of p, [K2, N] bytes; its N scale bytes at sr) added into acc [N], in
+ * the permuted order of each 64 outputs */
+static inline void q8_kgroup(float *acc, const uint8_t *p, const uint8_t *sr, const int8_t *qe, const int8_t *qo,
+                             const float *xs_lane, const int32_t *corr, long N, long k0, int half, int e8m0) {
+    const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15), sperm = q8_sperm();
+    int32_t cg = 0;
+    for (long q = k0 / 4; q < (k0 + half) / 4; q++)
+        cg += corr[q];
+    const __m512i cv = _mm512_set1_epi32(cg);
+    const __m512 xs = _mm512_set1_ps(xs_lane[k0 / 4]);
+    for (long n0 = 0; n0 < N; n0 += 64) {
+        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+        for (long k = k0; k < k0 + half; k += 4) {
+            const uint8_t *r = p + k * N + n0;
+            prefetch(r + PF_KROW);
+            prefetch(r + N + PF_KROW);
+            prefetch(r + 2 * N + PF_KROW);
+            prefetch(r + 3 * N + PF_KROW);
+            __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + N);
+            __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
+            __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
+            __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
+            __m512i xe4 = _mm512_set1_epi32(*(const int32_t *)(qe + k)), xo4 = _mm512_set1_epi32(*(const int32_t *)(qo + k));
+#define Q8_STEP(D, V)                                                                                               \
+    do {                                                                                                            \
+        __m512i v_ = (V);                                                                                           \
+        D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(v_, low4)), xe4);                   \
+        D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v_, 4), low4)), xo4); \
+    } while (0)
+            Q8_STEP(d0, _mm512_unpacklo_epi16(t0, t2));
+            Q8_STEP(d1, _mm512_unpackhi_epi16(t0, t2));
+            Q8_STEP(d2, _mm512_unpacklo_epi16(t1, t3));
+            Q8_STEP(d3, _mm512_unpackhi_epi16(t1, t3));
+#undef Q8_STEP
+        }
+        /* lane 4b + j of d_i is output n0 + 16 b + 4 i + j: the sums stay in this order (acc[n0 + 16 i + 4 b + j])
+         * until the end; the group's scales are permuted to match */
+        __m512i sb = _mm512_permutexvar_epi8(sperm, _mm512_loadu_si512(sr + n0));
+        __m512i dv[4] = {d0, d1, d2, d3};
+        for (int i = 0; i < 4; i++) {
+            __m512 sv = _mm512_mul_ps(scales16(_mm512_extracti32x4_epi32(sb, 0), e8m0), xs);
+            sb = _mm512_alignr_epi32(sb, sb, 4);
+            float *a = acc + n0 + 16 * i;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dv[i], cv)), sv, _mm512_loadu_ps(a)));
+        }
+    }
+}
+
+/* the sum of `parts` permuted k-major partial sums [N] (64-output chunk n0), times factor, into y in output order */
+static inline void q8_kunpermute(float *const *parts, int nparts, long n0, float factor, float *y) {
+    float sum[64];
+    for (int m = 0; m < 64; m += 16) {
+        __m512 v = _mm512_loadu_ps(parts[0] + n0 + m);
+        for (int t = 1; t < nparts; t++)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(parts[t] + n0 + m));
+        _mm512_storeu_ps(sum + m, factor == 1.0f ? v : _mm512_mul_ps(v, _mm512_set1_ps(factor)));
+    }
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < 4; b++)
+            for (int j = 0; j < 4; j++)
+                y[n0 + 16 * b + 4 * i + j] = sum[16 * i + 4 * b + j];
+}
+
 /* q8_kmajor's work for the calling thread of a parallel region: its run of groups into buf (sized by team_buf for the
  * team), a barrier, then its share of the outputs summed over the team's threads, times factor */
 static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
@@ -591,74 +681,17 @@ static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long 
     const int used = omp_get_num_threads();
     const int t = omp_get_thread_num();
     float *acc = buf + 2L * t * N;
-    const __m512i table = e2m1x2p12_table(), low4 = _mm512_set1_epi8(15);
-    /* scale bytes of a 64-output chunk into the 4 vectors' output order */
-    const __m512i sperm = _mm512_set_epi8(
-        63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12, 59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24,
-        11, 10, 9, 8, 55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4, 51, 50, 49, 48, 35, 34, 33, 32, 19, 18,
-        17, 16, 3, 2, 1, 0);
     for (long n = 0; n < N; n++)
         acc[n] = 0.0f;
-    for (long g = G * t / used; g < G * (t + 1) / used; g++) {
-        long k0 = g * half;
-        int32_t cg = 0;
-        for (long q = k0 / 4; q < (k0 + half) / 4; q++)
-            cg += corr[q];
-        const __m512i cv = _mm512_set1_epi32(cg);
-        const __m512 xs = _mm512_set1_ps(xs_lane[k0 / 4]);
-        const uint8_t *sr = s + g * s_stride;
-        for (long n0 = 0; n0 < N; n0 += 64) {
-            __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
-            for (long k = k0; k < k0 + half; k += 4) {
-                const uint8_t *r = p + k * N + n0;
-                prefetch(r + PF_KROW);
-                prefetch(r + N + PF_KROW);
-                prefetch(r + 2 * N + PF_KROW);
-                prefetch(r + 3 * N + PF_KROW);
-                __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + N);
-                __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
-                __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
-                __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
-                __m512i xe4 = _mm512_set1_epi32(*(const int32_t *)(qe + k)), xo4 = _mm512_set1_epi32(*(const int32_t *)(qo + k));
-#define Q8_STEP(D, V)                                                                                               \
-    do {                                                                                                            \
-    __m512i v_ = (V);                                                                                           \
-    D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(v_, low4)), xe4);                   \
-    D = _mm512_dpbusd_epi32(D, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v_, 4), low4)), xo4); \
-    } while (0)
-                Q8_STEP(d0, _mm512_unpacklo_epi16(t0, t2));
-                Q8_STEP(d1, _mm512_unpackhi_epi16(t0, t2));
-                Q8_STEP(d2, _mm512_unpacklo_epi16(t1, t3));
-                Q8_STEP(d3, _mm512_unpackhi_epi16(t1, t3));
-#undef Q8_STEP
-            }
-            /* lane 4b + j of d_i is output n0 + 16 b + 4 i + j: the sums stay in this order (acc[n0 + 16 i + 4 b + j])
-             * until the end; the group's scales are permuted to match */
-            __m512i sb = _mm512_permutexvar_epi8(sperm, _mm512_loadu_si512(sr + n0));
-            __m512i dv[4] = {d0, d1, d2, d3};
-            for (int i = 0; i < 4; i++) {
-                __m512 sv = _mm512_mul_ps(scales16(_mm512_extracti32x4_epi32(sb, 0), e8m0), xs);
-                sb = _mm512_alignr_epi32(sb, sb, 4);
-                float *a = acc + n0 + 16 * i;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dv[i], cv)), sv, _mm512_loadu_ps(a)));
-            }
-        }
-    }
+    for (long g = G * t / used; g < G * (t + 1) / used; g++)
+        q8_kgroup(acc, p, s + g * s_stride, qe, qo, xs_lane, corr, N, g * half, half, e8m0);
 #pragma omp barrier
+    float *parts[used];
+    for (int u = 0; u < used; u++)
+        parts[u] = buf + 2L * u * N;
 #pragma omp for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64) {  /* the threads' sums added (times factor), and put in output order */
-        float sum[64];
-        for (int m = 0; m < 64; m += 16) {
-            __m512 v = _mm512_loadu_ps(buf + n0 + m);
-            for (int t = 1; t < used; t++)
-                v = _mm512_add_ps(v, _mm512_loadu_ps(buf + 2L * t * N + n0 + m));
-            _mm512_storeu_ps(sum + m, factor == 1.0f ? v : _mm512_mul_ps(v, _mm512_set1_ps(factor)));
-        }
-        for (int i = 0; i < 4; i++)
-            for (int b = 0; b < 4; b++)
-                for (int j = 0; j < 4; j++)
-                    y[n0 + 16 * b + 4 * i + j] = sum[16 * i + 4 * b + j];
-    }
+    for (long n0 = 0; n0 < N; n0 += 64)  /* the threads' sums added (times factor), and put in output order */
+        q8_kunpermute(parts, used, n0, factor, y);
 }
 
 static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
@@ -874,6 +907,173 @@ static inline void plan_proj(const int64_t *plan, int j, const uint8_t *base, co
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static __thread uint8_t *layer_mem;
+static __thread size_t layer_cap;
+
+/* the calling thread's layer scratch at least `bytes` long; 0 when it cannot be had */
+static int layer_scratch(size_t bytes) {
+    if (bytes > layer_cap) {
+        free(layer_mem);
+        layer_mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        layer_cap = layer_mem ? bytes : 0;
+    }
+    return layer_mem != NULL;
+}
+
+/* the next `bytes` of the calling thread's layer scratch, 64-byte aligned (at: the running offset) */
+static inline void *carve(size_t *at, size_t bytes) {
+    void *p = layer_mem + *at;
+    *at += (bytes + 63) / 64 * 64;
+    return p;
+}
+
+/* A layer's n ReLU^2 FP4 experts with int8 activations on one token in one parallel region: x quantized once; every
+ * expert's up rows in one `omp for`; each expert's activation quantized by group; the n experts' down groups split
+ * into one run per thread (a run crossing from one expert into the next keeps a partial sum for each); then each
+ * expert's partial sums added in thread order, times its down_s2. Four barriers a layer where expert by expert took
+ * four an expert, and the down projection's groups spread over the team whatever their count per expert (one
+ * expert's 116 over 16 threads left some threads an eighth more than others). Per expert the arithmetic is the single
+ * expert's (relu2_expert_q8_fused); with n = 1 the same split too. 0 where it cannot run. */
+static int relu2_layer_q8(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y) {
+    const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
+    const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
+    if (n < 1 || K2u % 64 || Dx % 64 || K2u % half || K2d % half || half % 4)
+        return 0;
+    const int T = omp_get_max_threads();
+    const long Gd = K2d / half, Gall = n * Gd, chunks = Dx / 64;
+    const long span = (Gall + T - 1) / T / Gd + 2;  /* the most experts one thread's run of down groups touches */
+    if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * (size_t)T * span * Dx + 64 * 10))
+        return 0;
+    size_t at = 0;
+    int8_t *xq = carve(&at, 2 * K2u);
+    float *xs = carve(&at, K2u), *h = carve(&at, 4 * n * I), *he = carve(&at, 4 * n * K2d), *ho = carve(&at, 4 * n * K2d);
+    int32_t *xc = carve(&at, K2u);
+    int8_t *hq = carve(&at, 2 * n * K2d);
+    float *hs = carve(&at, n * K2d);
+    int32_t *hc = carve(&at, n * K2d);
+    float *acc = carve(&at, 4 * (size_t)T * span * Dx);
+    const uint8_t *uw[n], *us[n], *dw[n], *ds[n];
+    long ust[n], dst[n];
+    float us2[n], ds2[n];
+    for (int e = 0; e < n; e++) {
+        const uint8_t *base = (const uint8_t *)(intptr_t)bases[e];
+        plan_proj(plan, 0, base, &uw[e], &us[e], &ust[e], &us2[e]);
+        plan_proj(plan, 1, base, &dw[e], &ds[e], &dst[e], &ds2[e]);
+    }
+#pragma omp parallel num_threads(T)
+    {
+        float sc[Q8_SEG] __attribute__((aligned(64)));
+        const q8_consts k = q8_nconsts(half);
+#pragma omp for schedule(static)
+        for (long g0 = 0; g0 < K2u; g0 += half)
+            q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n * I; r++) {
+            const long e = r / I, i = r % I;
+            h[r] = q8_nrow(&k, uw[e] + i * K2u, us[e] + i * ust[e], xq, xq + K2u, xs, xc, K2u, K2u / half, e8m0, sc);
+        }
+#pragma omp for schedule(static)
+        for (long gg = 0; gg < Gall; gg++) {  /* an expert's group of h: the activation, then its quantization */
+            const long e = gg / Gd, g0 = gg % Gd * half;
+            relu2_pairs(h + e * I, us2[e], g0, g0 + half, he + e * K2d, ho + e * K2d);
+            q8_group(he + e * K2d, ho + e * K2d, g0, half, hq + 2 * K2d * e, hq + 2 * K2d * e + K2d, hs + e * (K2d / 4),
+                     hc + e * (K2d / 4));
+        }
+        const int t = omp_get_thread_num(), used = omp_get_num_threads();
+        const long a = Gall * t / used, b = Gall * (t + 1) / used;
+        float *mine = acc + (size_t)t * span * Dx;
+        if (a < b) {
+            memset(mine, 0, sizeof(float) * (size_t)((b - 1) / Gd - a / Gd + 1) * Dx);
+            for (long gg = a; gg < b; gg++) {
+                const long e = gg / Gd, g = gg % Gd;
+                q8_kgroup(mine + (e - a / Gd) * Dx, dw[e], ds[e] + g * dst[e], hq + 2 * K2d * e, hq + 2 * K2d * e + K2d,
+                          hs + e * (K2d / 4), hc + e * (K2d / 4), Dx, g * half, half, e8m0);
+            }
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long c = 0; c < n * chunks; c++) {
+            const long e = c / chunks;
+            float *parts[used];
+            int np = 0;
+            for (int u = 0; u < used; u++) {  /* the threads whose runs took groups of expert e, in thread order */
+                const long ua = Gall * u / used, ub = Gall * (u + 1) / used;
+                if (ua < ub && ua < (e + 1) * Gd && ub > e * Gd)
+                    parts[np++] = acc + (size_t)u * span * Dx + (e - ua / Gd) * Dx;
+            }
+            q8_kunpermute(parts, np, c % chunks * 64, ds2[e], y + e * Dx);
+        }
+    }
+    return 1;
+}
+
+/* A layer's n SwiGLU FP4 experts (plain SiLU) with int8 activations on one token in one parallel region: x quantized
+ * once; every expert's gate and up rows in one `omp for`; silu(g) * u quantized by group per expert; every expert's
+ * down rows in one `omp for`. Each output is one row's dot, so the result is sluice_fp4_swiglu_expert's (int8) bit for
+ * bit whatever the split. 0 where it cannot run. */
+static int swiglu_layer_q8(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y) {
+    const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
+    const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
+    if (n < 1 || K2u % 64 || K2d % 64 || K2u % half || K2d % half || half % 4)
+        return 0;
+    const int T = omp_get_max_threads();
+    const long Gd = K2d / half;
+    if (!layer_scratch((size_t)(4 * K2u + 8 * n * I + 8 * n * K2d + 4 * n * K2d) + 64 * 9))
+        return 0;
+    size_t at = 0;
+    int8_t *xq = carve(&at, 2 * K2u);
+    float *xs = carve(&at, K2u);
+    int32_t *xc = carve(&at, K2u);
+    float *gu = carve(&at, 4 * 2 * n * I), *he = carve(&at, 4 * n * K2d), *ho = carve(&at, 4 * n * K2d);
+    int8_t *hq = carve(&at, 2 * n * K2d);
+    float *hs = carve(&at, n * K2d);
+    int32_t *hc = carve(&at, n * K2d);
+    const uint8_t *w[3][n], *sc_[3][n];
+    long st[3][n];
+    float s2[3][n];
+    for (int e = 0; e < n; e++)
+        for (int j = 0; j < 3; j++)  /* 0 up, 1 down, 2 gate */
+            plan_proj(plan, j, (const uint8_t *)(intptr_t)bases[e], &w[j][e], &sc_[j][e], &st[j][e], &s2[j][e]);
+#pragma omp parallel num_threads(T)
+    {
+        float sc[Q8_SEG] __attribute__((aligned(64)));
+        const q8_consts k = q8_nconsts(half);
+#pragma omp for schedule(static)
+        for (long g0 = 0; g0 < K2u; g0 += half)
+            q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
+#pragma omp for schedule(static)
+        for (long r = 0; r < 2 * n * I; r++) {  /* expert e's gate rows at gu[2 e I ..], its up rows after them */
+            const long e = r / (2 * I), i = r % I;
+            const int j = r % (2 * I) < I ? 2 : 0;
+            gu[r] = q8_nrow(&k, w[j][e] + i * K2u, sc_[j][e] + i * st[j][e], xq, xq + K2u, xs, xc, K2u, K2u / half, e8m0, sc);
+        }
+#pragma omp for schedule(static)
+        for (long gg = 0; gg < n * Gd; gg++) {  /* an expert's group of silu(g) * u, then its quantization */
+            const long e = gg / Gd, g0 = gg % Gd * half;
+            const float *ge = gu + 2 * e * I, *ue = ge + I;
+            for (long i = 2 * g0; i < 2 * (g0 + half); i++) {
+                float a = ge[i] * s2[2][e], b = ue[i] * s2[0][e];
+                float h = a / (1.0f + __builtin_expf(-a)) * b;
+                if (i % 2)
+                    ho[e * K2d + i / 2] = h;
+                else
+                    he[e * K2d + i / 2] = h;
+            }
+            q8_group(he + e * K2d, ho + e * K2d, g0, half, hq + 2 * K2d * e, hq + 2 * K2d * e + K2d, hs + e * (K2d / 4),
+                     hc + e * (K2d / 4));
+        }
+#pragma omp for schedule(static)
+        for (long r = 0; r < n * Dx; r++) {
+            const long e = r / Dx, i = r % Dx;
+            y[r] = q8_nrow(&k, w[1][e] + i * K2d, sc_[1][e] + i * st[1][e], hq + 2 * K2d * e, hq + 2 * K2d * e + K2d,
+                           hs + e * (K2d / 4), hc + e * (K2d / 4), K2d, Gd, e8m0, sc) * s2[1][e];
+        }
+    }
+    return 1;
+}
+#endif
+
 int sluice_experts(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], M = (Dx > I ? Dx : I) / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0], int8 = (int)plan[P_INT8], kind = (int)plan[P_KIND];
@@ -895,6 +1095,10 @@ int sluice_experts(const int64_t *plan, int n, const int64_t *bases, const float
         xe[i] = x[2 * i];
         xo[i] = x[2 * i + 1];
     }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (int8 && (kind == 0 ? relu2_layer_q8 : swiglu_layer_q8)(plan, n, bases, xe, xo, y))
+        return 1;
+#endif
     for (int e = 0; e < n; e++) {
         const uint8_t *base = (const uint8_t *)(intptr_t)bases[e];
         const uint8_t *uw, *us, *dw, *ds;

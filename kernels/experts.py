@@ -58,8 +58,8 @@ class TritonExperts:
             return
         h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
         most = max(counts)
-        if L["up"].fmt in SCALE_GROUPS:  # FP4: 32-row tiles up to 48 rows an expert (the H200 sweep), then 64
-            bm = 16 if most <= 16 else 32 if most <= 48 else 64
+        if L["up"].fmt in SCALE_GROUPS:  # FP4: 16-row tiles up to 32 rows an expert, 32 up to 48, then 64 (the H200 sweep)
+            bm = 16 if most <= 32 else 32 if most <= 48 else 64
         else:
             bm = BM if most > 16 else 16  # short prompts: do not pad every expert to 64 rows
         items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)

@@ -233,6 +233,14 @@ class Engine:
         """The new tokens (greedy when temperature is 0)."""
         return list(self.stream(input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images=images))
 
+    def empty_vram(self) -> None:
+        """Forget the VRAM tier's blocks but a loaded hot set (`sluice bench model`: a prompt on an empty tier)."""
+        self.rt.streams.synchronize()
+        for _, stage in self.coordinator.stages:
+            stage.empty_vram()
+        if self.rt.vram is not None:
+            self.rt.vram.clear()
+
     def close(self) -> None:
         self.coordinator.close()
         self.rt.close()

@@ -64,5 +64,8 @@ class Stage(ABC):
     async def run(self, io: StageIO) -> Any:
         """Do this layer's work; return the produced value (channel stages return None)."""
 
+    def empty_vram(self) -> None:
+        """Give back the blocks the stage keeps in VRAM itself (the direct schedule's tier); the host has synchronized."""
+
     def close(self) -> None:
         """Release what the stage holds between layers (threads); the engine calls it once, on close."""

@@ -21,7 +21,9 @@ step, so compute never waits for the copies).
 
 Prompts (T > 1): the ids come to the host (one wait per layer); the grouped GEMM reads the blocks in VRAM
 from their slots, and the rest after the copy stream has brought them, `prompt_group` at a time, into a
-small staging bank (double-buffered, so a group's copies run under the previous group's GEMMs).
+small staging bank (double-buffered, so a group's copies run under the previous group's GEMMs). While the
+VRAM tier has free slots (`prompt_fill`), a block is copied into a slot instead and stays there: the copy
+is paid for anyway, and the next prompt, or the first decode steps, find it in VRAM.
 
 Needs every block in RAM (`--ram-cache` at least the store's expert bytes) and keeps routed ids on the
 GPU, so it does not record routing traces; the trace shows one `direct` span per MoE layer.
@@ -61,6 +63,7 @@ class DirectKnobs:
     decay: float = 0.5  # weight of older counts at each update (0: only the last `refresh` steps count)
     margin: float = 1.0  # a block replaces a VRAM one only when its decayed count beats that one's by more than this
     prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
+    prompt_fill: bool = True  # prompts: a RAM block copied while the VRAM tier has a free slot is copied into the slot and stays
     fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (stages/compute.py fp4_formulation)
     routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
@@ -205,17 +208,27 @@ class Direct(Stage):
         if self._staging is None:
             self._staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
         origin = self._staging.data_ptr() - self.base.data_ptr()
+        filled = []  # (i, e, slot): blocks this prompt copied into free VRAM tier slots
         for g, start in enumerate(range(0, len(in_ram), G)):
             group, half = in_ram[start : start + G], g % 2
+            offsets = []
             with streams.use("copy"):
                 streams.wait("copy", self._staged[half])
                 for j, e in enumerate(group):
-                    self._staging[(half * G + j) * bb : (half * G + j + 1) * bb].copy_(self.ram_entries[(block.layer, e)].buf,
-                                                                                       non_blocking=True)
+                    if self.knobs.prompt_fill and self._free:  # a free slot is read by no kernel: the copy needs no wait
+                        slot = self._slot_of[(i, e)] = self._free.pop()
+                        filled.append((i, e, slot))
+                        dst = self.vram.arena.slot(slot)
+                    else:
+                        dst = self._staging[(half * G + j) * bb : (half * G + j + 1) * bb]
+                    offsets.append(dst.data_ptr() - self.base.data_ptr())
+                    dst.copy_(self.ram_entries[(block.layer, e)].buf, non_blocking=True)
                 landed = streams.record("copy")
             streams.wait(self.stream, landed)
-            compute(group, [origin + (half * G + j) * bb for j in range(len(group))])
+            compute(group, offsets)
             self._staged[half] = streams.record(self.stream)
+        self.rt.stats.vram_fills += len(filled)
+        self._point(filled, vram=True)  # after the waits above: the table points at the slots once their copies have landed
 
     def token(self, layer, h: torch.Tensor) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole, from its input h [1, 1, D] (the norm before the experts included,
@@ -282,6 +295,16 @@ class Direct(Stage):
         return self._ram_off[i][e] if slot is None else slot * self.rt.store.block_bytes
 
     # -- the VRAM tier ----------------------------------------------------------------------------
+
+    def empty_vram(self) -> None:
+        """Point every table entry back at its RAM slot and free the VRAM tier's slots (the host has synchronized:
+        no copy is in flight); `sluice bench model` times a prompt on an empty tier with it."""
+        if self.vram is None:
+            return
+        self._landing = None  # its moves are in _slot_of: pointed back below with the rest
+        self._point([(i, e, slot) for (i, e), slot in self._slot_of.items()], vram=False)
+        self._slot_of.clear()
+        self._free = list(range(self.vram.capacity - 1, -1, -1))
 
     def _between_tokens(self) -> None:
         """At a one-token step's first MoE layer: switch the table to blocks whose copies have landed, and every

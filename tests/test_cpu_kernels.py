@@ -253,3 +253,65 @@ def test_run_many_is_run_block_by_block(kind, fmt):
     for j, a in enumerate(reversed(range(3))):
         ref = expert_ref(kind, x[None].double(), {k: v.double() for k, v in dense[a].items()}, act)[0]
         assert float((many[j].double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("threads", [1, 3, 7])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_int8_layer_is_its_experts(fmt, threads):
+    """A layer's ReLU^2 FP4 experts with int8 activations in one parallel region (cpu_native.c relu2_layer_q8: down
+    groups split over the team across expert boundaries) give each block's own int8 run() up to fp32 summation order,
+    for team sizes whose runs cross expert boundaries at different groups, and a block given twice gives the same
+    output twice."""
+    from sluice.kernels.cpu_native import native_kernels, set_threads
+
+    lib = native_kernels()
+    if lib is None or not lib.sluice_q8_available():
+        pytest.skip("no AVX-512 VNNI (or no C compiler) here")
+    Dx, I = 128, 320
+    bank, offs, manifest, dense = make_bank("relu2", fmt, 4, Dx, I, seed=11)
+    cpu = CpuExperts(manifest, "relu2", relu2, compiled=False, act_name="relu2", int8=True)
+    blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs]
+    blocks = [blocks[2], blocks[0], blocks[3], blocks[1], blocks[2]]
+    x = torch.randn(Dx, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        set_threads(lib, threads)
+        many = cpu.run_many(blocks, x)
+        one = torch.stack([cpu.run(b, x) for b in blocks])
+    finally:
+        set_threads(lib, before)
+    assert many.shape == (5, Dx)
+    assert torch.allclose(many, one, rtol=1e-5, atol=1e-6 * float(one.abs().max()))
+    assert not torch.equal(many[0], many[1])
+    for j, a in enumerate([2, 0, 3, 1, 2]):
+        ref = expert_ref("relu2", x[None].double(), {k: v.double() for k, v in dense[a].items()}, relu2)[0]
+        err = float((many[j].double() - ref).norm() / ref.norm())
+        assert 1e-4 < err < 2e-2, f"{fmt}: block {a}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_int8_swiglu_layer_is_its_experts(threads):
+    """A layer's SwiGLU FP4 experts with int8 activations in one parallel region (cpu_native.c swiglu_layer_q8): each
+    output is one row's dot, so every block's output is its own int8 run()'s bit for bit, in the order given."""
+    from sluice.kernels.cpu_native import native_kernels, set_threads
+
+    lib = native_kernels()
+    if lib is None or not lib.sluice_q8_available():
+        pytest.skip("no AVX-512 VNNI (or no C compiler) here")
+    Dx, I = 128, 256
+    bank, offs, manifest, dense = make_bank("swiglu", "nvfp4", 3, Dx, I, seed=13)
+    cpu = CpuExperts(manifest, "swiglu", F.silu, compiled=False, act_name="silu", int8=True)
+    blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs][::-1]
+    x = torch.randn(Dx, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        set_threads(lib, threads)
+        many = cpu.run_many(blocks, x)
+        one = torch.stack([cpu.run(b, x) for b in blocks])
+    finally:
+        set_threads(lib, before)
+    assert torch.equal(many, one)
+    for j, a in enumerate(reversed(range(3))):
+        ref = expert_ref("swiglu", x[None].double(), {k: v.double() for k, v in dense[a].items()}, F.silu)[0]
+        err = float((many[j].double() - ref).norm() / ref.norm())
+        assert 1e-4 < err < 2e-2, f"block {a}: relative error {err:.2e}"

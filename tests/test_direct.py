@@ -13,13 +13,13 @@ from tests.common import DEVICE, PROMPT, VARIANTS, greedy_logits
 from tests.test_golden import LOGIT_ATOL, ram_sizes, triton_schedule
 
 
-def direct_schedule(tmp_path, **knobs) -> str:
+def direct_schedule(tmp_path, name: str = "direct-edited", **knobs) -> str:
     """schedules/direct.yaml with the direct stage's knobs changed."""
     import yaml
 
     doc = yaml.safe_load((SCHEDULES_DIR / "direct.yaml").read_text())
     doc["stages"]["direct"] = {**doc["stages"]["direct"], **knobs}
-    path = tmp_path / "direct-edited.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
 
@@ -64,6 +64,36 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     assert [int(t) for t in direct.argmax(-1)] == ref_tokens
     assert torch.equal(direct, streamed)
     assert (wrong - direct).abs().max().item() > 1e-3
+
+
+def test_prompt_fills_free_vram_slots(stores, tmp_path):
+    """A prompt copies its RAM blocks into the VRAM tier's free slots (as many as are free) instead of the staging
+    bank, and they stay: the next prompt reads them from VRAM. The logits are those of prompts through the staging
+    bank alone, bit for bit; `empty_vram` points the table back at RAM and frees every slot."""
+    fill = direct_schedule(tmp_path, backend="triton", prompt_group=2)
+    staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False)
+    other = [5, 9, 14, 3, 7, 21, 11, 2, 30, 17, 8]
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=5) as engine:
+        ref = [engine.forward(PROMPT), engine.forward(other)]
+        assert engine.rt.stats.vram_fills == 0
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=fill, vram_slots=5) as engine:
+        stage = engine.coordinator.stages[0][1]
+        first = engine.forward(PROMPT)
+        io = engine.rt.stats.snapshot()
+        assert io["vram_fills"] == len(stage._slot_of) == 5 and not stage._free  # more RAM blocks than slots
+        assert io["blocks"]["vram"] == 0
+        assert int(stage.in_vram.sum()) == 5
+        slots = [stage.table[i, e].item() for (i, e) in stage._slot_of]
+        assert sorted(slots) == [s * engine.store.block_bytes for s in range(5)]
+        second = engine.forward(other)
+        io2 = engine.rt.stats.since(io)
+        assert io2["vram_fills"] == 0 and io2["blocks"]["vram"] > 0  # no free slot left; the filled ones read in place
+        engine.empty_vram()
+        assert not stage._slot_of and len(stage._free) == 5 and int(stage.in_vram.sum()) == 0
+        assert stage.table.tolist() == stage._ram_off
+        again = engine.forward(other)
+        assert engine.rt.stats.since(io)["vram_fills"] == 5
+    assert torch.equal(first, ref[0]) and torch.equal(second, ref[1]) and torch.equal(again, ref[1])
 
 
 def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
