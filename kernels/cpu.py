@@ -190,7 +190,9 @@ class CpuExperts:
         # FP4 projections with activations rounded to int8 per scale group (AVX-512 VNNI): ~0.5% off each output
         self.int8 = bool(int8 and self.fp4 and lib.sluice_q8_available())
         # a whole expert, or several of a layer for one token, in one native call
-        self.plan = ExpertPlan(lib, kind, up, down, gate, self.int8) if self.fused or self.fused_swiglu else None
+        self.plan = ExpertPlan.fp4(lib, kind, up, down, gate, self.int8) if self.fused or self.fused_swiglu else None
+        if self.plan is None and lib is not None and act_name == ("relu2" if kind == "relu2" else "silu") and glu is None:
+            self.plan = ExpertPlan.dense(lib, kind, self.formats, self.slots, self.kmajor, threads)  # BF16 / FP8
 
     def _proj(self, block: torch.Tensor, proj: str, x: torch.Tensor) -> torch.Tensor:
         if proj in self.fp4:

@@ -334,90 +334,100 @@ static inline float block_scale(const uint8_t *s, long idx, int e8m0) {
 }
 
 
+/* row n of an n-major E4M3 weight [N, K] (w: the row) . x, each block of B inputs scaled by its block scale (s: none
+ * when the caller scales the whole row) */
+static inline float fp8_row(const uint8_t *row, const uint8_t *s, long s_stride, long block, int e8m0, const float *x, long n,
+                            long K) {
+    const long B = s ? block : K;
+    float acc = 0.0f;
+    for (long k0 = 0, kb = 0; k0 < K; k0 += B, kb++) {
+        long end = k0 + B < K ? k0 + B : K, k = k0;
+        float part = 0.0f;
+#ifdef __AVX512F__
+        __m512 v = _mm512_setzero_ps();
+        for (; k + 16 <= end; k += 16) {
+            if (!(k & 63))
+                prefetch(row + k + PF_ROW);
+            v = _mm512_fmadd_ps(e4m3x16(row + k), _mm512_loadu_ps(x + k), v);
+        }
+        part = 256.0f * _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__F16C__)
+        __m256 v = _mm256_setzero_ps();
+        for (; k + 8 <= end; k += 8)
+            v = _mm256_fmadd_ps(e4m3x8(row + k), _mm256_loadu_ps(x + k), v);
+        part = 256.0f * hsum(v);
+#endif
+        for (; k < end; k++)
+            part += SCALES[0][row[k]] * x[k];
+        acc += s ? part * block_scale(s, (n / block) * s_stride + kb, e8m0) : part;
+    }
+    return acc;
+}
+
+/* outputs n0 .. n0 + 64 (fewer at the edge) of a k-major E4M3 weight [K, N] . x into y[n0 ..] */
+static inline void fp8_chunk(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x, long N,
+                             long K, long n0, float *y) {
+    const long B = s ? block : K;
+    long wd = N - n0 < 64 ? N - n0 : 64;
+    float acc[64], part[64];
+    for (long i = 0; i < wd; i++)
+        acc[i] = 0.0f;
+    for (long k0 = 0, kb = 0; k0 < K; k0 += B, kb++) {
+        long end = k0 + B < K ? k0 + B : K;
+#ifdef __AVX512F__
+        if (wd == 64) {  /* 64 outputs' sums in four registers while the block's rows stream by */
+            __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+            for (long k = k0; k < end; k++) {
+                const uint8_t *r = w + k * N + n0;
+                prefetch(r + PF_KSTEP * N);
+                const __m512 xk = _mm512_set1_ps(256.0f * x[k]);
+                p0 = _mm512_fmadd_ps(e4m3x16(r), xk, p0);
+                p1 = _mm512_fmadd_ps(e4m3x16(r + 16), xk, p1);
+                p2 = _mm512_fmadd_ps(e4m3x16(r + 32), xk, p2);
+                p3 = _mm512_fmadd_ps(e4m3x16(r + 48), xk, p3);
+            }
+            _mm512_storeu_ps(part, p0);
+            _mm512_storeu_ps(part + 16, p1);
+            _mm512_storeu_ps(part + 32, p2);
+            _mm512_storeu_ps(part + 48, p3);
+        } else
+#endif
+        {
+            for (long i = 0; i < wd; i++)
+                part[i] = 0.0f;
+            for (long k = k0; k < end; k++) {
+                const uint8_t *r = w + k * N + n0;
+                long i = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
+                const __m256 xk = _mm256_set1_ps(256.0f * x[k]);
+                for (; i + 8 <= wd; i += 8)
+                    _mm256_storeu_ps(part + i, _mm256_fmadd_ps(e4m3x8(r + i), xk, _mm256_loadu_ps(part + i)));
+#endif
+                for (; i < wd; i++)
+                    part[i] += SCALES[0][r[i]] * x[k];
+            }
+        }
+        for (long i = 0; i < wd; i++)
+            acc[i] += s ? part[i] * block_scale(s, kb * s_stride + (n0 + i) / block, e8m0) : part[i];
+    }
+    for (long i = 0; i < wd; i++)
+        y[n0 + i] = acc[i];
+}
+
 void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
                        long N, long K, float *y) {
     init_scales();
-    const long B = s ? block : K;
 #pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint8_t *row = w + n * K;
-        float acc = 0.0f;
-        for (long k0 = 0, kb = 0; k0 < K; k0 += B, kb++) {
-            long end = k0 + B < K ? k0 + B : K, k = k0;
-            float part = 0.0f;
-#ifdef __AVX512F__
-            __m512 v = _mm512_setzero_ps();
-            for (; k + 16 <= end; k += 16) {
-                if (!(k & 63))
-                    prefetch(row + k + PF_ROW);
-                v = _mm512_fmadd_ps(e4m3x16(row + k), _mm512_loadu_ps(x + k), v);
-            }
-            part = 256.0f * _mm512_reduce_add_ps(v);
-#elif defined(__AVX2__) && defined(__F16C__)
-            __m256 v = _mm256_setzero_ps();
-            for (; k + 8 <= end; k += 8)
-                v = _mm256_fmadd_ps(e4m3x8(row + k), _mm256_loadu_ps(x + k), v);
-            part = 256.0f * hsum(v);
-#endif
-            for (; k < end; k++)
-                part += SCALES[0][row[k]] * x[k];
-            acc += s ? part * block_scale(s, (n / block) * s_stride + kb, e8m0) : part;
-        }
-        y[n] = acc;
-    }
+    for (long n = 0; n < N; n++)
+        y[n] = fp8_row(w + n * K, s, s_stride, block, e8m0, x, n, K);
 }
 
 void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
                        long N, long K, float *y) {
     init_scales();
-    const long B = s ? block : K;
 #pragma omp parallel for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64) {
-        long wd = N - n0 < 64 ? N - n0 : 64;
-        float acc[64], part[64];
-        for (long i = 0; i < wd; i++)
-            acc[i] = 0.0f;
-        for (long k0 = 0, kb = 0; k0 < K; k0 += B, kb++) {
-            long end = k0 + B < K ? k0 + B : K;
-#ifdef __AVX512F__
-            if (wd == 64) {  /* 64 outputs' sums in four registers while the block's rows stream by */
-                __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
-                for (long k = k0; k < end; k++) {
-                    const uint8_t *r = w + k * N + n0;
-                    prefetch(r + PF_KSTEP * N);
-                    const __m512 xk = _mm512_set1_ps(256.0f * x[k]);
-                    p0 = _mm512_fmadd_ps(e4m3x16(r), xk, p0);
-                    p1 = _mm512_fmadd_ps(e4m3x16(r + 16), xk, p1);
-                    p2 = _mm512_fmadd_ps(e4m3x16(r + 32), xk, p2);
-                    p3 = _mm512_fmadd_ps(e4m3x16(r + 48), xk, p3);
-                }
-                _mm512_storeu_ps(part, p0);
-                _mm512_storeu_ps(part + 16, p1);
-                _mm512_storeu_ps(part + 32, p2);
-                _mm512_storeu_ps(part + 48, p3);
-            } else
-#endif
-            {
-                for (long i = 0; i < wd; i++)
-                    part[i] = 0.0f;
-                for (long k = k0; k < end; k++) {
-                    const uint8_t *r = w + k * N + n0;
-                    long i = 0;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
-                    const __m256 xk = _mm256_set1_ps(256.0f * x[k]);
-                    for (; i + 8 <= wd; i += 8)
-                        _mm256_storeu_ps(part + i, _mm256_fmadd_ps(e4m3x8(r + i), xk, _mm256_loadu_ps(part + i)));
-#endif
-                    for (; i < wd; i++)
-                        part[i] += SCALES[0][r[i]] * x[k];
-                }
-            }
-            for (long i = 0; i < wd; i++)
-                acc[i] += s ? part[i] * block_scale(s, kb * s_stride + (n0 + i) / block, e8m0) : part[i];
-        }
-        for (long i = 0; i < wd; i++)
-            y[n0 + i] = acc[i];
-    }
+    for (long n0 = 0; n0 < N; n0 += 64)
+        fp8_chunk(w, s, s_stride, block, e8m0, x, N, K, n0, y);
 }
 
 /* he[i], ho[i] = relu(s2 * h[2i])^2, relu(s2 * h[2i+1])^2 for i in [i0, i1): a ReLU^2 expert's activation, split into the
@@ -788,61 +798,68 @@ static inline __m512 bf16x16(const uint16_t *p) {
 
 static inline float bf16_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
 
+/* a row of an n-major BF16 weight [N, K] . x */
+static inline float bf16_row(const uint16_t *row, const float *x, long K) {
+    long k = 0;
+    float acc = 0.0f;
+#ifdef __AVX512F__
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (; k + 32 <= K; k += 32) {
+        prefetch((const char *)(row + k) + PF_ROW);
+        a0 = _mm512_fmadd_ps(bf16x16(row + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(bf16x16(row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+    }
+    acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+    for (; k < K; k++)
+        acc += bf16_f32(row[k]) * x[k];
+    return acc;
+}
+
+/* outputs n0 .. n0 + 64 (fewer at the edge) of a k-major BF16 weight [K, N] . x into y[n0 ..] */
+static inline void bf16_chunk(const uint16_t *w, const float *x, long N, long K, long n0, float *y) {
+    long wd = N - n0 < 64 ? N - n0 : 64;
+    float part[64];
+    for (long i = 0; i < wd; i++)
+        part[i] = 0.0f;
+#ifdef __AVX512F__
+    if (wd == 64) {  /* 64 outputs' sums in four registers while the rows stream by */
+        __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+        for (long k = 0; k < K; k++) {
+            const uint16_t *r = w + k * N + n0;
+            prefetch(r + PF_KSTEP * N);
+            prefetch(r + PF_KSTEP * N + 32);
+            const __m512 xk = _mm512_set1_ps(x[k]);
+            p0 = _mm512_fmadd_ps(bf16x16(r), xk, p0);
+            p1 = _mm512_fmadd_ps(bf16x16(r + 16), xk, p1);
+            p2 = _mm512_fmadd_ps(bf16x16(r + 32), xk, p2);
+            p3 = _mm512_fmadd_ps(bf16x16(r + 48), xk, p3);
+        }
+        _mm512_storeu_ps(part, p0);
+        _mm512_storeu_ps(part + 16, p1);
+        _mm512_storeu_ps(part + 32, p2);
+        _mm512_storeu_ps(part + 48, p3);
+    } else
+#endif
+    {
+        for (long k = 0; k < K; k++)
+            for (long i = 0; i < wd; i++)
+                part[i] += bf16_f32(w[k * N + n0 + i]) * x[k];
+    }
+    for (long i = 0; i < wd; i++)
+        y[n0 + i] = part[i];
+}
+
 void sluice_bf16_nmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
 #pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint16_t *row = w + n * K;
-        long k = 0;
-        float acc = 0.0f;
-#ifdef __AVX512F__
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-        for (; k + 32 <= K; k += 32) {
-            prefetch((const char *)(row + k) + PF_ROW);
-            a0 = _mm512_fmadd_ps(bf16x16(row + k), _mm512_loadu_ps(x + k), a0);
-            a1 = _mm512_fmadd_ps(bf16x16(row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-        }
-        acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#endif
-        for (; k < K; k++)
-            acc += bf16_f32(row[k]) * x[k];
-        y[n] = acc;
-    }
+    for (long n = 0; n < N; n++)
+        y[n] = bf16_row(w + n * K, x, K);
 }
 
 void sluice_bf16_kmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
 #pragma omp parallel for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64) {
-        long wd = N - n0 < 64 ? N - n0 : 64;
-        float part[64];
-        for (long i = 0; i < wd; i++)
-            part[i] = 0.0f;
-#ifdef __AVX512F__
-        if (wd == 64) {  /* 64 outputs' sums in four registers while the rows stream by */
-            __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
-            for (long k = 0; k < K; k++) {
-                const uint16_t *r = w + k * N + n0;
-                prefetch(r + PF_KSTEP * N);
-                prefetch(r + PF_KSTEP * N + 32);
-                const __m512 xk = _mm512_set1_ps(x[k]);
-                p0 = _mm512_fmadd_ps(bf16x16(r), xk, p0);
-                p1 = _mm512_fmadd_ps(bf16x16(r + 16), xk, p1);
-                p2 = _mm512_fmadd_ps(bf16x16(r + 32), xk, p2);
-                p3 = _mm512_fmadd_ps(bf16x16(r + 48), xk, p3);
-            }
-            _mm512_storeu_ps(part, p0);
-            _mm512_storeu_ps(part + 16, p1);
-            _mm512_storeu_ps(part + 32, p2);
-            _mm512_storeu_ps(part + 48, p3);
-        } else
-#endif
-        {
-            for (long k = 0; k < K; k++)
-                for (long i = 0; i < wd; i++)
-                    part[i] += bf16_f32(w[k * N + n0 + i]) * x[k];
-        }
-        for (long i = 0; i < wd; i++)
-            y[n0 + i] = part[i];
-    }
+    for (long n0 = 0; n0 < N; n0 += 64)
+        bf16_chunk(w, x, N, K, n0, y);
 }
 
 /* A SwiGLU FP4 expert in one call: y = down_s2 * down(silu(g) * u), g = gate_s2 * gate(x), u = up_s2 * up(x); gate,
@@ -1074,9 +1091,98 @@ static int swiglu_layer_q8(const int64_t *plan, int n, const int64_t *bases, con
 }
 #endif
 
+/* ---- BF16 / FP8 experts by plan (P_KIND 2: ReLU^2, 3: SwiGLU with plain SiLU): per projection D_LEN fields from
+ * P_PROJ on (up, down, gate): weight offset, type (1 BF16, 2 E4M3), k-major (re-laid), scale kind (0 none, 1 one F32
+ * for the tensor, 2 one F32 per output, 3 F32 per block x block tile, 4 E8M0 per tile), scale offset, scale row
+ * stride, tile edge. Each output is the single projection's (sluice_bf16_* / sluice_fp8_*, then the tensor or output
+ * scale as kernels/cpu.py applies it) whatever the split. */
+enum { D_W, D_TYPE, D_KMAJOR, D_SKIND, D_S, D_SSTRIDE, D_BLOCK, D_LEN };
+
+typedef struct {
+    const uint8_t *w, *s;
+    long s_stride, block;
+    int type, kmajor, skind;
+} dense_proj;
+
+static inline dense_proj dense_proj_of(const int64_t *plan, int j, const uint8_t *base) {
+    const int64_t *f = plan + P_PROJ + D_LEN * j;
+    dense_proj p = {base + f[D_W], f[D_SKIND] ? base + f[D_S] : NULL, (long)f[D_SSTRIDE], (long)f[D_BLOCK], (int)f[D_TYPE],
+                    (int)f[D_KMAJOR], (int)f[D_SKIND]};
+    return p;
+}
+
+static inline float dense_scaled(const dense_proj *p, float v, long n) {
+    return p->skind == 1 ? v * ((const float *)p->s)[0] : p->skind == 2 ? v * ((const float *)p->s)[n] : v;
+}
+
+/* one projection of n experts (N outputs, K inputs; expert e's input at x + e * xstride, its outputs at y + e * N),
+ * split over the calling team: n-major rows, or k-major chunks of 64 outputs. An `omp for`: ends in a barrier. */
+static void dense_team(const dense_proj *ps, int n, const float *x, long xstride, long N, long K, float *y) {
+    if (ps[0].kmajor) {
+        const long chunks = (N + 63) / 64;
+#pragma omp for schedule(static)
+        for (long c = 0; c < n * chunks; c++) {
+            const long e = c / chunks, n0 = c % chunks * 64, end = n0 + 64 < N ? n0 + 64 : N;
+            const dense_proj *p = ps + e;
+            float *ye = y + e * N;
+            if (p->type == 1)
+                bf16_chunk((const uint16_t *)p->w, x + e * xstride, N, K, n0, ye);
+            else
+                fp8_chunk(p->w, p->skind >= 3 ? p->s : NULL, p->s_stride, p->block, p->skind == 4, x + e * xstride, N, K, n0, ye);
+            for (long i = n0; i < end; i++)
+                ye[i] = dense_scaled(p, ye[i], i);
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (long r = 0; r < n * N; r++) {
+            const long e = r / N, i = r % N;
+            const dense_proj *p = ps + e;
+            const float v = p->type == 1 ? bf16_row((const uint16_t *)p->w + i * K, x + e * xstride, K)
+                                         : fp8_row(p->w + i * K, p->skind >= 3 ? p->s : NULL, p->s_stride, p->block, p->skind == 4,
+                                                   x + e * xstride, i, K);
+            y[r] = dense_scaled(p, v, i);
+        }
+    }
+}
+
+/* a layer's n BF16 / FP8 experts on one token in one parallel region: each projection of every expert in one
+ * `omp for`, the activation between them in another */
+static int dense_layer(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y) {
+    const long Dx = (long)plan[P_DX], I = (long)plan[P_I];
+    const int swiglu = plan[P_KIND] == 3;
+    if (n < 1 || !layer_scratch(sizeof(float) * (size_t)(3 * n * I) + 64 * 3))
+        return 0;
+    size_t at = 0;
+    float *h = carve(&at, 4 * n * I), *u = carve(&at, 4 * n * I), *a = carve(&at, 4 * n * I);
+    dense_proj up[n], down[n], gate[n];
+    for (int e = 0; e < n; e++) {
+        const uint8_t *base = (const uint8_t *)(intptr_t)bases[e];
+        up[e] = dense_proj_of(plan, 0, base);
+        down[e] = dense_proj_of(plan, 1, base);
+        if (swiglu)
+            gate[e] = dense_proj_of(plan, 2, base);
+    }
+    init_scales();
+#pragma omp parallel
+    {
+        dense_team(up, n, x, 0, I, Dx, swiglu ? u : h);
+        if (swiglu)
+            dense_team(gate, n, x, 0, I, Dx, h);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n * I; r++) {
+            const float v = h[r];
+            a[r] = swiglu ? v / (1.0f + __builtin_expf(-v)) * u[r] : (v > 0.0f || v != v ? v * v : 0.0f);
+        }
+        dense_team(down, n, a, I, Dx, I, y);
+    }
+    return 1;
+}
+
 int sluice_experts(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], M = (Dx > I ? Dx : I) / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0], int8 = (int)plan[P_INT8], kind = (int)plan[P_KIND];
+    if (kind == 2 || kind == 3)
+        return dense_layer(plan, n, bases, x, y);
     if (kind != 0 && kind != 1)
         return 0;
     /* scratch, floats: xe, xo [Dx/2]; h or g [I]; u [I]; he, ho [I/2]; xs, c [M/4 + 1]; q [2M] int8 */

@@ -208,17 +208,56 @@ class Fp4Call:
 
 
 class ExpertPlan:
-    """A one-call FP4 expert: a ReLU^2 one (n-major up, re-laid down) or a SwiGLU one with plain SiLU (gate, up, down
-    n-major), fp32 or with int8 activations, described once as kernels/cpu_native.c's plan (fields P_*), so that
-    n blocks of the layout run for one token in one call (sluice_experts): x split, scratch and each block's
-    second-level scales are the C side's, and a call costs a few microseconds of Python."""
+    """A layout's experts described once as kernels/cpu_native.c's plan, so that n blocks of it run for one token in one
+    call (sluice_experts: the whole layer in one parallel region, x split, scratch and each block's scales on the C side,
+    a few microseconds of Python a call): FP4 ones (`fp4`: a ReLU^2 expert with n-major up and re-laid down, or a
+    SwiGLU one with plain SiLU and gate, up, down n-major; fp32 or int8 activations) and BF16 / FP8 ones (`dense`)."""
 
-    def __init__(self, lib, kind: str, up: Fp4Call, down: Fp4Call, gate: Fp4Call | None, int8: bool):
+    def __init__(self, lib, fields: list[int], dx: int, threads: int):
+        self.plan = (ctypes.c_int64 * len(fields))(*fields)
+        self.lib, self.dx, self.threads = lib, dx, threads
+
+    @classmethod
+    def fp4(cls, lib, kind: str, up: Fp4Call, down: Fp4Call, gate: Fp4Call | None, int8: bool) -> "ExpertPlan":
         f = [0 if kind == "relu2" else 1, int(int8), down.n, up.n, up.half, up.e8m0]
         for p in (up, down, gate):
             f += [p.w_off, p.s_off, p.s_stride, p.s2_off, int(p.s2_inv)] if p is not None else [0, 0, 0, -1, 0]
-        self.plan = (ctypes.c_int64 * len(f))(*f)
-        self.lib, self.dx, self.threads = lib, down.n, up.threads
+        return cls(lib, f, down.n, up.threads)
+
+    @classmethod
+    def dense(cls, lib, kind: str, formats: dict[str, WeightFormat], slots: dict[str, list], kmajor: dict[str, bool],
+              threads: int) -> "ExpertPlan | None":
+        """BF16 / FP8 projections (one F32 scale for the tensor or per output, or F32 / E8M0 scales per tile), with no
+        bias and one orientation per projection; None for anything else."""
+        projs = ("up", "down") if kind == "relu2" else ("up", "down", "gate")
+        fields, dims = [], {}
+        for proj in projs:
+            f, by = formats.get(proj), {s.suffix: s for s in slots.get(proj, [])}
+            if f is None or f.bias or f.kind not in ("dense", "fp8", "fp8_block"):
+                return None
+            w = by[f.weight]
+            if w.dtype not in ("BF16", "F8_E4M3") or (w.dtype == "BF16") != (f.kind == "dense") or len(w.shape) != 2:
+                return None
+            n_out, k_in = w.shape  # the checkpoint's [out, in]
+            skind, s_off, s_stride = 0, 0, 0
+            if f.kind != "dense":
+                sc = by[f.scale]
+                if f.kind == "fp8":
+                    if sc.dtype != "F32" or sc.nbytes // 4 not in (1, n_out):
+                        return None
+                    skind = 1 if sc.nbytes == 4 else 2
+                else:
+                    if sc.dtype not in ("F32", "F8_E8M0") or len(sc.shape) != 2:
+                        return None
+                    skind, s_stride = (3 if sc.dtype == "F32" else 4), sc.stored_shape[1]
+                s_off = sc.offset
+            dims[proj] = (n_out, k_in)
+            fields += [w.offset, 1 if w.dtype == "BF16" else 2, int(kmajor[proj]), skind, s_off, s_stride, f.block]
+        I, Dx = dims["up"]
+        if dims["down"] != (Dx, I) or dims.get("gate", (I, Dx)) != (I, Dx):
+            return None
+        head = [2 if kind == "relu2" else 3, 0, Dx, I, 0, 0]
+        return cls(lib, head + fields, Dx, threads)
 
     def __call__(self, blocks: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """blocks: n uint8 block buffers (contiguous); x [Dx] fp32 -> [n, Dx] fp32."""

@@ -27,7 +27,7 @@ def _check(kind: str, fmt: str, Dx: int, I: int, compiled: bool, bias: bool = Fa
         mutate(bank, manifest)
     act = relu2 if kind == "relu2" else F.silu
     cpu = CpuExperts(manifest, kind, act, compiled=compiled, native=native, act_name=fused)
-    assert (cpu.fused or cpu.fused_swiglu) == bool(fused), "the one-call expert path was (not) taken"
+    assert (cpu.plan is not None) == bool(fused), "the one-call expert path was (not) taken"
     for a in range(2):
         block = bank[int(offs[a]) : int(offs[a]) + manifest.block_bytes]
         x = torch.randn(Dx, generator=torch.Generator().manual_seed(a))
@@ -57,14 +57,13 @@ def test_cpu_experts_compiled(fmt, kind):
 def test_native_kernels_match_the_reference(kind, fmt, Dx, I):
     """The C kernels: both layouts, every scale kind (FP4 E4M3 / E8M0 groups; FP8 per tensor, per row, in
     blocks with F32 or E8M0 scales, blocks that end mid-row), BF16, outputs in whole 64-wide chunks and not;
-    a ReLU^2 FP4 expert also in one call (up, activation, down), and a SwiGLU one with plain SiLU (gate, up, down)."""
+    a ReLU^2 expert also in one call (up, activation, down), and a SwiGLU one with plain SiLU (gate, up, down), in
+    every format (FP4: ExpertPlan.fp4; BF16 / FP8: ExpertPlan.dense)."""
     from sluice.kernels.cpu_native import native_kernels
 
     if native_kernels() is None:
         pytest.skip("no C compiler here: the native FP4 path is not built")
     one_call = kind.endswith("-one-call")
-    if one_call and "fp4" not in fmt:
-        pytest.skip("the one-call expert is FP4's")
     Dx, I = fit(fmt, Dx, I)
     kind = kind.removesuffix("-one-call")
     _check(kind, fmt, Dx, I, compiled=False, native=True, fused=("relu2" if kind == "relu2" else "silu") if one_call else "")
@@ -107,8 +106,6 @@ def test_wrong_unpacking_must_fail(native, fmt, Dx, I, mutate):
 
     if native and native_kernels() is None:
         pytest.skip("no C compiler here")
-    if native == "one-call" and fmt != "nvfp4":
-        pytest.skip("the one-call expert is FP4's")
     with pytest.raises(AssertionError, match="relative error"):
         _check("relu2", fmt, Dx, I, compiled=False, native=bool(native), mutate=mutate, fused="relu2" if native == "one-call" else "")
 
@@ -233,7 +230,8 @@ def test_int8_cpu_experts(kind, fmt):
             assert torch.equal(got, steps.run(block, x))
 
 
-@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("relu2", "mxfp4"), ("swiglu", "nvfp4")])
+@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("relu2", "mxfp4"), ("swiglu", "nvfp4"), ("relu2", "bf16"),
+                                       ("relu2", "fp8_block"), ("swiglu", "fp8"), ("swiglu", "fp8_block_e8m0"), ("swiglu", "bf16")])
 def test_run_many_is_run_block_by_block(kind, fmt):
     """A layer's blocks on one token in one native call (CpuExperts.run_many: the hybrid path's one-token steps) give
     each block's own run() bit for bit, in the order given, and match the reference."""
