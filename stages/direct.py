@@ -168,7 +168,8 @@ class Direct(Stage):
             self.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         ids_cpu, arrived = self.rt.streams.to_host(self.stream, ids)
         await self.rt.streams.arrived(arrived)
-        experts, rows = group_by_expert(ids_cpu.long(), li.x.device) if self.knobs.routed else ([], {})
+        flat = ids_cpu.flatten().long()
+        experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
         for e in experts:
             self.rt.stats.tier("vram" if (i, e) in self._slot_of else "ram")
         with self.rt.streams.use(self.stream):
@@ -177,55 +178,72 @@ class Direct(Stage):
             if not self.knobs.routed:
                 y.zero_()
             elif self.backend == "triton":
-                self._prompt_experts(block, i, experts, rows, xe, w, y)
+                self._prompt_experts(block, i, flat, experts, xe, w, y)
             else:
-                self._torch(block, experts, rows, xe, w, y)
+                self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
             routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
             h = li.residual + block.finish(routed, li.x).view_as(li.residual)
         return LayerOutput(h)
 
-    def _prompt_experts(self, block, i, experts, rows, xe, w, y) -> None:
-        """A prompt's experts: those in VRAM from their slots; those in RAM (with `prompt_group`) copied into a staging
-        bank group by group on the copy stream, each group computed once its copies land while the next is copied
-        (the copy engine moves them faster than a GEMM reading host memory row tile by row tile); else in place."""
+    def _prompt_experts(self, block, i, flat, experts, xe, w, y) -> None:
+        """A prompt's experts (flat: its routed ids [T*K], CPU): those in VRAM from their slots; those in RAM (with
+        `prompt_group`) copied into a staging bank group by group on the copy stream, each group computed once its
+        copies land while the next is copied (the copy engine moves them faster than a GEMM reading host memory row tile
+        by row tile); else in place. The host's work per layer is one sort of the (token, k) positions into the groups'
+        order, so that each group's rows are one slice, and one copy of every group's block offsets."""
         kern, K, bb, streams = self._kernel(block), block.top_k, self.rt.store.block_bytes, self.rt.streams
-
-        def compute(es, offsets):
-            offs = torch.tensor(offsets, dtype=torch.int64).to(xe.device, non_blocking=True)
-            rl = [rows[e] for e in es]
-            kern.run(self.base, offs, self.base, offs, [r.numel() for r in rl], torch.cat(rl), K, xe, w, y, self.knobs.zero_skip)
-
+        G, E = self.knobs.prompt_group, self.table.shape[1]
         in_vram = [e for e in experts if (i, e) in self._slot_of]
         in_ram = [e for e in experts if (i, e) not in self._slot_of]
-        if in_vram:
-            compute(in_vram, [self._offset(i, e) for e in in_vram])
-        G = self.knobs.prompt_group
-        if not in_ram:
-            return
-        if not G:
-            compute(in_ram, [self._offset(i, e) for e in in_ram])
-            return
-        if self._staging is None:
+        ram_groups = [in_ram[s : s + G] for s in range(0, len(in_ram), G)] if G else [in_ram] if in_ram else []
+        rank = torch.zeros(E, dtype=torch.int64)
+        rank[in_vram + in_ram] = torch.arange(len(experts))
+        rows = torch.argsort(rank[flat], stable=True).to(xe.device, non_blocking=True)
+        counts = torch.bincount(flat, minlength=E).tolist()
+        if G and in_ram and self._staging is None:
             self._staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
-        origin = self._staging.data_ptr() - self.base.data_ptr()
-        filled = []  # (i, e, slot): blocks this prompt copied into free VRAM tier slots
-        for g, start in enumerate(range(0, len(in_ram), G)):
-            group, half = in_ram[start : start + G], g % 2
-            offsets = []
+        offsets = [self._offset(i, e) for e in in_vram]
+        copies, filled = [], []  # per RAM group [(expert, destination)]; (i, e, slot) copied into free VRAM tier slots
+        for g, group in enumerate(ram_groups):
+            dsts = []
+            for j, e in enumerate(group):
+                if not G:
+                    offsets.append(self._ram_off[i][e])
+                    continue
+                if self.knobs.prompt_fill and self._free:  # a free slot is read by no kernel: the copy needs no wait
+                    slot = self._slot_of[(i, e)] = self._free.pop()
+                    filled.append((i, e, slot))
+                    dst = self.vram.arena.slot(slot)
+                else:
+                    dst = self._staging[((g % 2) * G + j) * bb : ((g % 2) * G + j + 1) * bb]
+                dsts.append((e, dst))
+                offsets.append(dst.data_ptr() - self.base.data_ptr())
+            copies.append(dsts)
+        offs = torch.tensor(offsets, dtype=torch.int64).to(xe.device, non_blocking=True)
+        at = [0, 0]  # the next group's first expert in offs, first row in rows
+
+        def compute(group):
+            n, c = len(group), [counts[e] for e in group]
+            kern.run(self.base, offs[at[0] : at[0] + n], self.base, offs[at[0] : at[0] + n], c, rows[at[1] : at[1] + sum(c)], K,
+                     xe, w, y, self.knobs.zero_skip)
+            at[0] += n
+            at[1] += sum(c)
+
+        if in_vram:
+            compute(in_vram)
+        if not G:
+            if in_ram:
+                compute(in_ram)
+            return
+        for g, (group, dsts) in enumerate(zip(ram_groups, copies)):
+            half = g % 2
             with streams.use("copy"):
                 streams.wait("copy", self._staged[half])
-                for j, e in enumerate(group):
-                    if self.knobs.prompt_fill and self._free:  # a free slot is read by no kernel: the copy needs no wait
-                        slot = self._slot_of[(i, e)] = self._free.pop()
-                        filled.append((i, e, slot))
-                        dst = self.vram.arena.slot(slot)
-                    else:
-                        dst = self._staging[(half * G + j) * bb : (half * G + j + 1) * bb]
-                    offsets.append(dst.data_ptr() - self.base.data_ptr())
+                for e, dst in dsts:
                     dst.copy_(self.ram_entries[(block.layer, e)].buf, non_blocking=True)
                 landed = streams.record("copy")
             streams.wait(self.stream, landed)
-            compute(group, offsets)
+            compute(group)
             self._staged[half] = streams.record(self.stream)
         self.rt.stats.vram_fills += len(filled)
         self._point(filled, vram=True)  # after the waits above: the table points at the slots once their copies have landed

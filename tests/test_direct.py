@@ -69,13 +69,17 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
 def test_prompt_fills_free_vram_slots(stores, tmp_path):
     """A prompt copies its RAM blocks into the VRAM tier's free slots (as many as are free) instead of the staging
     bank, and they stay: the next prompt reads them from VRAM. The logits are those of prompts through the staging
-    bank alone, bit for bit; `empty_vram` points the table back at RAM and frees every slot."""
+    bank alone (and of RAM blocks read in place, `prompt_group: 0`), bit for bit; `empty_vram` points the table back at
+    RAM and frees every slot."""
     fill = direct_schedule(tmp_path, backend="triton", prompt_group=2)
     staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False)
     other = [5, 9, 14, 3, 7, 21, 11, 2, 30, 17, 8]
+    in_place = direct_schedule(tmp_path, "in-place", backend="triton", prompt_group=0)
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=5) as engine:
         ref = [engine.forward(PROMPT), engine.forward(other)]
         assert engine.rt.stats.vram_fills == 0
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=in_place, vram_slots=5) as engine:  # RAM blocks read where they lie
+        assert torch.equal(engine.forward(PROMPT), ref[0]) and engine.rt.stats.vram_fills == 0
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=fill, vram_slots=5) as engine:
         stage = engine.coordinator.stages[0][1]
         first = engine.forward(PROMPT)
