@@ -102,62 +102,65 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+/* one n-major FP4 row (K2 bytes, its group scales at srow) . x, x given as its even and odd elements */
+static inline float fp4_row(const uint8_t *row, const uint8_t *srow, const float *xe, const float *xo, long K2, int half,
+                            int e8m0) {
+    float acc = 0.0f;
+    long g0 = 0, g = 0;
+#if defined(__AVX512BW__)
+    {  /* 16 bytes (32 codes, one or two scale groups) a step; codes looked up as floats by permutes */
+        const __m512 table = _mm512_loadu_ps(E2M1);
+        const float *lut = SCALES[e8m0 != 0];
+        __m512 vacc = _mm512_setzero_ps();
+        for (; g0 + 16 <= K2; g0 += 16) {
+            if (!(g0 & 63))
+                prefetch(row + g0 + PF_ROW);
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g0)));
+            __m512 lo = _mm512_permutexvar_ps(c, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+            __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + g0), _mm512_mul_ps(lo, _mm512_loadu_ps(xe + g0)));
+            __m512 sv = half == 16 ? _mm512_set1_ps(lut[srow[g0 / 16]])
+                                   : _mm512_insertf32x8(_mm512_set1_ps(lut[srow[g0 / 8]]), _mm256_set1_ps(lut[srow[g0 / 8 + 1]]), 1);
+            vacc = _mm512_fmadd_ps(t, sv, vacc);
+        }
+        g = g0 / half;
+        acc = _mm512_reduce_add_ps(vacc);
+    }
+#elif defined(__AVX2__)
+    {
+        const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
+        __m256 vacc = _mm256_setzero_ps();
+        float sc[512];  /* the row's group scales, decoded up front (x 0.5: the table holds 2 x E2M1) */
+        long G = K2 / half < 512 ? K2 / half : 512;
+        for (long i = 0; i < G; i++)
+            sc[i] = 0.5f * scale_f32(srow[i], e8m0);
+        for (; g0 + half <= K2 && g < G; g0 += half, g++) {  /* whole groups of 8 or 16 bytes */
+            __m256 scale = _mm256_set1_ps(sc[g]);
+            for (long j = g0; j < g0 + half; j += 8) {
+                __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + j));
+                vacc = _mm256_fmadd_ps(dot8(bytes, xe + j, xo + j, table, low4), scale, vacc);
+            }
+        }
+        acc = hsum(vacc);
+    }
+#endif
+    for (; g0 < K2; g0 += half, g++) {
+        long end = g0 + half < K2 ? g0 + half : K2;
+        float part = 0.0f;
+        for (long j = g0; j < end; j++) {
+            int b = row[j];
+            part += e2m1(b & 15) * xe[j] + e2m1(b >> 4) * xo[j];
+        }
+        acc += part * scale_f32(srow[g], e8m0);
+    }
+    return acc;
+}
+
 void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
     init_scales();
 #pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint8_t *row = p + n * K2;
-        const uint8_t *srow = s + n * s_stride;
-        float acc = 0.0f;
-        long g0 = 0, g = 0;
-#if defined(__AVX512BW__)
-        {  /* 16 bytes (32 codes, one or two scale groups) a step; codes looked up as floats by permutes */
-            const __m512 table = _mm512_loadu_ps(E2M1);
-            const float *lut = SCALES[e8m0 != 0];
-            __m512 vacc = _mm512_setzero_ps();
-            for (; g0 + 16 <= K2; g0 += 16) {
-                if (!(g0 & 63))
-                    prefetch(row + g0 + PF_ROW);
-                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g0)));
-                __m512 lo = _mm512_permutexvar_ps(c, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
-                __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + g0), _mm512_mul_ps(lo, _mm512_loadu_ps(xe + g0)));
-                __m512 sv = half == 16 ? _mm512_set1_ps(lut[srow[g0 / 16]])
-                                       : _mm512_insertf32x8(_mm512_set1_ps(lut[srow[g0 / 8]]), _mm256_set1_ps(lut[srow[g0 / 8 + 1]]), 1);
-                vacc = _mm512_fmadd_ps(t, sv, vacc);
-            }
-            g = g0 / half;
-            acc = _mm512_reduce_add_ps(vacc);
-        }
-#elif defined(__AVX2__)
-        {
-            const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
-            __m256 vacc = _mm256_setzero_ps();
-            float sc[512];  /* the row's group scales, decoded up front (x 0.5: the table holds 2 x E2M1) */
-            long G = K2 / half < 512 ? K2 / half : 512;
-            for (long i = 0; i < G; i++)
-                sc[i] = 0.5f * scale_f32(srow[i], e8m0);
-            for (; g0 + half <= K2 && g < G; g0 += half, g++) {  /* whole groups of 8 or 16 bytes */
-                __m256 scale = _mm256_set1_ps(sc[g]);
-                for (long j = g0; j < g0 + half; j += 8) {
-                    __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + j));
-                    vacc = _mm256_fmadd_ps(dot8(bytes, xe + j, xo + j, table, low4), scale, vacc);
-                }
-            }
-            acc = hsum(vacc);
-        }
-#endif
-        for (; g0 < K2; g0 += half, g++) {
-            long end = g0 + half < K2 ? g0 + half : K2;
-            float part = 0.0f;
-            for (long j = g0; j < end; j++) {
-                int b = row[j];
-                part += e2m1(b & 15) * xe[j] + e2m1(b >> 4) * xo[j];
-            }
-            acc += part * scale_f32(srow[g], e8m0);
-        }
-        y[n] = acc;
-    }
+    for (long n = 0; n < N; n++)
+        y[n] = fp4_row(p + n * K2, s + n * s_stride, xe, xo, K2, half, e8m0);
 }
 
 #define CHUNK 256
@@ -203,6 +206,51 @@ static float *team_buf(int T, long N) {
     return rows_buf;
 }
 
+/* one k-major FP4 scale group (rows j .. end of p, [K2, N] bytes; its N scale bytes at sr) added into acc [N]:
+ * part [N] is scratch. N a multiple of 16. */
+static inline void fp4_kgroup(float *acc, float *part, const uint8_t *p, const uint8_t *sr, const float *xe, const float *xo,
+                              long N, long j, long end, int e8m0) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    for (long n = 0; n < N; n++)
+        part[n] = 0.0f;
+    for (; j + 1 < end; j += 2) {  /* two rows a pass: each output's partial sum loaded and stored once */
+        const uint8_t *r0 = p + j * N, *r1 = r0 + N;
+        const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
+        const __m512 a1 = _mm512_set1_ps(xe[j + 1]), b1 = _mm512_set1_ps(xo[j + 1]);
+        for (long n = 0; n < N; n += 16) {
+            if (!(n & 63)) {
+                prefetch(r0 + n + PF_KROW);
+                prefetch(r1 + n + PF_KROW);
+            }
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+            __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + n)));
+            __m512 v = _mm512_loadu_ps(part + n);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c1, table), a1, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), table), b1, v);
+            _mm512_storeu_ps(part + n, v);
+        }
+    }
+    for (; j < end; j++) {
+        const uint8_t *r0 = p + j * N;
+        const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
+        for (long n = 0; n < N; n += 16) {
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+            __m512 v = _mm512_loadu_ps(part + n);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
+            _mm512_storeu_ps(part + n, v);
+        }
+    }
+    for (long n = 0; n < N; n += 16) {  /* the group's scales, 16 bytes decoded in registers */
+        __m128i b = _mm_loadu_si128((const __m128i *)(sr + n));
+        __m512 sv = e8m0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23))
+                         : _mm512_mul_ps(e4m3x16(sr + n), _mm512_set1_ps(256.0f));
+        _mm512_storeu_ps(acc + n, _mm512_fmadd_ps(_mm512_loadu_ps(part + n), sv, _mm512_loadu_ps(acc + n)));
+    }
+}
+
 /* k-major by rows: each thread takes a run of scale groups and streams their rows whole (contiguous
  * bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), keeping all N
  * outputs' partial sums in L1 (part, per group) and its running sums (acc); the threads' sums are
@@ -221,51 +269,10 @@ static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const 
 #pragma omp single
         used = nt;
         float *acc = buf + 2L * t * N, *part = acc + N;
-        const __m512 table = _mm512_loadu_ps(E2M1);
         for (long n = 0; n < N; n++)
             acc[n] = 0.0f;
-        for (long g = G * t / nt; g < G * (t + 1) / nt; g++) {
-            long j = g * half, end = j + half < K2 ? j + half : K2;
-            for (long n = 0; n < N; n++)
-                part[n] = 0.0f;
-            for (; j + 1 < end; j += 2) {  /* two rows a pass: each output's partial sum loaded and stored once */
-                const uint8_t *r0 = p + j * N, *r1 = r0 + N;
-                const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
-                const __m512 a1 = _mm512_set1_ps(xe[j + 1]), b1 = _mm512_set1_ps(xo[j + 1]);
-                for (long n = 0; n < N; n += 16) {
-                    if (!(n & 63)) {
-                        prefetch(r0 + n + PF_KROW);
-                        prefetch(r1 + n + PF_KROW);
-                    }
-                    __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
-                    __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + n)));
-                    __m512 v = _mm512_loadu_ps(part + n);
-                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
-                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
-                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c1, table), a1, v);
-                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), table), b1, v);
-                    _mm512_storeu_ps(part + n, v);
-                }
-            }
-            for (; j < end; j++) {
-                const uint8_t *r0 = p + j * N;
-                const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
-                for (long n = 0; n < N; n += 16) {
-                    __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
-                    __m512 v = _mm512_loadu_ps(part + n);
-                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
-                    v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
-                    _mm512_storeu_ps(part + n, v);
-                }
-            }
-            const uint8_t *sr = s + g * s_stride;
-            for (long n = 0; n < N; n += 16) {  /* the group's scales, 16 bytes decoded in registers */
-                __m128i b = _mm_loadu_si128((const __m128i *)(sr + n));
-                __m512 sv = e8m0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23))
-                                 : _mm512_mul_ps(e4m3x16(sr + n), _mm512_set1_ps(256.0f));
-                _mm512_storeu_ps(acc + n, _mm512_fmadd_ps(_mm512_loadu_ps(part + n), sv, _mm512_loadu_ps(acc + n)));
-            }
-        }
+        for (long g = G * t / nt; g < G * (t + 1) / nt; g++)
+            fp4_kgroup(acc, part, p, s + g * s_stride, xe, xo, N, g * half, g * half + half < K2 ? g * half + half : K2, e8m0);
     }
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n += 16) {
@@ -924,7 +931,6 @@ static inline void plan_proj(const int64_t *plan, int j, const uint8_t *base, co
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 static __thread uint8_t *layer_mem;
 static __thread size_t layer_cap;
 
@@ -945,22 +951,30 @@ static inline void *carve(size_t *at, size_t bytes) {
     return p;
 }
 
-/* A layer's n ReLU^2 FP4 experts with int8 activations on one token in one parallel region: x quantized once; every
- * expert's up rows in one `omp for`; each expert's activation quantized by group; the n experts' down groups split
- * into one run per thread (a run crossing from one expert into the next keeps a partial sum for each); then each
- * expert's partial sums added in thread order, times its down_s2. Four barriers a layer where expert by expert took
- * four an expert, and the down projection's groups spread over the team whatever their count per expert (one
- * expert's 116 over 16 threads left some threads an eighth more than others). Per expert the arithmetic is the single
- * expert's (relu2_expert_q8_fused); with n = 1 the same split too. 0 where it cannot run. */
-static int relu2_layer_q8(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_LAYERS 1
+#else
+#define Q8_LAYERS 0
+#endif
+
+#ifdef __AVX512BW__
+/* A layer's n ReLU^2 FP4 experts on one token in one parallel region, with int8 activations (int8) or fp32: x
+ * quantized once (int8); every expert's up rows in one `omp for`; each expert's activation (quantized by group); the
+ * n experts' down groups split into one run per thread (a run crossing from one expert into the next keeps a partial
+ * sum for each); then each expert's partial sums added in thread order, times its down_s2. Four barriers a layer
+ * where expert by expert took four an expert, and the down projection's groups spread over the team whatever their
+ * count per expert (one expert's 116 over 16 threads left some threads an eighth more than others). Per expert the
+ * arithmetic is the single expert's (relu2_expert_q8_fused, sluice_fp4_relu2_expert), with n = 1 the same split too,
+ * but for which threads' zero sums are added. 0 where it cannot run. */
+static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y, int int8) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
-    if (n < 1 || K2u % 64 || Dx % 64 || K2u % half || K2d % half || half % 4)
+    if (n < 1 || Dx % 64 || K2u % half || K2d % half || half % 4 || (int8 && (!Q8_LAYERS || K2u % 64)))
         return 0;
     const int T = omp_get_max_threads();
     const long Gd = K2d / half, Gall = n * Gd, chunks = Dx / 64;
     const long span = (Gall + T - 1) / T / Gd + 2;  /* the most experts one thread's run of down groups touches */
-    if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * (size_t)T * span * Dx + 64 * 10))
+    if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * (size_t)T * (span + 1) * Dx + 64 * 11))
         return 0;
     size_t at = 0;
     int8_t *xq = carve(&at, 2 * K2u);
@@ -969,7 +983,8 @@ static int relu2_layer_q8(const int64_t *plan, int n, const int64_t *bases, cons
     int8_t *hq = carve(&at, 2 * n * K2d);
     float *hs = carve(&at, n * K2d);
     int32_t *hc = carve(&at, n * K2d);
-    float *acc = carve(&at, 4 * (size_t)T * span * Dx);
+    float *acc = carve(&at, 4 * (size_t)T * span * Dx), *parts = carve(&at, 4 * (size_t)T * Dx);
+    (void)xq, (void)xs, (void)xc, (void)hq, (void)hs, (void)hc;
     const uint8_t *uw[n], *us[n], *dw[n], *ds[n];
     long ust[n], dst[n];
     float us2[n], ds2[n];
@@ -980,22 +995,35 @@ static int relu2_layer_q8(const int64_t *plan, int n, const int64_t *bases, cons
     }
 #pragma omp parallel num_threads(T)
     {
+#if Q8_LAYERS
         float sc[Q8_SEG] __attribute__((aligned(64)));
         const q8_consts k = q8_nconsts(half);
+        if (int8) {
 #pragma omp for schedule(static)
-        for (long g0 = 0; g0 < K2u; g0 += half)
-            q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
+            for (long g0 = 0; g0 < K2u; g0 += half)
+                q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
+        }
+#endif
 #pragma omp for schedule(static)
         for (long r = 0; r < n * I; r++) {
             const long e = r / I, i = r % I;
-            h[r] = q8_nrow(&k, uw[e] + i * K2u, us[e] + i * ust[e], xq, xq + K2u, xs, xc, K2u, K2u / half, e8m0, sc);
+#if Q8_LAYERS
+            if (int8) {
+                h[r] = q8_nrow(&k, uw[e] + i * K2u, us[e] + i * ust[e], xq, xq + K2u, xs, xc, K2u, K2u / half, e8m0, sc);
+                continue;
+            }
+#endif
+            h[r] = fp4_row(uw[e] + i * K2u, us[e] + i * ust[e], xe, xo, K2u, half, e8m0);
         }
 #pragma omp for schedule(static)
-        for (long gg = 0; gg < Gall; gg++) {  /* an expert's group of h: the activation, then its quantization */
+        for (long gg = 0; gg < Gall; gg++) {  /* an expert's group of h: the activation (then its quantization) */
             const long e = gg / Gd, g0 = gg % Gd * half;
             relu2_pairs(h + e * I, us2[e], g0, g0 + half, he + e * K2d, ho + e * K2d);
-            q8_group(he + e * K2d, ho + e * K2d, g0, half, hq + 2 * K2d * e, hq + 2 * K2d * e + K2d, hs + e * (K2d / 4),
-                     hc + e * (K2d / 4));
+#if Q8_LAYERS
+            if (int8)
+                q8_group(he + e * K2d, ho + e * K2d, g0, half, hq + 2 * K2d * e, hq + 2 * K2d * e + K2d, hs + e * (K2d / 4),
+                         hc + e * (K2d / 4));
+#endif
         }
         const int t = omp_get_thread_num(), used = omp_get_num_threads();
         const long a = Gall * t / used, b = Gall * (t + 1) / used;
@@ -1004,35 +1032,55 @@ static int relu2_layer_q8(const int64_t *plan, int n, const int64_t *bases, cons
             memset(mine, 0, sizeof(float) * (size_t)((b - 1) / Gd - a / Gd + 1) * Dx);
             for (long gg = a; gg < b; gg++) {
                 const long e = gg / Gd, g = gg % Gd;
-                q8_kgroup(mine + (e - a / Gd) * Dx, dw[e], ds[e] + g * dst[e], hq + 2 * K2d * e, hq + 2 * K2d * e + K2d,
-                          hs + e * (K2d / 4), hc + e * (K2d / 4), Dx, g * half, half, e8m0);
+                float *to = mine + (e - a / Gd) * Dx;
+#if Q8_LAYERS
+                if (int8) {
+                    q8_kgroup(to, dw[e], ds[e] + g * dst[e], hq + 2 * K2d * e, hq + 2 * K2d * e + K2d, hs + e * (K2d / 4),
+                              hc + e * (K2d / 4), Dx, g * half, half, e8m0);
+                    continue;
+                }
+#endif
+                fp4_kgroup(to, parts + (size_t)t * Dx, dw[e], ds[e] + g * dst[e], he + e * K2d, ho + e * K2d, Dx, g * half,
+                           g * half + half, e8m0);
             }
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long c = 0; c < n * chunks; c++) {
-            const long e = c / chunks;
-            float *parts[used];
+            const long e = c / chunks, n0 = c % chunks * 64;
+            float *from[used];
             int np = 0;
             for (int u = 0; u < used; u++) {  /* the threads whose runs took groups of expert e, in thread order */
                 const long ua = Gall * u / used, ub = Gall * (u + 1) / used;
                 if (ua < ub && ua < (e + 1) * Gd && ub > e * Gd)
-                    parts[np++] = acc + (size_t)u * span * Dx + (e - ua / Gd) * Dx;
+                    from[np++] = acc + (size_t)u * span * Dx + (e - ua / Gd) * Dx;
             }
-            q8_kunpermute(parts, np, c % chunks * 64, ds2[e], y + e * Dx);
+#if Q8_LAYERS
+            if (int8) {
+                q8_kunpermute(from, np, n0, ds2[e], y + e * Dx);
+                continue;
+            }
+#endif
+            for (long m = n0; m < n0 + 64; m += 16) {
+                __m512 v = _mm512_loadu_ps(from[0] + m);
+                for (int u = 1; u < np; u++)
+                    v = _mm512_add_ps(v, _mm512_loadu_ps(from[u] + m));
+                _mm512_storeu_ps(y + e * Dx + m, _mm512_mul_ps(v, _mm512_set1_ps(ds2[e])));
+            }
         }
     }
     return 1;
 }
+#endif
 
-/* A layer's n SwiGLU FP4 experts (plain SiLU) with int8 activations on one token in one parallel region: x quantized
- * once; every expert's gate and up rows in one `omp for`; silu(g) * u quantized by group per expert; every expert's
- * down rows in one `omp for`. Each output is one row's dot, so the result is sluice_fp4_swiglu_expert's (int8) bit for
- * bit whatever the split. 0 where it cannot run. */
-static int swiglu_layer_q8(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y) {
+/* A layer's n SwiGLU FP4 experts (plain SiLU) on one token in one parallel region, int8 activations or fp32: x
+ * quantized once (int8); every expert's gate and up rows in one `omp for`; silu(g) * u (quantized by group) per
+ * expert; every expert's down rows in one `omp for`. Each output is one row's dot, so the result is
+ * sluice_fp4_swiglu_expert's bit for bit whatever the split. 0 where it cannot run. */
+static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y, int int8) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
-    if (n < 1 || K2u % 64 || K2d % 64 || K2u % half || K2d % half || half % 4)
+    if (n < 1 || K2u % half || K2d % half || half % 4 || (int8 && (!Q8_LAYERS || K2u % 64 || K2d % 64)))
         return 0;
     const int T = omp_get_max_threads();
     const long Gd = K2d / half;
@@ -1052,21 +1100,32 @@ static int swiglu_layer_q8(const int64_t *plan, int n, const int64_t *bases, con
     for (int e = 0; e < n; e++)
         for (int j = 0; j < 3; j++)  /* 0 up, 1 down, 2 gate */
             plan_proj(plan, j, (const uint8_t *)(intptr_t)bases[e], &w[j][e], &sc_[j][e], &st[j][e], &s2[j][e]);
+    (void)xq, (void)xs, (void)xc, (void)hq, (void)hs, (void)hc;
 #pragma omp parallel num_threads(T)
     {
+#if Q8_LAYERS
         float sc[Q8_SEG] __attribute__((aligned(64)));
         const q8_consts k = q8_nconsts(half);
+        if (int8) {
 #pragma omp for schedule(static)
-        for (long g0 = 0; g0 < K2u; g0 += half)
-            q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
+            for (long g0 = 0; g0 < K2u; g0 += half)
+                q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
+        }
+#endif
 #pragma omp for schedule(static)
         for (long r = 0; r < 2 * n * I; r++) {  /* expert e's gate rows at gu[2 e I ..], its up rows after them */
             const long e = r / (2 * I), i = r % I;
             const int j = r % (2 * I) < I ? 2 : 0;
-            gu[r] = q8_nrow(&k, w[j][e] + i * K2u, sc_[j][e] + i * st[j][e], xq, xq + K2u, xs, xc, K2u, K2u / half, e8m0, sc);
+#if Q8_LAYERS
+            if (int8) {
+                gu[r] = q8_nrow(&k, w[j][e] + i * K2u, sc_[j][e] + i * st[j][e], xq, xq + K2u, xs, xc, K2u, K2u / half, e8m0, sc);
+                continue;
+            }
+#endif
+            gu[r] = fp4_row(w[j][e] + i * K2u, sc_[j][e] + i * st[j][e], xe, xo, K2u, half, e8m0);
         }
 #pragma omp for schedule(static)
-        for (long gg = 0; gg < n * Gd; gg++) {  /* an expert's group of silu(g) * u, then its quantization */
+        for (long gg = 0; gg < n * Gd; gg++) {  /* an expert's group of silu(g) * u (then its quantization) */
             const long e = gg / Gd, g0 = gg % Gd * half;
             const float *ge = gu + 2 * e * I, *ue = ge + I;
             for (long i = 2 * g0; i < 2 * (g0 + half); i++) {
@@ -1077,25 +1136,34 @@ static int swiglu_layer_q8(const int64_t *plan, int n, const int64_t *bases, con
                 else
                     he[e * K2d + i / 2] = h;
             }
-            q8_group(he + e * K2d, ho + e * K2d, g0, half, hq + 2 * K2d * e, hq + 2 * K2d * e + K2d, hs + e * (K2d / 4),
-                     hc + e * (K2d / 4));
+#if Q8_LAYERS
+            if (int8)
+                q8_group(he + e * K2d, ho + e * K2d, g0, half, hq + 2 * K2d * e, hq + 2 * K2d * e + K2d, hs + e * (K2d / 4),
+                         hc + e * (K2d / 4));
+#endif
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < n * Dx; r++) {
             const long e = r / Dx, i = r % Dx;
-            y[r] = q8_nrow(&k, w[1][e] + i * K2d, sc_[1][e] + i * st[1][e], hq + 2 * K2d * e, hq + 2 * K2d * e + K2d,
-                           hs + e * (K2d / 4), hc + e * (K2d / 4), K2d, Gd, e8m0, sc) * s2[1][e];
+#if Q8_LAYERS
+            if (int8) {
+                y[r] = q8_nrow(&k, w[1][e] + i * K2d, sc_[1][e] + i * st[1][e], hq + 2 * K2d * e, hq + 2 * K2d * e + K2d,
+                               hs + e * (K2d / 4), hc + e * (K2d / 4), K2d, Gd, e8m0, sc) * s2[1][e];
+                continue;
+            }
+#endif
+            y[r] = fp4_row(w[1][e] + i * K2d, sc_[1][e] + i * st[1][e], he + e * K2d, ho + e * K2d, K2d, half, e8m0) * s2[1][e];
         }
     }
     return 1;
 }
-#endif
 
 /* ---- BF16 / FP8 experts by plan (P_KIND 2: ReLU^2, 3: SwiGLU with plain SiLU): per projection D_LEN fields from
  * P_PROJ on (up, down, gate): weight offset, type (1 BF16, 2 E4M3), k-major (re-laid), scale kind (0 none, 1 one F32
  * for the tensor, 2 one F32 per output, 3 F32 per block x block tile, 4 E8M0 per tile), scale offset, scale row
  * stride, tile edge. Each output is the single projection's (sluice_bf16_* / sluice_fp8_*, then the tensor or output
- * scale as kernels/cpu.py applies it) whatever the split. */
+ * scale as kernels/cpu.py applies it) whatever the split, but for a re-laid E4M3 down (fp8_krows_team: the same sums
+ * up to fp32 summation order). */
 enum { D_W, D_TYPE, D_KMAJOR, D_SKIND, D_S, D_SSTRIDE, D_BLOCK, D_LEN };
 
 typedef struct {
@@ -1145,15 +1213,78 @@ static void dense_team(const dense_proj *ps, int n, const float *x, long xstride
     }
 }
 
+#ifdef __AVX512F__
+/* k-major (re-laid) E4M3 projections of n experts split over the calling team by runs of row units (R rows a unit: a
+ * scale tile's edge, or 128 without tiles; a run crossing from one expert into the next keeps a sum for each), each
+ * unit's rows streamed whole, two at a time, into a partial sum of all N outputs (in L1), then scaled by the unit's
+ * tile scales into the thread's sum for its expert; after a barrier each expert's sums are added in thread order and
+ * given the tensor or output scale. The 64-output chunks (fp8_chunk) read 64 bytes a row at the row's stride: 56-58%
+ * of the RAM read rate on the H200's host. N a multiple of 16; acc [T, span, N], part [T, N]; the same sums as
+ * fp8_chunk's up to fp32 summation order. */
+static void fp8_krows_team(const dense_proj *ps, int n, const float *x, long xstride, long N, long K, float *y, float *acc,
+                           float *part_all, long span) {
+    const long R = ps[0].skind >= 3 ? ps[0].block : 128, per = (K + R - 1) / R, U = n * per;
+    const int t = omp_get_thread_num(), used = omp_get_num_threads();
+    const long a = U * t / used, b = U * (t + 1) / used;
+    float *mine = acc + (size_t)t * span * N, *part = part_all + (size_t)t * N;
+    if (a < b)
+        memset(mine, 0, sizeof(float) * (size_t)((b - 1) / per - a / per + 1) * N);
+    for (long uu = a; uu < b; uu++) {
+        const long e = uu / per, kb = uu % per, k1 = kb * R + R < K ? kb * R + R : K;
+        const dense_proj *p = ps + e;
+        const float *xe = x + e * xstride;
+        float *to = mine + (e - a / per) * N;
+        long k = kb * R;
+        for (long m = 0; m < N; m++)
+            part[m] = 0.0f;
+        for (; k < k1; k += 2) {  /* two rows a pass (the second a zero row at an odd end) */
+            const uint8_t *r0 = p->w + k * N, *r1 = k + 1 < k1 ? r0 + N : r0;
+            const __m512 x0 = _mm512_set1_ps(256.0f * xe[k]), x1 = _mm512_set1_ps(k + 1 < k1 ? 256.0f * xe[k + 1] : 0.0f);
+            for (long m = 0; m < N; m += 16) {
+                if (!(m & 63)) {
+                    prefetch(r0 + m + PF_KROW);
+                    prefetch(r1 + m + PF_KROW);
+                }
+                __m512 v = _mm512_fmadd_ps(e4m3x16(r0 + m), x0, _mm512_loadu_ps(part + m));
+                _mm512_storeu_ps(part + m, _mm512_fmadd_ps(e4m3x16(r1 + m), x1, v));
+            }
+        }
+        if (p->skind >= 3)
+            for (long m = 0; m < N; m++)
+                to[m] += part[m] * block_scale(p->s, kb * p->s_stride + m / p->block, p->skind == 4);
+        else
+            for (long m = 0; m < N; m++)
+                to[m] += part[m];
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long c = 0; c < n * (N / 16); c++) {
+        const long e = c / (N / 16), m0 = c % (N / 16) * 16;
+        __m512 v = _mm512_setzero_ps();
+        int first = 1;
+        for (int u = 0; u < used; u++) {  /* the threads whose runs took units of expert e, in thread order */
+            const long ua = U * u / used, ub = U * (u + 1) / used;
+            if (ua < ub && ua < (e + 1) * per && ub > e * per) {
+                const __m512 w = _mm512_loadu_ps(acc + (size_t)u * span * N + (e - ua / per) * N + m0);
+                v = first ? w : _mm512_add_ps(v, w);
+                first = 0;
+            }
+        }
+        float *ye = y + e * N;
+        _mm512_storeu_ps(ye + m0, v);
+        for (long i = m0; i < m0 + 16; i++)
+            ye[i] = dense_scaled(ps + e, ye[i], i);
+    }
+}
+#endif
+
 /* a layer's n BF16 / FP8 experts on one token in one parallel region: each projection of every expert in one
  * `omp for`, the activation between them in another */
 static int dense_layer(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I];
-    const int swiglu = plan[P_KIND] == 3;
-    if (n < 1 || !layer_scratch(sizeof(float) * (size_t)(3 * n * I) + 64 * 3))
+    const int swiglu = plan[P_KIND] == 3, T = omp_get_max_threads();
+    if (n < 1)
         return 0;
-    size_t at = 0;
-    float *h = carve(&at, 4 * n * I), *u = carve(&at, 4 * n * I), *a = carve(&at, 4 * n * I);
     dense_proj up[n], down[n], gate[n];
     for (int e = 0; e < n; e++) {
         const uint8_t *base = (const uint8_t *)(intptr_t)bases[e];
@@ -1162,8 +1293,22 @@ static int dense_layer(const int64_t *plan, int n, const int64_t *bases, const f
         if (swiglu)
             gate[e] = dense_proj_of(plan, 2, base);
     }
+#ifdef __AVX512F__
+    /* a re-laid E4M3 down by runs of rows (fp8_krows_team) */
+    const int rows = down[0].type == 2 && down[0].kmajor && Dx % 16 == 0 && (down[0].skind < 3 || down[0].block > 0);
+#else
+    const int rows = 0;
+#endif
+    const long R = down[0].skind >= 3 ? down[0].block : 128, per = (I + R - 1) / R;
+    const long span = rows ? (n * per + T - 1) / T / per + 2 : 0;
+    if (!layer_scratch(sizeof(float) * ((size_t)(3 * n * I) + (size_t)T * (span + 1) * Dx) + 64 * 5))
+        return 0;
+    size_t at = 0;
+    float *h = carve(&at, 4 * n * I), *u = carve(&at, 4 * n * I), *a = carve(&at, 4 * n * I);
+    float *acc = carve(&at, 4 * (size_t)T * span * Dx), *part = carve(&at, 4 * (size_t)T * Dx);
+    (void)acc, (void)part;
     init_scales();
-#pragma omp parallel
+#pragma omp parallel num_threads(T)
     {
         dense_team(up, n, x, 0, I, Dx, swiglu ? u : h);
         if (swiglu)
@@ -1173,7 +1318,12 @@ static int dense_layer(const int64_t *plan, int n, const int64_t *bases, const f
             const float v = h[r];
             a[r] = swiglu ? v / (1.0f + __builtin_expf(-v)) * u[r] : (v > 0.0f || v != v ? v * v : 0.0f);
         }
-        dense_team(down, n, a, I, Dx, I, y);
+#ifdef __AVX512F__
+        if (rows)
+            fp8_krows_team(down, n, a, I, Dx, I, y, acc, part, span);
+        else
+#endif
+            dense_team(down, n, a, I, Dx, I, y);
     }
     return 1;
 }
@@ -1201,10 +1351,12 @@ int sluice_experts(const int64_t *plan, int n, const int64_t *bases, const float
         xe[i] = x[2 * i];
         xo[i] = x[2 * i + 1];
     }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (int8 && (kind == 0 ? relu2_layer_q8 : swiglu_layer_q8)(plan, n, bases, xe, xo, y))
+#ifdef __AVX512BW__
+    if (kind == 0 && relu2_layer(plan, n, bases, xe, xo, y, int8))
         return 1;
 #endif
+    if (kind == 1 && swiglu_layer(plan, n, bases, xe, xo, y, int8))
+        return 1;
     for (int e = 0; e < n; e++) {
         const uint8_t *base = (const uint8_t *)(intptr_t)bases[e];
         const uint8_t *uw, *us, *dw, *ds;
