@@ -474,7 +474,7 @@ void sluice_fp4_relu2_expert(const uint8_t *up, const uint8_t *up_s, long up_s_s
  *                 corr [K2/4] (-12 * the quad's sum of qe + qo). K2 a multiple of `half` (8 or 16). */
 
 int sluice_q8_available(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
     return 1;
 #else
     return 0;
@@ -513,7 +513,7 @@ int sluice_q8_prep(const float *xe, const float *xo, long K2, int half, int8_t *
     return 1;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 /* 2 * E2M1 + 12 for the 16 codes, in each 128-bit lane (for vpshufb) */
 static inline __m512i e2m1x2p12_table(void) {
     return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
@@ -756,7 +756,7 @@ static int relu2_expert_q8_fused(const uint8_t *up, const uint8_t *up_s, long up
 int sluice_fp4_q8(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo, const float *xs_lane,
                   const int32_t *corr, long N, long K2, int half, int e8m0, int kmajor, float *y) {
     init_scales();
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
     if (!kmajor && K2 % 64 == 0) {
         q8_nmajor(p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
         return 1;
@@ -778,7 +778,7 @@ void sluice_fp4_relu2_expert_q8(const uint8_t *up, const uint8_t *up_s, long up_
                                 float *h, float *he, float *ho, float *y, int8_t *q, float *xs, int32_t *c) {
     long M = (Dx > I ? Dx : I) / 2;
     init_scales();
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
     if (relu2_expert_q8_fused(up, up_s, up_s_stride, up_s2, down, down_s, down_s_stride, down_s2, xe, xo, Dx, I, half, e8m0, h, he,
                               ho, y, q, xs, c))
         return;
@@ -951,7 +951,7 @@ static inline void *carve(size_t *at, size_t bytes) {
     return p;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define Q8_LAYERS 1
 #else
 #define Q8_LAYERS 0
@@ -973,7 +973,7 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
         return 0;
     const int T = omp_get_max_threads();
     const long Gd = K2d / half, Gall = n * Gd, chunks = Dx / 64;
-    const long span = (Gall + T - 1) / T / Gd + 2;  /* the most experts one thread's run of down groups touches */
+    const long span = n;  /* a thread's run of down groups may touch every expert (a team smaller than T included) */
     if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * (size_t)T * (span + 1) * Dx + 64 * 11))
         return 0;
     size_t at = 0;
@@ -1299,8 +1299,7 @@ static int dense_layer(const int64_t *plan, int n, const int64_t *bases, const f
 #else
     const int rows = 0;
 #endif
-    const long R = down[0].skind >= 3 ? down[0].block : 128, per = (I + R - 1) / R;
-    const long span = rows ? (n * per + T - 1) / T / per + 2 : 0;
+    const long span = rows ? n : 0;  /* a thread's run of row units may touch every expert (a team smaller than T included) */
     if (!layer_scratch(sizeof(float) * ((size_t)(3 * n * I) + (size_t)T * (span + 1) * Dx) + 64 * 5))
         return 0;
     size_t at = 0;
@@ -1329,6 +1328,7 @@ static int dense_layer(const int64_t *plan, int n, const int64_t *bases, const f
 }
 
 int sluice_experts(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y) {
+    init_scales();
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], M = (Dx > I ? Dx : I) / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0], int8 = (int)plan[P_INT8], kind = (int)plan[P_KIND];
     if (kind == 2 || kind == 3)

@@ -247,7 +247,7 @@ class ExpertPlan:
                         return None
                     skind = 1 if sc.nbytes == 4 else 2
                 else:
-                    if sc.dtype not in ("F32", "F8_E8M0") or len(sc.shape) != 2:
+                    if sc.dtype not in ("F32", "F8_E8M0") or len(sc.shape) != 2 or f.block <= 0:
                         return None
                     skind, s_stride = (3 if sc.dtype == "F32" else 4), sc.stored_shape[1]
                 s_off = sc.offset

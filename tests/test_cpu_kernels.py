@@ -268,24 +268,19 @@ def test_fp4_layer_is_its_experts(int8, fmt, threads):
     across expert boundaries), with int8 or fp32 activations, give each block's own run() up to fp32 summation order,
     for team sizes whose runs cross expert boundaries at different groups, and a block given twice gives the same
     output twice."""
-    from sluice.kernels.cpu_native import native_kernels, set_threads
+    from sluice.kernels.cpu_native import native_kernels
 
     lib = native_kernels()
     if lib is None or (int8 and not lib.sluice_q8_available()):
         pytest.skip("no AVX-512 VNNI (or no C compiler) here")
     Dx, I = 128, 320
     bank, offs, manifest, dense = make_bank("relu2", fmt, 4, Dx, I, seed=11)
-    cpu = CpuExperts(manifest, "relu2", relu2, compiled=False, act_name="relu2", int8=int8)
+    cpu = CpuExperts(manifest, "relu2", relu2, compiled=False, act_name="relu2", int8=int8, threads=threads)
     blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs]
     blocks = [blocks[2], blocks[0], blocks[3], blocks[1], blocks[2]]
     x = torch.randn(Dx, generator=torch.Generator().manual_seed(5))
-    before = torch.get_num_threads()
-    try:
-        set_threads(lib, threads)
-        many = cpu.run_many(blocks, x)
-        one = torch.stack([cpu.run(b, x) for b in blocks])
-    finally:
-        set_threads(lib, before)
+    many = cpu.run_many(blocks, x)  # on `threads` OpenMP threads (the plan sets them per call)
+    one = torch.stack([cpu.run(b, x) for b in blocks])
     assert many.shape == (5, Dx)
     assert torch.allclose(many, one, rtol=1e-5, atol=1e-6 * float(one.abs().max()))
     assert not torch.equal(many[0], many[1])
@@ -297,25 +292,20 @@ def test_fp4_layer_is_its_experts(int8, fmt, threads):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_int8_swiglu_layer_is_its_experts(threads):
-    """A layer's SwiGLU FP4 experts with int8 activations in one parallel region (cpu_native.c swiglu_layer_q8): each
+    """A layer's SwiGLU FP4 experts with int8 activations in one parallel region (cpu_native.c swiglu_layer): each
     output is one row's dot, so every block's output is its own int8 run()'s bit for bit, in the order given."""
-    from sluice.kernels.cpu_native import native_kernels, set_threads
+    from sluice.kernels.cpu_native import native_kernels
 
     lib = native_kernels()
     if lib is None or not lib.sluice_q8_available():
         pytest.skip("no AVX-512 VNNI (or no C compiler) here")
     Dx, I = 128, 256
     bank, offs, manifest, dense = make_bank("swiglu", "nvfp4", 3, Dx, I, seed=13)
-    cpu = CpuExperts(manifest, "swiglu", F.silu, compiled=False, act_name="silu", int8=True)
+    cpu = CpuExperts(manifest, "swiglu", F.silu, compiled=False, act_name="silu", int8=True, threads=threads)
     blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs][::-1]
     x = torch.randn(Dx, generator=torch.Generator().manual_seed(2))
-    before = torch.get_num_threads()
-    try:
-        set_threads(lib, threads)
-        many = cpu.run_many(blocks, x)
-        one = torch.stack([cpu.run(b, x) for b in blocks])
-    finally:
-        set_threads(lib, before)
+    many = cpu.run_many(blocks, x)  # on `threads` OpenMP threads (the plan sets them per call)
+    one = torch.stack([cpu.run(b, x) for b in blocks])
     assert torch.equal(many, one)
     for j, a in enumerate(reversed(range(3))):
         ref = expert_ref("swiglu", x[None].double(), {k: v.double() for k, v in dense[a].items()}, F.silu)[0]
