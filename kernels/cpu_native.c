@@ -691,9 +691,9 @@ static inline void q8_kunpermute(float *const *parts, int nparts, long n0, float
 }
 
 /* q8_kmajor's work for the calling thread of a parallel region: its run of groups into buf (sized by team_buf for the
- * team), a barrier, then its share of the outputs summed over the team's threads, times factor */
+ * team), a barrier, then its share of the outputs summed over the team's threads. */
 static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
-                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float factor, float *y) {
+                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
     long G = K2 / half;
     const int used = omp_get_num_threads();
     const int t = omp_get_thread_num();
@@ -707,8 +707,8 @@ static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long 
     for (int u = 0; u < used; u++)
         parts[u] = buf + 2L * u * N;
 #pragma omp for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64)  /* the threads' sums added (times factor), and put in output order */
-        q8_kunpermute(parts, used, n0, factor, y);
+    for (long n0 = 0; n0 < N; n0 += 64)  /* the threads' sums added and put in output order */
+        q8_kunpermute(parts, used, n0, 1.0f, y);
 }
 
 static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
@@ -718,36 +718,7 @@ static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const in
     if (!buf)
         return 0;
 #pragma omp parallel num_threads(T)
-    q8_kmajor_team(buf, p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, 1.0f, y);
-    return 1;
-}
-
-/* a ReLU^2 expert with int8 activations in one parallel region (sluice_fp4_relu2_expert_q8 where every step fits):
- * x quantized by group, up, relu(up_s2 * h)^2, quantized by group, down, times down_s2; barriers between the steps */
-static int relu2_expert_q8_fused(const uint8_t *up, const uint8_t *up_s, long up_s_stride, float up_s2, const uint8_t *down,
-                                 const uint8_t *down_s, long down_s_stride, float down_s2, const float *xe, const float *xo,
-                                 long Dx, long I, int half, int e8m0, float *h, float *he, float *ho, float *y, int8_t *q,
-                                 float *xs, int32_t *c) {
-    const long M = (Dx > I ? Dx : I) / 2, K2u = Dx / 2, K2d = I / 2;
-    if (K2u % 64 || Dx % 64 || K2u % half || K2d % half || half % 4)
-        return 0;
-    int T = omp_get_max_threads();
-    float *buf = team_buf(T, Dx);
-    if (!buf)
-        return 0;
-#pragma omp parallel num_threads(T)
-    {
-#pragma omp for schedule(static)
-        for (long g0 = 0; g0 < K2u; g0 += half)
-            q8_group(xe, xo, g0, half, q, q + M, xs, c);
-        q8_nmajor_team(up, up_s, up_s_stride, q, q + M, xs, c, I, K2u, half, e8m0, h);
-#pragma omp for schedule(static)
-        for (long g0 = 0; g0 < K2d; g0 += half) {  /* h's group: the activation, then its quantization */
-            relu2_pairs(h, up_s2, g0, g0 + half, he, ho);
-            q8_group(he, ho, g0, half, q, q + M, xs, c);
-        }
-        q8_kmajor_team(buf, down, down_s, down_s_stride, q, q + M, xs, c, Dx, K2d, half, e8m0, down_s2, y);
-    }
+    q8_kmajor_team(buf, p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
     return 1;
 }
 #endif
@@ -778,11 +749,6 @@ void sluice_fp4_relu2_expert_q8(const uint8_t *up, const uint8_t *up_s, long up_
                                 float *h, float *he, float *ho, float *y, int8_t *q, float *xs, int32_t *c) {
     long M = (Dx > I ? Dx : I) / 2;
     init_scales();
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
-    if (relu2_expert_q8_fused(up, up_s, up_s_stride, up_s2, down, down_s, down_s_stride, down_s2, xe, xo, Dx, I, half, e8m0, h, he,
-                              ho, y, q, xs, c))
-        return;
-#endif
     if (!sluice_q8_prep(xe, xo, Dx / 2, half, q, q + M, xs, c) ||
         !sluice_fp4_q8(up, up_s, up_s_stride, q, q + M, xs, c, I, Dx / 2, half, e8m0, 0, h))
         sluice_fp4_nmajor(up, up_s, up_s_stride, xe, xo, I, Dx / 2, half, e8m0, h);
