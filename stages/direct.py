@@ -64,6 +64,9 @@ class DirectKnobs:
     margin: float = 1.0  # a block replaces a VRAM one only when its decayed count beats that one's by more than this
     prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
     prompt_fill: bool = True  # prompts: a RAM block copied while the VRAM tier has a free slot is copied into the slot and stays
+    prompt_ahead: int = 32  # prompts: up to this many of the next MoE layer's blocks, guessed by its router on this layer's
+    # input, copied while this layer computes (into free tier slots, else a bank of 2 x this many of the tier's slots,
+    # at most half of them, which one-token steps lend back to the tier)
     fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (stages/compute.py fp4_formulation)
     routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
@@ -85,6 +88,8 @@ class Direct(Stage):
             raise ScheduleError(f"stage 'direct': 'decay' must be in [0, 1], got {knobs.decay!r}")
         if knobs.margin < 0:
             raise ScheduleError(f"stage 'direct': 'margin' must be >= 0, got {knobs.margin!r}")
+        if knobs.prompt_ahead < 0:
+            raise ScheduleError(f"stage 'direct': 'prompt_ahead' must be >= 0, got {knobs.prompt_ahead!r}")
         if knobs.refresh < 1:
             raise ScheduleError(f"stage 'direct': 'refresh' must be >= 1, got {knobs.refresh!r}")
         if rt.recorder is not None:
@@ -110,7 +115,11 @@ class Direct(Stage):
         self._score = torch.zeros(len(self.layers), E, dtype=torch.float64)
         self._last_uses = torch.zeros(len(self.layers), E, dtype=torch.int64)
         self._slot_of: dict[tuple[int, int], int] = {}  # VRAM tier: (MoE index, expert) -> slot
-        self._free = list(range(self.vram.capacity - 1, -1, -1)) if self.vram is not None else []
+        self._ahead_bank = self._bank_slots()  # prompts' lookahead: [2][prompt_ahead] tier slots, by the layer's parity
+        self._free = self._tier_slots()
+        self._ahead: tuple | None = None  # (MoE index, {expert: offset}, copy event, [(i, e, slot)] tier slots it filled)
+        self._ahead_read: list = [None, None]  # per bank half: the event after the compute that last read it
+        self._bank_lent = False  # between prompts the bank's slots serve the tier too (`_lend_bank`, `_reclaim_bank`)
         self._landing: tuple[object, list[tuple[int, int, int]]] | None = None  # (copy event, [(i, e, slot)])
         self._steps = 0
         self._kernels = {}
@@ -162,16 +171,20 @@ class Direct(Stage):
             self.rt.streams.wait(self.stream, self._landing[0])
             self._point(self._landing[1], vram=True)
             self._landing = None
+        self._reclaim_bank()
+        # prompts' lookahead: the next MoE layer's router on this layer's input, its ids brought back with these
+        ahead = self.knobs.prompt_ahead and self.knobs.routed and self.backend == "triton" and li.next_block is not None \
+            and self.vram is not None
         with self.rt.streams.use(self.stream):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
             self.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
-        ids_cpu, arrived = self.rt.streams.to_host(self.stream, ids)
+            both = torch.cat((ids, li.next_block.router(li.x)[1].to(ids.dtype)), dim=1) if ahead else ids
+        host, arrived = self.rt.streams.to_host(self.stream, both)
         await self.rt.streams.arrived(arrived)
+        ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
         flat = ids_cpu.flatten().long()
         experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
-        for e in experts:
-            self.rt.stats.tier("vram" if (i, e) in self._slot_of else "ram")
         with self.rt.streams.use(self.stream):
             y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
             w = weights.reshape(-1)
@@ -179,30 +192,42 @@ class Direct(Stage):
                 y.zero_()
             elif self.backend == "triton":
                 self._prompt_experts(block, i, flat, experts, xe, w, y)
+                if guess is not None:
+                    self._look_ahead(i + 1, guess.flatten().long())
             else:
+                for e in experts:
+                    self.rt.stats.tier("vram" if (i, e) in self._slot_of else "ram")
                 self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
             routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
             h = li.residual + block.finish(routed, li.x).view_as(li.residual)
         return LayerOutput(h)
 
     def _prompt_experts(self, block, i, flat, experts, xe, w, y) -> None:
-        """A prompt's experts (flat: its routed ids [T*K], CPU): those in VRAM from their slots; those in RAM (with
-        `prompt_group`) copied into a staging bank group by group on the copy stream, each group computed once its
-        copies land while the next is copied (the copy engine moves them faster than a GEMM reading host memory row tile
-        by row tile); else in place. The host's work per layer is one sort of the (token, k) positions into the groups'
-        order, so that each group's rows are one slice, and one copy of every group's block offsets."""
+        """A prompt's experts (flat: its routed ids [T*K], CPU): those in VRAM from their slots; those the previous layer
+        copied ahead (`prompt_ahead`) once their copies land; those in RAM (with `prompt_group`) copied into a staging
+        bank group by group on the copy stream, each group computed once its copies land while the next is copied (the
+        copy engine moves them faster than a GEMM reading host memory row tile by row tile); else in place. The host's
+        work per layer is one sort of the (token, k) positions into the groups' order, so that each group's rows are one
+        slice, and one copy of every group's block offsets."""
         kern, K, bb, streams = self._kernel(block), block.top_k, self.rt.store.block_bytes, self.rt.streams
         G, E = self.knobs.prompt_group, self.table.shape[1]
-        in_vram = [e for e in experts if (i, e) in self._slot_of]
-        in_ram = [e for e in experts if (i, e) not in self._slot_of]
+        if self._ahead is not None and self._ahead[0] != i:  # copied for a step that did not come (an error): keep the slots
+            self._settle_ahead()
+        early = self._ahead[1] if self._ahead is not None else {}  # expert -> offset of its copy ahead
+        in_vram = [e for e in experts if (i, e) in self._slot_of and e not in early]
+        ahead = [e for e in experts if e in early]
+        in_ram = [e for e in experts if (i, e) not in self._slot_of and e not in early]
+        for e in experts:
+            self.rt.stats.tier("vram" if e in in_vram else "ram")
+        self.rt.stats.vram_prefetch_hits += len(ahead)
         ram_groups = [in_ram[s : s + G] for s in range(0, len(in_ram), G)] if G else [in_ram] if in_ram else []
         rank = torch.zeros(E, dtype=torch.int64)
-        rank[in_vram + in_ram] = torch.arange(len(experts))
+        rank[in_vram + ahead + in_ram] = torch.arange(len(experts))
         rows = torch.argsort(rank[flat], stable=True).to(xe.device, non_blocking=True)
         counts = torch.bincount(flat, minlength=E).tolist()
         if G and in_ram and self._staging is None:
             self._staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
-        offsets = [self._offset(i, e) for e in in_vram]
+        offsets = [self._offset(i, e) for e in in_vram] + [early[e] for e in ahead]
         copies, filled = [], []  # per RAM group [(expert, destination)]; (i, e, slot) copied into free VRAM tier slots
         for g, group in enumerate(ram_groups):
             dsts = []
@@ -231,22 +256,68 @@ class Direct(Stage):
 
         if in_vram:
             compute(in_vram)
+        self._settle_ahead()  # the compute stream waits for the copies ahead; their tier slots are pointed at
+        if ahead:
+            compute(ahead)
         if not G:
             if in_ram:
                 compute(in_ram)
-            return
-        for g, (group, dsts) in enumerate(zip(ram_groups, copies)):
-            half = g % 2
-            with streams.use("copy"):
-                streams.wait("copy", self._staged[half])
-                for e, dst in dsts:
-                    dst.copy_(self.ram_entries[(block.layer, e)].buf, non_blocking=True)
-                landed = streams.record("copy")
-            streams.wait(self.stream, landed)
-            compute(group)
-            self._staged[half] = streams.record(self.stream)
+        else:
+            for g, (group, dsts) in enumerate(zip(ram_groups, copies)):
+                half = g % 2
+                with streams.use("copy"):
+                    streams.wait("copy", self._staged[half])
+                    for e, dst in dsts:
+                        dst.copy_(self.ram_entries[(block.layer, e)].buf, non_blocking=True)
+                    landed = streams.record("copy")
+                streams.wait(self.stream, landed)
+                compute(group)
+                self._staged[half] = streams.record(self.stream)
+        if early:
+            self._ahead_read[i % 2] = streams.record(self.stream)  # the lookahead bank's half for this layer is read
         self.rt.stats.vram_fills += len(filled)
         self._point(filled, vram=True)  # after the waits above: the table points at the slots once their copies have landed
+
+    def _look_ahead(self, i: int, guess: torch.Tensor) -> None:
+        """Copy MoE layer i's blocks that its router, run on the previous layer's input, chose for the prompt's tokens
+        (`guess`, flat ids, CPU; most chosen first), behind the copies already queued: into free VRAM tier slots, else
+        into the lookahead bank's half for i's parity (once the compute that last read it is done). Layer i reads them
+        from there, once they land; a guess it did not route to was a wasted copy."""
+        counts = torch.bincount(guess, minlength=self.table.shape[1])
+        order = torch.argsort(counts, descending=True, stable=True)[: int((counts > 0).sum())].tolist()
+        bank = iter(self._ahead_bank[i % 2])
+        early, filled, moves = {}, [], []
+        for e in order:
+            if (i, e) in self._slot_of:
+                continue
+            if self.knobs.prompt_fill and self._free:
+                slot = self._slot_of[(i, e)] = self._free.pop()
+                filled.append((i, e, slot))
+            else:
+                slot = next(bank, None)
+                if slot is None:
+                    break
+            early[e] = slot * self.rt.store.block_bytes
+            moves.append((e, slot))
+        if not moves:
+            return
+        streams, layer = self.rt.streams, self.layers[i]
+        with streams.use("copy"):
+            streams.wait("copy", self._ahead_read[i % 2])
+            for e, slot in moves:
+                self.vram.arena.slot(slot).copy_(self.ram_entries[(layer, e)].buf, non_blocking=True)
+            landed = streams.record("copy")
+        self.rt.stats.vram_prefetches += len(moves)
+        self._ahead = (i, early, landed, filled)
+
+    def _settle_ahead(self) -> None:
+        """The compute stream waits for the copies ahead (`_look_ahead`); tier slots they filled are pointed at."""
+        if self._ahead is None:
+            return
+        _, _, landed, filled = self._ahead
+        self._ahead = None
+        self.rt.streams.wait(self.stream, landed)
+        self._point(filled, vram=True)
 
     def token(self, layer, h: torch.Tensor) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole, from its input h [1, 1, D] (the norm before the experts included,
@@ -319,14 +390,51 @@ class Direct(Stage):
         no copy is in flight); `sluice bench model` times a prompt on an empty tier with it."""
         if self.vram is None:
             return
-        self._landing = None  # its moves are in _slot_of: pointed back below with the rest
+        self._landing = self._ahead = None  # their moves are in _slot_of: pointed back below with the rest
         self._point([(i, e, slot) for (i, e), slot in self._slot_of.items()], vram=False)
         self._slot_of.clear()
-        self._free = list(range(self.vram.capacity - 1, -1, -1))
+        self._free = self._tier_slots()
+        self._bank_lent = False
+
+    def _lend_bank(self) -> None:
+        """One-token steps: the lookahead bank's slots join the tier's free slots (taken after the others)."""
+        bank = self._ahead_bank[0] + self._ahead_bank[1]
+        if bank and not self._bank_lent:
+            self._free[:0] = bank[::-1]
+            self._bank_lent = True
+
+    def _reclaim_bank(self) -> None:
+        """A prompt's step: the bank's slots leave the tier, the blocks in them pointed back at RAM; the bank's copies
+        wait for the compute queued so far (the one-token steps that read those slots)."""
+        if not self._bank_lent:
+            return
+        bank = set(self._ahead_bank[0] + self._ahead_bank[1])
+        self._free = [s for s in self._free if s not in bank]
+        leave = [(i, e, slot) for (i, e), slot in self._slot_of.items() if slot in bank]
+        for i, e, _ in leave:
+            del self._slot_of[(i, e)]
+        self._point(leave, vram=False)
+        self._ahead_read = [self.rt.streams.record(self.stream)] * 2
+        self._bank_lent = False
+
+    def _bank_slots(self) -> list[list[int]]:
+        """The lookahead bank (`prompt_ahead`): two halves of the tier's last slots, at most half the tier."""
+        if self.vram is None or self.backend != "triton" or not self.knobs.routed:
+            return [[], []]
+        cap = self.vram.capacity
+        a = min(self.knobs.prompt_ahead, cap // 4)
+        return [list(range(cap - 2 * a, cap - a)), list(range(cap - a, cap))]
+
+    def _tier_slots(self) -> list[int]:
+        """The VRAM tier's slots but the lookahead bank's, the lowest popped first."""
+        n = self.vram.capacity - 2 * len(self._ahead_bank[0]) if self.vram is not None else 0
+        return list(range(n - 1, -1, -1))
 
     def _between_tokens(self) -> None:
         """At a one-token step's first MoE layer: switch the table to blocks whose copies have landed, and every
         `refresh` steps choose the tier's blocks anew."""
+        self._settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
+        self._lend_bank()
         if self._landing is not None and (self._landing[0] is None or self._landing[0].query()):
             self._point(self._landing[1], vram=True)
             self._landing = None

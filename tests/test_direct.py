@@ -71,10 +71,10 @@ def test_prompt_fills_free_vram_slots(stores, tmp_path):
     bank, and they stay: the next prompt reads them from VRAM. The logits are those of prompts through the staging
     bank alone (and of RAM blocks read in place, `prompt_group: 0`), bit for bit; `empty_vram` points the table back at
     RAM and frees every slot."""
-    fill = direct_schedule(tmp_path, backend="triton", prompt_group=2)
-    staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False)
+    fill = direct_schedule(tmp_path, backend="triton", prompt_group=2, prompt_ahead=0)
+    staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False, prompt_ahead=0)
     other = [5, 9, 14, 3, 7, 21, 11, 2, 30, 17, 8]
-    in_place = direct_schedule(tmp_path, "in-place", backend="triton", prompt_group=0)
+    in_place = direct_schedule(tmp_path, "in-place", backend="triton", prompt_group=0, prompt_ahead=0)
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=5) as engine:
         ref = [engine.forward(PROMPT), engine.forward(other)]
         assert engine.rt.stats.vram_fills == 0
@@ -98,6 +98,58 @@ def test_prompt_fills_free_vram_slots(stores, tmp_path):
         again = engine.forward(other)
         assert engine.rt.stats.since(io)["vram_fills"] == 5
     assert torch.equal(first, ref[0]) and torch.equal(second, ref[1]) and torch.equal(again, ref[1])
+
+
+def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypatch):
+    """`prompt_ahead`: while a prompt's layer computes, the next MoE layer's blocks that its router picks on this
+    layer's input are copied ahead, into free VRAM tier slots, else into a bank of 2 x prompt_ahead slots taken from
+    the tier; the next layer reads them from there. The logits are those of prompts without it, bit for bit, on an
+    empty tier and on a full one; one-token steps lend the bank's slots to the tier and the next prompt takes them
+    back; a copy ahead of the wrong block changes the logits."""
+    staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False, prompt_ahead=0)
+    ahead = direct_schedule(tmp_path, "ahead", backend="triton", prompt_group=2, prompt_ahead=2, refresh=2)
+    other = [5, 9, 14, 3, 7, 21, 11, 2, 30, 17, 8]
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=9) as engine:
+        ref = [engine.forward(PROMPT), engine.forward(other)]
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=ahead, vram_slots=9) as engine:
+        stage = engine.coordinator.stages[0][1]
+        assert stage._ahead_bank == [[5, 6], [7, 8]] and stage._free == [4, 3, 2, 1, 0]
+        first = engine.forward(PROMPT)
+        io = engine.rt.stats.snapshot()
+        assert sorted(stage._slot_of.values()) == [0, 1, 2, 3, 4] and stage._ahead is None
+        second = engine.forward(other)  # a full tier: the guesses go to the bank
+        io2 = engine.rt.stats.since(io)
+        assert 0 < io2["vram_prefetch_hits"] <= io2["vram_prefetches"] <= 2 * (len(engine.store.moe_layers) - 1)
+        assert io2["vram_fills"] == 0 and sorted(stage._slot_of.values()) == [0, 1, 2, 3, 4]
+        engine.generate(PROMPT, 6)  # one-token steps: the tier's refreshes fill the lent bank
+        assert stage._bank_lent and {5, 6, 7, 8} & set(stage._slot_of.values())
+        third = engine.forward(other)
+        assert not stage._bank_lent and max(stage._slot_of.values()) < 5 and stage._free == []
+        assert all(stage.table[i, e].item() == stage._ram_off[i][e] for i in range(len(stage.layers))
+                   for e in range(engine.store.manifest.num_experts) if (i, e) not in stage._slot_of)
+        engine.empty_vram()
+        assert stage._free == [4, 3, 2, 1, 0] and not stage._slot_of
+        again = engine.forward(other)
+        real = stage.ram_entries
+
+        class Shifted(dict):  # the lookahead copies expert e + 1's block for expert e
+            def __getitem__(self, key):
+                layer, e = key
+                return real[(layer, (e + 1) % engine.store.manifest.num_experts)]
+
+        look = stage._look_ahead
+
+        def wrong(i, guess):
+            stage.ram_entries = Shifted(real)
+            try:
+                look(i, guess)
+            finally:
+                stage.ram_entries = real
+
+        monkeypatch.setattr(stage, "_look_ahead", wrong)
+        bad = engine.forward(other)
+    assert torch.equal(first, ref[0]) and all(torch.equal(t, ref[1]) for t in (second, third, again))
+    assert (bad - ref[1]).abs().max().item() > 1e-3
 
 
 def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
