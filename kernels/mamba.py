@@ -1,4 +1,5 @@
-"""A Mamba-2 mixer's one-token step between its two projections, in two Triton launches.
+"""A Mamba-2 mixer's one-token step between its two projections, in two Triton launches; a prompt's selective scan
+in one.
 
 transformers' PyTorch step (no mamba_ssm / causal_conv1d installed) runs ~40 small kernels per layer:
 the depthwise conv update, the selective state update with its broadcasts and a batched matmul, the
@@ -13,6 +14,12 @@ gated RMSNorm. Here, after `in_proj` gives zxbcdt = [z (I) | x B C (conv_dim) | 
 
 Arithmetic in fp32 throughout (transformers rounds some intermediates to the model's dtype: the results
 agree within that rounding). `mamba_step_ref` is the plain-torch reference.
+
+Prompts: transformers' chunked scan (`mamba2_chunk_scan`, PyTorch without mamba_ssm) is ~95 small kernels a call,
+1.1 ms of host time and 1.3 ms of GPU time for 512 tokens of a Nemotron-3-Nano mixer on the H200. `ssm_scan` runs the
+same recurrence token by token, one program per (head, block of head channels) holding its block of the state in
+registers: one launch, 0.05 ms of host time, 0.58 ms on the GPU (BENCHMARKS.md, twelfth session). `ssm_scan_ref` is
+its plain-torch reference; models/nemotron_h.py puts it in transformers' mixer for the duration of a prompt's call.
 
 Shape legend: H heads, P head_dim, N state size, G groups (heads share B and C per group), I = H * P,
 K conv taps, conv_dim = I + 2 G N.
@@ -139,3 +146,106 @@ def mamba_step_ref(zx, conv_state, conv_w, conv_b, dt_bias, a_log, d_skip, ssm_s
     v = (y.reshape(-1) * F.silu(z)).view(norm_groups, -1)
     v = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).reshape(-1)
     return (norm_w.float() * v.to(zx.dtype).float()).to(zx.dtype)
+
+
+# -- prefill: the selective scan over a prompt --------------------------------------------------------------------
+
+
+@triton.jit
+def _rounded(v, DT: tl.constexpr):
+    """fp32 v rounded to dtype DT (nearest, ties to even) and back: bf16 by its bits (Triton's interpreter casts to
+    bf16 by another rounding), others by a cast."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+    elif DT == tl.float32:
+        return v
+    else:
+        return v.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _ssm_scan_kernel(x, dt, a, b, c, d_skip, dt_bias, s0, y, s_out, T, P, N, HPG, X_T, X_H, X_P, DT_T, DT_H, B_T, B_G, B_N,
+                     C_T, C_G, C_N, Y_T, DT_MIN, DT_MAX, DT_DT: tl.constexpr, HAS_S0: tl.constexpr, HAS_D: tl.constexpr,
+                     HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+    """One program per (head, block of head channels): the state [BP, N] in registers through every token."""
+    h, pb = tl.program_id(0), tl.program_id(1)
+    g = h // HPG
+    p = pb * BP + tl.arange(0, BP)
+    pm = p < P
+    n = tl.arange(0, BN)
+    nm = n < N
+    m = pm[:, None] & nm[None, :]
+    ptr = h * P * N + p[:, None] * N + n[None, :]
+    A = tl.load(a + h).to(tl.float32)
+    D = tl.load(d_skip + h).to(tl.float32) if HAS_D else 0.0
+    bias = _rounded(tl.load(dt_bias + h).to(tl.float32), DT_DT) if HAS_DTB else 0.0
+    if HAS_S0:
+        s = tl.load(s0 + ptr, mask=m, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BP, BN], dtype=tl.float32)
+    for t in range(T):
+        xt = tl.load(x + t * X_T + h * X_H + p * X_P, mask=pm, other=0.0).to(tl.float32)
+        # dt as transformers' scan makes it: each step rounded to dt's dtype (the bias added, softplus, the clamp)
+        dv = _rounded(tl.load(dt + t * DT_T + h * DT_H).to(tl.float32) + bias, DT_DT)
+        if SOFTPLUS:
+            dv = _rounded(tl.where(dv > 20.0, dv, tl.log(1.0 + tl.exp(dv))), DT_DT)
+        dv = _rounded(tl.minimum(tl.maximum(dv, DT_MIN), DT_MAX), DT_DT)
+        bt = tl.load(b + t * B_T + g * B_G + n * B_N, mask=nm, other=0.0).to(tl.float32)
+        ct = tl.load(c + t * C_T + g * C_G + n * C_N, mask=nm, other=0.0).to(tl.float32)
+        s = s * tl.exp(dv * A) + (dv * xt)[:, None] * bt[None, :]
+        tl.store(y + t * Y_T + h * P + p, tl.sum(s * ct[None, :], axis=1) + D * xt, mask=pm)
+    tl.store(s_out + ptr, s, mask=m)
+
+
+def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D=None, dt_bias=None,
+             initial_states=None, dt_softplus: bool = False, dt_limit=(0.0, float("inf"))) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Mamba-2 selective scan over T tokens of one sequence, token by token in one launch: x [T, H, P], dt [T, H]
+    (raw: the bias added and softplus applied here, when given), A [H] (negative), B and C [T, G, N], D [H],
+    initial_states [H, P, N] or None (zeros) -> (y [T, H, P] fp32, final state [H, P, N] fp32).
+        state_t = state_{t-1} * exp(dt_t A) + dt_t x_t B_t;  y_t = state_t C_t + D x_t
+    Arithmetic in fp32; dt rounded to its dtype after each of its steps, as transformers' chunked scan does. Any
+    strides (transformers passes views of the conv's transposed output: T innermost)."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    assert dt.shape == (T, H) and C.shape == B.shape and H % G == 0
+    y = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
+    s_out = torch.empty(H, P, N, dtype=torch.float32, device=x.device)
+    s0 = initial_states.reshape(H, P, N).contiguous() if initial_states is not None else s_out
+    BP = min(16, triton.next_power_of_2(P))
+    _ssm_scan_kernel[(H, triton.cdiv(P, BP))](
+        x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A, s0, y, s_out, T, P, N, H // G,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), y.stride(0), float(dt_limit[0]), float(dt_limit[1]),
+        DT_DT=TL_DTYPES[dt.dtype], HAS_S0=initial_states is not None, HAS_D=D is not None, HAS_DTB=dt_bias is not None,
+        SOFTPLUS=dt_softplus, BP=BP, BN=triton.next_power_of_2(N))
+    return y, s_out
+
+
+def ssm_scan_ref(x, dt, A, B, C, D=None, dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """The plain-torch reference of `ssm_scan`: the same recurrence, token by token."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).float()
+    b = B.float().repeat_interleave(H // G, dim=1)  # [T, H, N]
+    c = C.float().repeat_interleave(H // G, dim=1)
+    s = initial_states.reshape(H, P, N).float().clone() if initial_states is not None else x.new_zeros(H, P, N, dtype=torch.float32)
+    ys = []
+    for t in range(T):
+        s = s * torch.exp(dt[t] * A.float())[:, None, None] + (dt[t][:, None] * x[t].float())[:, :, None] * b[t][:, None, :]
+        ys.append((s * c[t][:, None, :]).sum(-1) + (D.float()[:, None] * x[t].float() if D is not None else 0))
+    return torch.stack(ys), s
+
+
+def chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None,
+               dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """transformers' `mamba2_chunk_scan` call (hidden_states [1, T, H, P], dt [1, T, H], B and C [1, T, G, N],
+    initial_states [1, H, P, N]) through `ssm_scan`; its result as that function gives it (y [1, T, H, P] fp32, and
+    the final state [1, H, P, N] with `return_final_states`). Batch 1 and no z only: `scan_swapped` checks."""
+    y, s = ssm_scan(hidden_states[0], dt[0], A, B[0], C[0], D, dt_bias,
+                    initial_states[0] if initial_states is not None else None, dt_softplus, dt_limit)
+    return (y[None], s[None]) if return_final_states else y[None]

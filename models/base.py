@@ -98,6 +98,8 @@ class Layer(ABC):
     prefill_piece: int | None = None
     # one-token steps of a Mamba-2 mixer through kernels/mamba.py (set by the engine from EngineConfig.fused_mamba)
     fused_decode: bool = False
+    # prompts' Mamba-2 selective scan through kernels/mamba.py's one-launch scan (set by the engine with fused_decode)
+    fused_prefill: bool = False
 
     def forward(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         """A whole non-MoE layer on h [1,T,D]."""

@@ -9,6 +9,7 @@ mixer is: router on x, fc1_latent(x) -> routed experts -> fc2_latent, plus share
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -89,6 +90,36 @@ class NemotronH(Architecture):
 MAMBA = ("mamba", "linear_attention")  # a Mamba-2 mixer's block type: "mamba"; "linear_attention" in later transformers
 
 
+@contextmanager
+def scan_swapped(mixer):
+    """transformers' Mamba-2 mixer with its chunked scan (`mamba2_chunk_scan` of its module, ~95 small kernels a call
+    in PyTorch, no mamba_ssm installed) replaced by kernels/mamba.py's one-launch scan for the duration of a call:
+    the projections, the conv and its state, the gated norm and the cache's updates stay transformers' own. The
+    same call in both transformers versions we run (5.17, 5.24); a module without it, a batch, or a gate z inside the
+    scan keep the original."""
+    import sys
+
+    from sluice.kernels import triton_runs_on
+    from sluice.kernels.mamba import chunk_scan
+
+    module = sys.modules[type(mixer).__module__]
+    original = getattr(module, "mamba2_chunk_scan", None)
+    if original is None:
+        yield
+        return
+
+    def scan(hidden_states, dt, A, B, C, *args, z=None, **kwargs):
+        if hidden_states.shape[0] != 1 or z is not None or not triton_runs_on(hidden_states.device):
+            return original(hidden_states, dt, A, B, C, *args, z=z, **kwargs)
+        return chunk_scan(hidden_states, dt, A, B, C, *args, **kwargs)
+
+    module.mamba2_chunk_scan = scan
+    try:
+        yield
+    finally:
+        module.mamba2_chunk_scan = original
+
+
 class _MixerLayer(Layer):
     def __init__(self, block):
         self.block = block
@@ -106,7 +137,11 @@ class _MixerLayer(Layer):
                           for s in range(0, T, n)], dim=1)
 
     def _call(self, h, mask, position_ids, ctx: Ctx):
-        return self.block(h, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kw(ctx.cache))
+        call = lambda: self.block(h, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kw(ctx.cache))  # noqa: E731
+        if self.fused_prefill and h.shape[1] > 1 and self.block.block_type in MAMBA:
+            with scan_swapped(self.block.mixer):
+                return call()
+        return call()
 
     def _fused_step(self, h, conv_state, ssm_state):
         """The block's one-token step with its Mamba-2 mixer between the projections in two Triton launches

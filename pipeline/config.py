@@ -64,7 +64,7 @@ class EngineConfig:
     trace: str | None = None  # path for Chrome trace JSON (+ .jsonl stage lines)
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
-    fused_mamba: bool | None = None  # one-token Mamba-2 steps in two Triton launches (kernels/mamba.py); None: on CUDA
+    fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048
     mixer_chunk: int | None = None  # longest run of a piece a Mamba-2 mixer prefills at once (its scratch grows with it);

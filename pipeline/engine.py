@@ -141,7 +141,7 @@ class Engine:
         elif h2d.hot_set:
             get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=h2d.hot_set)
         for layer in model.layers:
-            layer.prefill_piece, layer.fused_decode = piece, fused_mamba
+            layer.prefill_piece, layer.fused_decode, layer.fused_prefill = piece, fused_mamba, fused_mamba
         try:
             coordinator = Coordinator(schedule, rt)
         except BaseException:

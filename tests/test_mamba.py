@@ -102,6 +102,37 @@ def test_fused_mamba_decode_follows_transformers(stores, refs, monkeypatch):
             assert torch.equal(decode(engine), fused)
 
 
+def test_fused_mamba_prefill_follows_transformers(stores, refs, monkeypatch):
+    """The engine with `fused_mamba`: a prompt's Mamba-2 scans go through the one-launch kernel (in pieces of 4
+    tokens too, the state carried from piece to piece): the reference's logits within the golden tolerance and the
+    unfused engine's within fp32 rounding (this tiny model's heads decay fast: the two scans agree to the bit here;
+    test_ssm_scan_matches_its_reference_and_transformers is where their histories differ)."""
+    from sluice.kernels import mamba
+    from tests.test_golden import LOGIT_ATOL
+
+    variant = "nemotron_h_latent"
+    ref = refs.logits(variant, PROMPT)
+    with sluice.load(stores[variant], device=DEVICE, fused_mamba=False) as engine:
+        plain = engine.forward(PROMPT)
+    calls = []
+    scan = mamba.ssm_scan
+    monkeypatch.setattr(mamba, "ssm_scan", lambda *a, **k: calls.append(a[0].shape[0]) or scan(*a, **k))
+    for piece in (None, 4):
+        calls.clear()
+        with sluice.load(stores[variant], device=DEVICE, fused_mamba=True, mixer_chunk=piece) as engine:
+            mixers = sum(type(layer).__name__ == "_MixerLayer" and layer.block.block_type in ("mamba", "linear_attention")
+                         for layer in engine.model.layers)
+            fused = engine.forward(PROMPT)
+        n = -(-len(PROMPT) // (piece or len(PROMPT)))
+        assert mixers and len(calls) == n * mixers and sum(calls) == len(PROMPT) * mixers
+        assert (fused - ref).abs().max().item() <= LOGIT_ATOL
+        assert (fused - plain).abs().max().item() < 1e-3 * plain.abs().max().item()
+    # what the kernel gives is what the layer uses: a scan of zeros changes the logits
+    monkeypatch.setattr(mamba, "ssm_scan", lambda *a, **k: tuple(t.zero_() for t in scan(*a, **k)))
+    with sluice.load(stores[variant], device=DEVICE, fused_mamba=True) as engine:
+        assert (engine.forward(PROMPT) - plain).abs().max().item() > 1e-2
+
+
 def test_fused_mamba_needs_triton(stores, monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("the CPU's refusal")
@@ -116,3 +147,64 @@ def test_fused_mamba_is_the_default_on_cuda_only(stores):
         assert {layer.fused_decode for layer in engine.model.layers} == {DEVICE.startswith("cuda")}
     with sluice.load(stores["nemotron_h_latent"], device=DEVICE, fused_mamba=False) as engine:
         assert {layer.fused_decode for layer in engine.model.layers} == {False}
+
+
+def scan_case(T, heads, head_dim, groups, state, dtype, initial, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(x=r(T, heads, head_dim).to(dtype), dt=(r(T, heads) - 1).to(dtype), A=-torch.exp(r(heads) * 0.5),
+                B=r(T, groups, state).to(dtype), C=r(T, groups, state).to(dtype), D=r(heads), dt_bias=r(heads) * 0.5,
+                initial_states=r(heads, head_dim, state) if initial else None, dt_softplus=True, dt_limit=(0.001, float("inf")))
+
+
+SCAN_SHAPES = [
+    (37, 4, 16, 2, 16, torch.float32, False),
+    (64, 6, 24, 3, 20, torch.float32, True),  # head_dim and state not powers of two; a state carried in
+    (200, 8, 16, 2, 32, torch.bfloat16, True),  # longer than transformers' 128-token chunks
+    (5, 4, 32, 1, 16, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("shape", SCAN_SHAPES, ids=lambda s: "x".join(str(v) for v in s[:5]) + f"-{str(s[5])[6:]}-{s[6]}")
+def test_ssm_scan_matches_its_reference_and_transformers(shape):
+    """The one-launch scan against its token-by-token reference, and against transformers' chunked scan (code we did
+    not write: the same recurrence as chunks of 128 tokens, exp of segment sums), output and final state."""
+    from transformers.models.nemotron_h import modeling_nemotron_h as tf
+
+    from sluice.kernels.mamba import chunk_scan, ssm_scan, ssm_scan_ref
+
+    args = scan_case(*shape)
+    y, s = ssm_scan(**on(DEVICE, args))
+    y_ref, s_ref = ssm_scan_ref(**args)
+    # as transformers passes them: views of one [channels, T] tensor, T innermost
+    T, H, P = args["x"].shape
+    G, N = args["B"].shape[1:]
+    xbc = torch.cat([args["x"].reshape(T, -1), args["B"].reshape(T, -1), args["C"].reshape(T, -1)], 1).t().contiguous().t()
+    x, b, c = xbc.split([H * P, G * N, G * N], dim=1)
+    strided = dict(args, x=x.view(T, H, P), B=b.view(T, G, N), C=c.view(T, G, N), dt=args["dt"].t().contiguous().t())
+    assert strided["x"].stride(-1) == T
+    y2, s2 = ssm_scan(**on(DEVICE, strided))
+    assert torch.equal(y2, y) and torch.equal(s2, s)
+    scale = y_ref.abs().max().item()
+    assert (y.cpu() - y_ref).abs().max().item() <= 1e-5 * scale
+    assert (s.cpu() - s_ref).abs().max().item() <= 1e-5 * s_ref.abs().max().item()
+    hf = {k: (v[None] if isinstance(v, torch.Tensor) and k in ("x", "dt", "B", "C", "initial_states") else v) for k, v in args.items()}
+    hf["hidden_states"] = hf.pop("x")
+    want, want_s = tf.mamba2_chunk_scan(**hf, chunk_size=128, return_final_states=True)
+    got, got_s = chunk_scan(**on(DEVICE, hf), chunk_size=128, return_final_states=True)
+    assert got.shape == want.shape and got_s.shape == want_s.shape
+    assert (got.cpu() - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    assert (got_s.cpu() - want_s).abs().max().item() <= 1e-4 * want_s.abs().max().item()
+
+
+def test_ssm_scan_wrong_groups_or_a_lost_state_change_the_scan():
+    """The scan reads each head's group's B and C and starts from the state given: B and C of another group, or no
+    initial state, give another output."""
+    args = scan_case(*SCAN_SHAPES[1])
+    from sluice.kernels.mamba import ssm_scan, ssm_scan_ref
+
+    want, _ = ssm_scan_ref(**args)
+    rolled = dict(args, B=args["B"].roll(1, dims=1), C=args["C"].roll(1, dims=1))
+    assert (ssm_scan(**on(DEVICE, rolled))[0].cpu() - want).abs().max().item() > 1e-2 * want.abs().max().item()
+    lost = dict(args, initial_states=None)
+    assert (ssm_scan(**on(DEVICE, lost))[0].cpu() - want).abs().max().item() > 1e-2 * want.abs().max().item()
