@@ -241,11 +241,12 @@ def ssm_scan_ref(x, dt, A, B, C, D=None, dt_bias=None, initial_states=None, dt_s
     return torch.stack(ys), s
 
 
-def chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None,
-               dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+def chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
+               dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
     """transformers' `mamba2_chunk_scan` call (hidden_states [1, T, H, P], dt [1, T, H], B and C [1, T, G, N],
     initial_states [1, H, P, N]) through `ssm_scan`; its result as that function gives it (y [1, T, H, P] fp32, and
-    the final state [1, H, P, N] with `return_final_states`). Batch 1 and no z only: `scan_swapped` checks."""
+    the final state [1, H, P, N] with `return_final_states`); chunk_size is the chunked scan's, unused here. Batch 1,
+    no gate z and no packed sequences only: models/nemotron_h.py `scan_swapped` checks."""
     y, s = ssm_scan(hidden_states[0], dt[0], A, B[0], C[0], D, dt_bias,
                     initial_states[0] if initial_states is not None else None, dt_softplus, dt_limit)
     return (y[None], s[None]) if return_final_states else y[None]

@@ -9,6 +9,8 @@ mixer is: router on x, fc1_latent(x) -> routed experts -> fc2_latent, plus share
 
 from __future__ import annotations
 
+import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -90,34 +92,40 @@ class NemotronH(Architecture):
 MAMBA = ("mamba", "linear_attention")  # a Mamba-2 mixer's block type: "mamba"; "linear_attention" in later transformers
 
 
+_SCAN_SWAP = threading.RLock()
+_SCAN_KWARGS = {"chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit", "return_final_states"}
+
+
 @contextmanager
 def scan_swapped(mixer):
     """transformers' Mamba-2 mixer with its chunked scan (`mamba2_chunk_scan` of its module, ~95 small kernels a call
     in PyTorch, no mamba_ssm installed) replaced by kernels/mamba.py's one-launch scan for the duration of a call:
     the projections, the conv and its state, the gated norm and the cache's updates stay transformers' own. The
-    same call in both transformers versions we run (5.17, 5.24); a module without it, a batch, or a gate z inside the
-    scan keep the original."""
-    import sys
-
+    same call in both transformers versions we run (5.17, 5.24); a module without it, a batch, a gate z inside the
+    scan, or arguments it does not know (packed sequences) keep the original. The swap is of a module global: one
+    thread at a time swaps (a lock), and a transformers Mamba-2 model run by another thread meanwhile would get the
+    kernel too (the engine runs its layers on one thread)."""
     from sluice.kernels import triton_runs_on
     from sluice.kernels.mamba import chunk_scan
 
     module = sys.modules[type(mixer).__module__]
-    original = getattr(module, "mamba2_chunk_scan", None)
-    if original is None:
-        yield
-        return
+    with _SCAN_SWAP:
+        original = getattr(module, "mamba2_chunk_scan", None)
+        if original is None:
+            yield
+            return
 
-    def scan(hidden_states, dt, A, B, C, *args, z=None, **kwargs):
-        if hidden_states.shape[0] != 1 or z is not None or not triton_runs_on(hidden_states.device):
-            return original(hidden_states, dt, A, B, C, *args, z=z, **kwargs)
-        return chunk_scan(hidden_states, dt, A, B, C, *args, **kwargs)
+        def scan(hidden_states, dt, A, B, C, *args, z=None, **kwargs):
+            if (hidden_states.shape[0] != 1 or z is not None or args or not triton_runs_on(hidden_states.device)
+                    or any(v is not None for k, v in kwargs.items() if k not in _SCAN_KWARGS)):
+                return original(hidden_states, dt, A, B, C, *args, z=z, **kwargs)
+            return chunk_scan(hidden_states, dt, A, B, C, **{k: v for k, v in kwargs.items() if k in _SCAN_KWARGS})
 
-    module.mamba2_chunk_scan = scan
-    try:
-        yield
-    finally:
-        module.mamba2_chunk_scan = original
+        module.mamba2_chunk_scan = scan
+        try:
+            yield
+        finally:
+            module.mamba2_chunk_scan = original
 
 
 class _MixerLayer(Layer):

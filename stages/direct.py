@@ -64,9 +64,9 @@ class DirectKnobs:
     margin: float = 1.0  # a block replaces a VRAM one only when its decayed count beats that one's by more than this
     prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
     prompt_fill: bool = True  # prompts: a RAM block copied while the VRAM tier has a free slot is copied into the slot and stays
-    prompt_ahead: int = 32  # prompts: up to this many of the next MoE layer's blocks, guessed by its router on this layer's
-    # input, copied while this layer computes (into free tier slots, else a bank of 2 x this many of the tier's slots,
-    # at most half of them, which one-token steps lend back to the tier)
+    prompt_ahead: int = 32  # prompts: the next MoE layer's blocks, guessed by its router on this layer's input, copied
+    # while this layer computes: into free tier slots (as many as are free), then up to this many into a bank of
+    # 2 x this many of the tier's slots (at most half of them), which one-token steps lend back to the tier; 0: off
     fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (stages/compute.py fp4_formulation)
     routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
@@ -193,7 +193,7 @@ class Direct(Stage):
             elif self.backend == "triton":
                 self._prompt_experts(block, i, flat, experts, xe, w, y)
                 if guess is not None:
-                    self._look_ahead(i + 1, guess.flatten().long())
+                    self._look_ahead(self.index[li.next_block.layer], guess.flatten().long())
             else:
                 for e in experts:
                     self.rt.stats.tier("vram" if (i, e) in self._slot_of else "ram")
@@ -254,27 +254,31 @@ class Direct(Stage):
             at[0] += n
             at[1] += sum(c)
 
-        if in_vram:
-            compute(in_vram)
-        self._settle_ahead()  # the compute stream waits for the copies ahead; their tier slots are pointed at
-        if ahead:
-            compute(ahead)
-        if not G:
-            if in_ram:
-                compute(in_ram)
-        else:
-            for g, (group, dsts) in enumerate(zip(ram_groups, copies)):
-                half = g % 2
-                with streams.use("copy"):
-                    streams.wait("copy", self._staged[half])
-                    for e, dst in dsts:
-                        dst.copy_(self.ram_entries[(block.layer, e)].buf, non_blocking=True)
-                    landed = streams.record("copy")
-                streams.wait(self.stream, landed)
-                compute(group)
-                self._staged[half] = streams.record(self.stream)
-        if early:
-            self._ahead_read[i % 2] = streams.record(self.stream)  # the lookahead bank's half for this layer is read
+        try:
+            if in_vram:
+                compute(in_vram)
+            self._settle_ahead()  # the compute stream waits for the copies ahead; their tier slots are pointed at
+            if ahead:
+                compute(ahead)
+            if not G:
+                if in_ram:
+                    compute(in_ram)
+            else:
+                for g, (group, dsts) in enumerate(zip(ram_groups, copies)):
+                    half = g % 2
+                    with streams.use("copy"):
+                        streams.wait("copy", self._staged[half])
+                        for e, dst in dsts:
+                            dst.copy_(self.ram_entries[(block.layer, e)].buf, non_blocking=True)
+                        landed = streams.record("copy")
+                    streams.wait(self.stream, landed)
+                    compute(group)
+                    self._staged[half] = streams.record(self.stream)
+            if early:
+                self._ahead_read[i % 2] = streams.record(self.stream)  # the lookahead bank's half for this layer is read
+        except BaseException:  # tier slots planned for copies that may not have been queued: free again, unread
+            self._unfill(filled)
+            raise
         self.rt.stats.vram_fills += len(filled)
         self._point(filled, vram=True)  # after the waits above: the table points at the slots once their copies have landed
 
@@ -302,13 +306,24 @@ class Direct(Stage):
         if not moves:
             return
         streams, layer = self.rt.streams, self.layers[i]
-        with streams.use("copy"):
-            streams.wait("copy", self._ahead_read[i % 2])
-            for e, slot in moves:
-                self.vram.arena.slot(slot).copy_(self.ram_entries[(layer, e)].buf, non_blocking=True)
-            landed = streams.record("copy")
+        try:
+            with streams.use("copy"):
+                streams.wait("copy", self._ahead_read[i % 2])
+                for e, slot in moves:
+                    self.vram.arena.slot(slot).copy_(self.ram_entries[(layer, e)].buf, non_blocking=True)
+                landed = streams.record("copy")
+        except BaseException:
+            self._unfill(filled)
+            raise
         self.rt.stats.vram_prefetches += len(moves)
         self._ahead = (i, early, landed, filled)
+
+    def _unfill(self, filled: list[tuple[int, int, int]]) -> None:
+        """Give back free tier slots a step planned to fill (it failed before it pointed the table at them)."""
+        for i, e, slot in filled:
+            if self._slot_of.get((i, e)) == slot:
+                del self._slot_of[(i, e)]
+                self._free.append(slot)
 
     def _settle_ahead(self) -> None:
         """The compute stream waits for the copies ahead (`_look_ahead`); tier slots they filled are pointed at."""

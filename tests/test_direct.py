@@ -148,7 +148,15 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
 
         monkeypatch.setattr(stage, "_look_ahead", wrong)
         bad = engine.forward(other)
-    assert torch.equal(first, ref[0]) and all(torch.equal(t, ref[1]) for t in (second, third, again))
+    room = engine.store.total_blocks  # the most slots a tier has: the bank takes 4 of them
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=ahead, vram_slots=room) as engine:
+        stage = engine.coordinator.stages[0][1]
+        roomy = engine.forward(PROMPT)
+        io = engine.rt.stats.snapshot()
+        assert io["vram_prefetches"] > 0 and io["vram_prefetch_hits"] > 0
+        # copies ahead went to tier slots while there were free ones (the bank is the last 4, never in _slot_of)
+        assert max(stage._slot_of.values()) < room - 4 and len(stage._slot_of) > io["vram_fills"]
+    assert torch.equal(first, ref[0]) and torch.equal(roomy, ref[0]) and all(torch.equal(t, ref[1]) for t in (second, third, again))
     assert (bad - ref[1]).abs().max().item() > 1e-3
 
 
