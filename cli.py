@@ -431,7 +431,9 @@ def _bench_compare(args, lengths) -> int:
             if engine.rt.cpu_s_per_block:
                 r["cpu_gbps"] = engine.store.block_bytes / engine.rt.cpu_s_per_block / 1e9
             block = engine.store.block_bytes
-            results.append((Path(name).stem if name.endswith((".yaml", ".yml")) else name, r))
+            label = Path(name).stem if name.endswith((".yaml", ".yml")) else name
+            passes = [n.split("#")[0] for n, _ in results].count(label)  # a schedule run again: direct, direct#2, ...
+            results.append((f"{label}#{passes + 1}" if passes else label, r))
         del engine  # the next schedule's engine opens with this one's GPU memory given back (a VRAM budget counts it)
         _free_device_memory()
     print(format_compare(results, block, ram_read_bandwidth()))

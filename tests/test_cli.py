@@ -46,17 +46,17 @@ def test_errors_are_one_line(tmp_path, capsys):
 
 def test_bench_model_compares_schedules_in_one_table(stores, tmp_path, capsys):
     """`bench model --compare` runs each schedule on the same model and prints one table with the bandwidths
-    measured in the same run; --json keeps every schedule's figures."""
+    measured in the same run; --json keeps every schedule's figures, a schedule run twice under a second name."""
     import json
 
     out = tmp_path / "cmp.json"
-    assert main(["bench", "model", "--model", str(stores["nemotron_h"]), "--device", "cpu", "--compare", "serial,overlap,hybrid",
+    assert main(["bench", "model", "--model", str(stores["nemotron_h"]), "--device", "cpu", "--compare", "serial,overlap,hybrid,serial",
                  "--prompt-lengths", "8", "--decode-tokens", "3", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    rows = [line.split()[0] for line in text.splitlines()[1:4]]
-    assert rows == ["serial", "overlap", "hybrid"] and "measured in this run: host RAM read" in text
+    rows = [line.split()[0] for line in text.splitlines()[1:5]]
+    assert rows == ["serial", "overlap", "hybrid", "serial#2"] and "measured in this run: host RAM read" in text
     figures = json.loads(out.read_text())
-    assert set(figures) == {"serial", "overlap", "hybrid"} and all(f["decode"]["tokens"] == 3 for f in figures.values())
+    assert set(figures) == {"serial", "overlap", "hybrid", "serial#2"} and all(f["decode"]["tokens"] == 3 for f in figures.values())
     assert figures["hybrid"]["decode"]["cpu_blocks_per_token"] > 0 and figures["serial"]["decode"]["cpu_blocks_per_token"] == 0
 
 
