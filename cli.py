@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-id", help="the id clients use (default: the model folder's name)")
     sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots (LRU)")
     sv.add_argument("--context", type=int, help="context length limit (default: the model's max_position_embeddings)")
+    sv.add_argument("--warm-up", type=int, metavar="TOKENS", help="before serving, run one prompt of this many random "
+                    "tokens and a few one-token steps, so that the first request does not wait for kernel compiles and "
+                    "graph captures (0: none; default: 512 on a GPU, 0 on a CPU)")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (on a GPU)")
@@ -357,6 +360,10 @@ def cmd_serve(args) -> int:
     from sluice.pipeline.config import parse_size
 
     engine = _open_engine(args)
+    warm = args.warm_up if args.warm_up is not None else 512 if engine.device.type == "cuda" else 0
+    if warm > 0:
+        print(f"warming up ({warm}-token prompt)...", file=sys.stderr)
+        print(f"warm in {engine.warm_up(warm):.1f} s", file=sys.stderr)
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
     app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=parse_size(args.snapshot_ram, "--snapshot-ram"),
                      context=args.context)

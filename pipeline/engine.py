@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -232,6 +233,18 @@ class Engine:
                  seed: int | None = None, stop_ids: tuple[int, ...] = (), images: torch.Tensor | None = None) -> list[int]:
         """The new tokens (greedy when temperature is 0)."""
         return list(self.stream(input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images=images))
+
+    def warm_up(self, prompt_tokens: int = 512, decode_tokens: int = 4) -> float:
+        """Run one prompt of random ids and a few one-token steps on a sequence of its own, so that the first request
+        does not pay for what a process does once (Triton compiling kernel variants: up to seconds a variant on a fresh
+        machine; CUDA graph captures); the VRAM tier is then emptied. Seconds taken. The I/O counters include it."""
+        t = time.perf_counter()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, self.model.config.vocab_size, (max(1, prompt_tokens),), generator=g).tolist()
+        for _ in self.stream(ids, decode_tokens):
+            pass
+        self.empty_vram()
+        return time.perf_counter() - t
 
     def empty_vram(self) -> None:
         """Forget the VRAM tier's blocks but a loaded hot set (`sluice bench model`: a prompt on an empty tier)."""

@@ -35,6 +35,17 @@ def test_stream_equals_generate_and_sampling_is_seeded(stores):
         assert engine.generate(PROMPT, 5, stop_ids=(engine.generate(PROMPT, 1)[0],)) == engine.generate(PROMPT, 1)
 
 
+def test_warm_up_leaves_no_state(stores, tmp_path):
+    """`warm_up` (what `sluice serve` runs before serving) runs a prompt and one-token steps on a sequence of its own:
+    the logits and greedy tokens afterwards are those of an engine that never warmed up, and the VRAM tier is empty."""
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, vram_slots=4) as engine:
+        want, tokens = engine.forward(PROMPT), engine.generate(PROMPT, 6)
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, vram_slots=4) as engine:
+        assert engine.warm_up(24, decode_tokens=3) > 0
+        assert engine.rt.stats.steps > 0 and len(engine.rt.vram) == 0
+        assert torch.equal(engine.forward(PROMPT), want) and engine.generate(PROMPT, 6) == tokens
+
+
 def test_extend_continues_a_sequence_like_one_long_prompt(stores):
     with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         whole = engine.forward(PROMPT)
