@@ -237,10 +237,13 @@ class Engine:
     def warm_up(self, prompt_tokens: int = 512, decode_tokens: int = 4) -> float:
         """Run one prompt of random ids and a few one-token steps on a sequence of its own, so that the first request
         does not pay for what a process does once (Triton compiling kernel variants: up to seconds a variant on a fresh
-        machine; CUDA graph captures); the VRAM tier is then emptied. Seconds taken. The I/O counters include it."""
+        machine; CUDA graph captures); the VRAM tier is then emptied. Seconds taken. The I/O counters include it. The
+        prompt is cut to fit the model's context."""
         t = time.perf_counter()
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(3, self.model.config.vocab_size, (max(1, prompt_tokens),), generator=g).tolist()
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        n = max(1, min(prompt_tokens, context - decode_tokens if context else prompt_tokens))
+        ids = torch.randint(3, self.model.config.vocab_size, (n,), generator=g).tolist()
         for _ in self.stream(ids, decode_tokens):
             pass
         self.empty_vram()

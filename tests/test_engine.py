@@ -44,6 +44,10 @@ def test_warm_up_leaves_no_state(stores, tmp_path):
         assert engine.warm_up(24, decode_tokens=3) > 0
         assert engine.rt.stats.steps > 0 and len(engine.rt.vram) == 0
         assert torch.equal(engine.forward(PROMPT), want) and engine.generate(PROMPT, 6) == tokens
+        seen = engine.rt.stats.tokens
+        engine.warm_up(10**6, decode_tokens=2)  # cut to the model's context, the decode steps included
+        context = engine.model.config.max_position_embeddings
+        assert engine.rt.stats.tokens - seen == context - 2 + 1  # the prompt, then the first new token fed back
 
 
 def test_extend_continues_a_sequence_like_one_long_prompt(stores):
