@@ -100,8 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(bm)
     bm.add_argument("--prompt-lengths", default="32,512", help="comma-separated prefill lengths")
     bm.add_argument("--decode-tokens", type=int, default=32)
-    bm.add_argument("--cold", action="store_true", help="time the first prompt of each length and decode without warming the "
-                                                        "RAM cache and kernels first")
+    bm.add_argument("--cold", action="store_true", help="time each prompt length and decode from empty expert caches (after "
+                                                        "untimed runs that compile the kernels, the caches are emptied)")
     bm.add_argument("--json", type=Path, help="also write the results as JSON")
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
     bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths) run one after another "
@@ -318,6 +318,9 @@ def cmd_simulate(args) -> int:
     trace = read_trace(args.trace)
     h = trace.header
     block = h["block_bytes"]
+    if h.get("prefetch", False) and h.get("prefetch_depth", 1) > 1:
+        print(f"note: the run guessed {h['prefetch_depth']} MoE layers ahead; the trace holds the next layer's guesses "
+              "only, so the replay prefetches one layer ahead", file=sys.stderr)
     ram = parse_size(args.ram_cache, "--ram-cache") // block if args.ram_cache else h["ram_blocks"]
     vram = args.vram_slots if args.vram_slots is not None else h.get("vram_blocks", 0)
     prefetch = False if args.no_prefetch else None

@@ -3,7 +3,9 @@
 Prefill: a fresh sequence per prompt length (random token ids), timed end to end, twice: on an empty VRAM tier,
 then with other ids on the tier the first left (prompts fill its free slots: the direct schedule). Decode: a
 32-token prompt, then `decode_tokens` greedy steps, each timed (the sampled id reaching the host
-is the step's sync). With `warm`, one untimed decode pass first fills the RAM cache. Reported per
+is the step's sync). Untimed runs of the same shapes come first, so that Triton's compiles and the CUDA
+graph captures a process does once are not timed; with `warm` they also leave the RAM cache filled,
+without it (`--cold`) the expert caches are emptied after them: every timed run starts from the disk. Reported per
 decode token: blocks and bytes per tier, hit rate, prefetch recall, fetch stall; and, on CUDA,
 the roofline: bytes that crossed PCIe over the pinned host-to-device bandwidth measured in the
 same run (the time a perfect pipeline would need for the expert I/O alone).
@@ -66,14 +68,14 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"]}
 
     for n in prompt_lengths:
-        if warm:  # a first prompt of this length compiles its kernels (grouped GEMM tiles, Mamba runs): untimed
-            prefill(n)
-        engine.empty_vram()
+        prefill(n)  # a first prompt of this length compiles its kernels (grouped GEMM tiles, Mamba runs): untimed
+        engine.empty_vram() if warm else engine.drop_caches()
         out["prefill"][n] = prefill(n)  # on an empty VRAM tier
         out["prefill"][n]["next"] = prefill(n)  # other ids, on the tier as that prompt left it
     prompt = torch.randint(3, vocab, (32,), generator=g).tolist()
-    if warm:
-        engine.generate(prompt, decode_tokens)
+    engine.generate(prompt, decode_tokens if warm else min(decode_tokens, 4))
+    if not warm:
+        engine.drop_caches()
     seq = engine.new_sequence()
     logits = engine.extend(seq, prompt)
     before = engine.rt.stats.snapshot()

@@ -59,6 +59,9 @@ class Engine:
         self._images = None  # the ImageEncoder, built on first use
         blocks = model.moe_blocks
         self._next: list[MoEBlock | None] = blocks[1:] + [None]
+        predict = coordinator.schedule.stage("predict")
+        depth = predict.knobs.depth if predict is not None else 1  # the predict stage's layers after the next one
+        self._ahead: list[tuple[MoEBlock, ...]] = [tuple(blocks[i + 2 : i + 1 + depth]) for i in range(len(blocks))]
         # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
         # (the predict stage runs the next block's router under names of its own)
         self.fn_graphs = FnGraphs() if graphs else None
@@ -129,9 +132,11 @@ class Engine:
                 "top_k": m.top_k, "block_bytes": m.block_bytes, "ram_blocks": ram_blocks,
                 "vram_blocks": vram_blocks, "prefetch": bool(fetch) and fetch.knobs.prefetch and schedule.stage("predict") is not None,
                 "vram_prefetch": h2d.prefetch and schedule.stage("predict") is not None,
+                "prefetch_depth": schedule.stage("predict").knobs.depth if schedule.stage("predict") else 0,
                 "schedule": schedule.name})
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
-                     down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy)
+                     down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy,
+                     guess_reads=fetch.knobs.guess_reads if fetch else FetchKnobs.guess_reads)
         if h2d.hot_set and rt.vram is not None:
             try:
                 held = rt.load_hot_set(h2d.hot_set, reserve=2 * store.manifest.top_k)
@@ -257,6 +262,12 @@ class Engine:
         if self.rt.vram is not None:
             self.rt.vram.clear()
 
+    def drop_caches(self) -> None:
+        """Empty the expert caches, RAM and VRAM tiers (a loaded hot set and the blocks a schedule holds for good
+        stay), after in-flight reads land: the next steps read their blocks from disk (`sluice bench model --cold`)."""
+        self.empty_vram()
+        self._loop.run_until_complete(self.rt.recover())
+
     def close(self) -> None:
         self.coordinator.close()
         self.rt.close()
@@ -317,11 +328,11 @@ class Engine:
                 view = self._decode_views.get(i) if graphs is not None else None
                 if view is None:
                     x, residual = layer.moe_input(h, ctx)
-                    li = LayerInput(layer.moe, self._next[layer.moe.index], x, residual)
+                    li = LayerInput(layer.moe, self._next[layer.moe.index], x, residual, self._ahead[layer.moe.index])
                 else:
                     moe_input, block, nxt = view
                     x, residual = moe_input(h)
-                    li = LayerInput(block, nxt, x, residual)
+                    li = LayerInput(block, nxt, x, residual, self._ahead[layer.moe.index])
                 h = (await self.coordinator.run_layer(li)).h
             logits = None if head == "none" else model.head(h[:, -1:] if head == "last" else h)
         seq.tokens.extend(ids)

@@ -106,12 +106,14 @@ class Runtime:
         down_in_ram: bool = False,
         record_routing: RoutingRecorder | None = None,
         vram_policy: str = "lru",
+        guess_reads: int = 2,
     ):
         self.store = store
         self.device = device
         self.streams = Streams(device)
         self.tracer = Tracer(self.streams, trace)
-        self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify)
+        self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify, guesses=guess_reads)
+        self.guessed: dict[int, list[CacheEntry]] = {}  # layer -> RAM entries read ahead for it on a guess
         cuda = device.type == "cuda"
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
         # the VRAM tier; on a CPU only when asked for (vram_blocks > 0): then an emulated one in host memory
@@ -128,16 +130,19 @@ class Runtime:
     def logical(self, buf: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         return self.store.logical(buf)
 
-    def read(self, layer: int, expert: int, entry: CacheEntry) -> asyncio.Future:
-        """Start reading block (layer, expert) into entry's slot; the future completes on the loop."""
+    def read(self, layer: int, expert: int, entry: CacheEntry, guess: bool = False) -> asyncio.Future:
+        """Start reading block (layer, expert) into entry's slot (a `guess` after demand reads); the future
+        completes on the loop."""
         after, entry.reuse_after = entry.reuse_after, None
-        fut = self.reader.submit(layer, expert, entry.buf, after=after)
+        fut = entry.job = self.reader.submit(layer, expert, entry.buf, after=after, guess=guess)
         if self.tracer.enabled:
             self.tracer.read_started(layer, expert, fut)
         return asyncio.wrap_future(fut)
 
     def settle_prefetch(self, entry: CacheEntry, fut: asyncio.Future) -> None:
-        """A prefetch read finished: keep the block, or drop it if the read failed (a demand will retry and report)."""
+        """A prefetch read finished: keep the block, or drop it if the read failed or was cancelled (a demand will
+        retry and report)."""
+        entry.job = None
         if fut.cancelled() or fut.exception() is not None:
             entry.pins -= 1
             self.ram.discard(entry)
@@ -150,6 +155,7 @@ class Runtime:
         if reads:
             await asyncio.gather(*reads, return_exceptions=True)  # also marks failed reads as seen
         self.streams.synchronize()
+        self.guessed.clear()
         self.ram.clear()
         if self.vram is not None:
             self.vram.clear()

@@ -8,8 +8,11 @@ to give, the stage ends a wave and waits for a consumer to release one: a layer'
 pass through a small cache in turns.
 
 Prefetch: once every demand read of the layer has landed, the predicted experts of the next MoE
-layer are read into free or evictable slots, never alongside demand reads (they would share the
-drive) and never evicting a pinned block.
+layer (and, with the predict stage's `depth`, of the layers after it, nearest first) are read into free
+or evictable slots, never evicting a pinned block. They go to the reader as guesses: a guess starts only
+while no demand read is queued or running, `guess_reads` at most at once, so they do not share the drive
+with demand reads. When a layer runs, its guesses still queued are read at once if it routed to them and
+dropped if it did not.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from sluice.stages.types import HostBlock, Prediction, Routing
 class FetchKnobs:
     prefetch: bool = False  # read the predicted experts of the next layer after demand reads
     readers: int = 8  # reader threads (one pool for the engine; the schedule's value sizes it)
+    guess_reads: int = 2  # prefetch reads in flight at most (a drive that needs depth to reach its rate wants more)
 
 
 class Fetch(Stage):
@@ -42,6 +46,7 @@ class Fetch(Stage):
         rt = self.rt
         pending: dict[asyncio.Future, HostBlock] = {}
         tiers = []
+        self._drop_guesses(layer, routing.experts)
         for expert in routing.experts:
             key = (layer, expert)
             v = rt.vram.lookup(key) if rt.vram is not None else None
@@ -60,10 +65,13 @@ class Fetch(Stage):
                 if v is None:
                     rt.stats.tier("ram", prefetched=entry.prefetched)
                     tiers.append("ram")
-                entry.prefetched = False
                 if entry.loading:
+                    if entry.prefetched:  # a guess still queued: read it now
+                        rt.reader.promote(entry.job)
+                    entry.prefetched = False
                     pending[entry.ready] = HostBlock(expert, "ram", entry, v)
                 else:
+                    entry.prefetched = False
                     io.emit(HostBlock(expert, "ram", entry, v))
                 continue
             if v is None:
@@ -94,18 +102,28 @@ class Fetch(Stage):
                 io.emit(hb)
         self.rt.stats.stall_s += time.perf_counter() - t0
 
+    def _drop_guesses(self, layer: int, experts: tuple[int, ...]) -> None:
+        """Cancel this layer's guesses that are still queued and that it did not route to (their slots are freed)."""
+        routed = set(experts)
+        for entry in self.rt.guessed.pop(layer, ()):
+            if entry.key[1] not in routed and entry.prefetched and entry.loading and entry.job is not None:
+                if self.rt.reader.cancel(entry.job):
+                    self.rt.stats.prefetch_reads -= 1  # never read
+
     def _prefetch(self, pred: Prediction) -> None:
         rt = self.rt
         if pred.layer is None:
             return
-        for expert in pred.experts:
-            key = (pred.layer, expert)
-            if key in rt.ram or (rt.vram is not None and key in rt.vram):
-                continue
-            entry = rt.ram.try_reserve(key)
-            if entry is None:
-                return
-            entry.prefetched = True
-            entry.ready = rt.read(pred.layer, expert, entry)
-            entry.ready.add_done_callback(lambda f, e=entry: rt.settle_prefetch(e, f))
-            rt.stats.prefetch_reads += 1
+        for layer, experts in ((pred.layer, pred.experts), *pred.further):
+            for expert in experts:
+                key = (layer, expert)
+                if key in rt.ram or (rt.vram is not None and key in rt.vram):
+                    continue
+                entry = rt.ram.try_reserve(key)
+                if entry is None:
+                    return
+                entry.prefetched = True
+                entry.ready = rt.read(layer, expert, entry, guess=True)
+                entry.ready.add_done_callback(lambda f, e=entry: rt.settle_prefetch(e, f))
+                rt.guessed.setdefault(layer, []).append(entry)
+                rt.stats.prefetch_reads += 1

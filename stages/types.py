@@ -25,6 +25,7 @@ class LayerInput:
     next_block: MoEBlock | None  # the next MoE layer (the predict stage's target), None for the last
     x: torch.Tensor  # [T, D] MoE input (normalised), model dtype, device, compute stream
     residual: torch.Tensor  # [1, T, D] added after the experts, device, compute stream
+    ahead: tuple[MoEBlock, ...] = ()  # the MoE layers after next_block that the predict stage also guesses (its depth)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Prediction:
 
     layer: int | None  # model layer index of the next MoE layer; None when this is the last
     experts: tuple[int, ...]  # guessed expert ids, most likely first
+    further: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (layer, guesses) for the layers after it, nearest first
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class CacheEntry:
     filled: Any = None  # CUDA event after the copy that filled the slot (VRAM tier), or None
     busy: Any = None  # CUDA event after the last GPU work reading this slot, or None
     reuse_after: Any = None  # the previous occupant's `busy`: wait for it before filling the slot
+    job: Any = None  # the reader's Future of the read filling the slot (to promote or cancel a queued guess)
 
     @property
     def loading(self) -> bool:

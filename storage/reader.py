@@ -1,10 +1,15 @@
-"""Whole-block reads from the expert store: O_DIRECT into page-aligned host buffers, by a thread pool.
+"""Whole-block reads from the expert store: O_DIRECT into page-aligned host buffers, by a pool of reader threads.
 
 One block = one pread of `block_bytes` at `expert * block_bytes` (both multiples of 4096), into a
 page-aligned buffer, so O_DIRECT reads go from the drive straight to (pinned) RAM without the
 page cache. Where the filesystem refuses O_DIRECT (tmpfs, some overlay filesystems) the reader
 falls back to buffered reads for that file and logs one warning. Checksums (xxh64 over the
 block) are verified after each read unless switched off.
+
+Two queues: demand reads (a layer is waiting for them) and guesses (prefetches). A reader takes a guess only
+while no demand read is queued or running, and at most `guesses` of them run at once, so a demand read
+never queues behind a guess and shares the drive with at most that many. A queued guess can be promoted to
+a demand (the layer it was for routed to it) or cancelled (it did not).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import errno
 import mmap
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,27 +59,107 @@ class HostArena:
         return self.data[i * self.nbytes : (i + 1) * self.nbytes]
 
 
+@dataclass(eq=False)
+class _Job:
+    layer: int
+    expert: int
+    buf: torch.Tensor
+    after: Any
+    guess: bool
+    future: Future
+
+
 class BlockReader:
     """Reads blocks into caller-owned page-aligned buffers. Thread-safe; `submit` returns a Future.
 
     The caller must keep the destination buffer alive and unread until the future completes.
     """
 
-    def __init__(self, store: ExpertStore, threads: int = 8, direct: bool = True, verify: bool = True):
+    def __init__(self, store: ExpertStore, threads: int = 8, direct: bool = True, verify: bool = True, guesses: int = 2):
         self.store = store
         self.verify = verify
         self.direct = direct
+        self.guesses = max(1, guesses)  # guesses read at once, at most
         self._fds: dict[int, int] = {}
         self._direct: set[int] = set()  # fds opened with O_DIRECT
         self._warned = False
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="sluice-reader")
+        self._cond = threading.Condition()
+        self._demand: deque[_Job] = deque()
+        self._guess: deque[_Job] = deque()
+        self._queued: dict[Future, _Job] = {}
+        self._running = [0, 0]  # demand reads, guesses in progress
+        self._closed = False
+        self._threads: list[threading.Thread] = []  # started with the first read
+        self._size = max(1, threads)
         self.bytes_read = 0
         self.reads = 0
 
-    def submit(self, layer: int, expert: int, buf: torch.Tensor, after: Any = None) -> Future:
-        """Read in a pool thread; `after` (a CUDA event still reading buf) is waited for first."""
-        return self._pool.submit(self._read_after, layer, expert, buf, after)
+    def submit(self, layer: int, expert: int, buf: torch.Tensor, after: Any = None, guess: bool = False) -> Future:
+        """Read in a reader thread; `after` (a CUDA event still reading buf) is waited for first. A `guess` waits
+        while demand reads are queued or running."""
+        job = _Job(layer, expert, buf, after, guess, Future())
+        with self._cond:
+            if self._closed:
+                raise StoreError(f"{self.store.path}: the block reader is closed")
+            (self._guess if guess else self._demand).append(job)
+            self._queued[job.future] = job
+            self._cond.notify()
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, name=f"sluice-reader-{i}", daemon=True)
+                                 for i in range(self._size)]
+                for t in self._threads:
+                    t.start()
+        return job.future
+
+    def promote(self, future: Future) -> None:
+        """A queued guess is needed now: read it as a demand, ahead of the other guesses."""
+        with self._cond:
+            job = self._queued.get(future)
+            if job is not None and job.guess:
+                self._guess.remove(job)
+                job.guess = False
+                self._demand.append(job)
+                self._cond.notify()
+
+    def cancel(self, future: Future) -> bool:
+        """Drop a read that has not started; its future is cancelled. False if it has started (or finished)."""
+        with self._cond:
+            job = self._queued.pop(future, None)
+            if job is None:
+                return False
+            (self._guess if job.guess else self._demand).remove(job)
+        future.cancel()
+        return True
+
+    def _take(self) -> _Job | None:
+        with self._cond:
+            while True:
+                if self._demand:
+                    job = self._demand.popleft()
+                    break
+                if self._guess and not self._running[0] and self._running[1] < self.guesses:
+                    job = self._guess.popleft()
+                    break
+                if self._closed:
+                    return None
+                self._cond.wait()
+            del self._queued[job.future]
+            self._running[job.guess] += 1
+            return job
+
+    def _work(self) -> None:
+        while (job := self._take()) is not None:
+            try:
+                if job.future.set_running_or_notify_cancel():
+                    try:
+                        job.future.set_result(self._read_after(job.layer, job.expert, job.buf, job.after))
+                    except BaseException as e:  # the waiter sees it (a failed read names layer and expert)
+                        job.future.set_exception(e)
+            finally:
+                with self._cond:
+                    self._running[job.guess] -= 1
+                    self._cond.notify_all()
 
     def _read_after(self, layer: int, expert: int, buf: torch.Tensor, after: Any) -> int:
         if after is not None:
@@ -102,7 +189,18 @@ class BlockReader:
         return n
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Cancel the reads not started, wait for the rest, close the files."""
+        with self._cond:
+            self._closed = True
+            dropped = list(self._queued)
+            self._queued.clear()
+            self._demand.clear()
+            self._guess.clear()
+            self._cond.notify_all()
+        for f in dropped:
+            f.cancel()
+        for t in self._threads:
+            t.join()
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)

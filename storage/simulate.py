@@ -13,6 +13,8 @@ tier too, as no use (an `lfu` tier evicts them first), stopping at the first wit
 Checked against live runs (tests/test_plan.py): with the recorded cache size the replay gives the
 live disk reads per token. It models pins only at prefetch time, so a cache smaller than one
 layer's distinct experts (which the engine passes through in waves) is replayed less exactly.
+Traces record the next layer's guesses only: a run that guessed further ahead (`predict: {depth: N}`,
+the header's `prefetch_depth`) is replayed as if it guessed one layer ahead.
 """
 
 from __future__ import annotations

@@ -297,3 +297,49 @@ def test_resident_roofline_adds_the_resident_part_to_the_pcie_time():
     line = resident_roofline(cold, 2.24, "alone")
     assert abs(cold["disk_plus_resident_alone_ms_per_token"] - 7.80) < 1e-9
     assert "= 7.80 ms/token; median step 1.14 x, mean step 2.62 x" in line
+
+
+def test_predict_depth_guesses_later_layers_without_changing_logits(stores, tmp_path, monkeypatch):
+    """`predict: {depth: 3}` also guesses the two MoE layers after the next one, from this layer's input (the right
+    layers, nearest first); fetch reads them as guesses. Blocks read early change no logit."""
+    import yaml
+
+    from sluice.pipeline.schedule import SCHEDULES_DIR
+    from sluice.stages.fetch import Fetch
+
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    made = []
+    real = Fetch._prefetch
+    monkeypatch.setattr(Fetch, "_prefetch", lambda self, pred: (made.append(pred), real(self, pred))[1])
+    runs = {}
+    for depth in (1, 3):
+        doc["stages"]["predict"] = {"depth": depth}
+        path = tmp_path / f"depth{depth}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        made.clear()
+        with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=str(path), ram_cache=24 * _block_bytes(stores)) as engine:
+            layers = list(engine.store.moe_layers)
+            seq = engine.new_sequence()
+            logits = engine.extend(seq, PROMPT)
+            steps = [engine.extend(seq, [int(logits[-1].argmax())])]
+            for _ in range(6):
+                steps.append(engine.extend(seq, [int(steps[-1][-1].argmax())]))
+            runs[depth] = (torch.cat([logits] + steps), engine.rt.stats.snapshot()["prefetch_reads"])
+        decode = [p for p in made if p.layer is not None]
+        assert decode
+        for p in decode:
+            i = layers.index(p.layer)
+            assert [p.layer, *(l for l, _ in p.further)] == layers[i : i + depth]
+            assert all(len(g) == 4 for _, g in p.further)  # top-k guesses per layer
+    assert torch.equal(runs[1][0], runs[3][0])
+    assert runs[3][1] > runs[1][1]  # guesses for the layers further ahead were read
+    doc["stages"]["predict"] = {"depth": 0}
+    (tmp_path / "depth0.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(SluiceError, match="'depth' must be >= 1"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=str(tmp_path / "depth0.yaml"))
+
+
+def _block_bytes(stores) -> int:
+    from sluice.storage.store import ExpertStore
+
+    return ExpertStore.open(stores["qwen3_moe"]).block_bytes

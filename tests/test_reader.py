@@ -61,3 +61,43 @@ def test_checksum_mismatch_names_layer_and_expert(stores, tmp_path):
     with pytest.raises(CorruptBlockError, match=f"layer {layer}, expert 2: checksum mismatch"):
         BlockReader(store, threads=1).read_into(layer, 2, arena.slot(0))
     BlockReader(store, threads=1, verify=False).read_into(layer, 2, arena.slot(0))  # switchable
+
+
+def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, monkeypatch):
+    """A guess starts only while no demand read is queued or running, at most `guesses` at once; a queued guess can
+    be read next (promote) or dropped unread (cancel)."""
+    import threading
+
+    store = ExpertStore.open(stores["qwen3_moe"])
+    arena = HostArena(8, store.block_bytes, pin=False)
+    layer = store.moe_layers[0]
+    reader = BlockReader(store, threads=4, guesses=1)
+    gate, lock, order, running, most = threading.Event(), threading.Lock(), [], [0], [0]
+
+    def read_into(layer_, expert, buf):  # a slow drive: expert 0 holds the drive until the gate opens
+        with lock:
+            order.append(expert)
+            running[0] += expert >= 10  # guesses are experts 10+
+            most[0] = max(most[0], running[0])
+        if expert == 0:
+            gate.wait(10)
+        with lock:
+            running[0] -= expert >= 10
+        return store.block_bytes
+
+    monkeypatch.setattr(reader, "read_into", read_into)
+    first = reader.submit(layer, 0, arena.slot(0))
+    guesses = [reader.submit(layer, e, arena.slot(i + 1), guess=True) for i, e in enumerate((10, 11, 12, 13))]
+    demand = reader.submit(layer, 1, arena.slot(5))
+    reader.promote(guesses[3])  # needed now: read as a demand, before the other guesses
+    assert reader.cancel(guesses[1]) and guesses[1].cancelled()
+    gate.set()
+    for f in (first, demand, guesses[0], guesses[2], guesses[3]):
+        assert f.result(10) == store.block_bytes
+    assert order[:3] in ([0, 1, 13], [0, 13, 1])  # demands (the promoted guess is one) before any guess
+    assert sorted(order[3:]) == [10, 12] and 11 not in order  # the cancelled guess was never read
+    assert most[0] == 1  # one guess at a time
+    assert not reader.cancel(first)  # done: nothing to cancel
+    reader.close()
+    with pytest.raises(Exception, match="closed"):
+        reader.submit(layer, 2, arena.slot(0))
