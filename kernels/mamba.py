@@ -50,20 +50,34 @@ def _conv_silu(zx, cs, cw, cb, c, cm, k, I, CS_C, CS_K, K: tl.constexpr, HAS_CB:
 
 
 @triton.jit
+def _softplus(v):
+    """torch's softplus (threshold 20): log1p(exp(v)), log1p by Kahan's trick (log(w) * u / (w - 1), w = 1 + u), which
+    stays accurate where 1 + exp(v) rounds (v below about -9), with plain operations the interpreter runs too."""
+    u = tl.exp(tl.minimum(v, 20.0))
+    w = 1.0 + u
+    d = w - 1.0
+    return tl.where(v > 20.0, v, tl.where(d == 0.0, u, tl.log(w) * (u / tl.where(d == 0.0, 1.0, d))))
+
+
+@triton.jit
+def _head_tile(HPG, P, N, BP: tl.constexpr, BN: tl.constexpr):
+    """A (head, block of head channels) program's head, its B/C group, channels p and state columns n, with masks."""
+    h, pb = tl.program_id(0), tl.program_id(1)
+    p = pb * BP + tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    return h, h // HPG, p, p < P, n, n < N
+
+
+@triton.jit
 def _ssm_step_kernel(zx, cs, cw, cb, dt_bias, a_log, d_skip, st, y, I, CONV_DIM, H, P, N, HPG, G, CS_C, CS_K,
                      K: tl.constexpr, HAS_CB: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    h, pb = tl.program_id(0), tl.program_id(1)
-    g = h // HPG
-    p = pb * BP + tl.arange(0, BP)
-    pm = p < P
-    n = tl.arange(0, BN)
-    nm = n < N
+    h, g, p, pm, n, nm = _head_tile(HPG, P, N, BP, BN)
     k = tl.arange(0, BK)
     x = _conv_silu(zx, cs, cw, cb, h * P + p, pm, k, I, CS_C, CS_K, K, HAS_CB)
     b = _conv_silu(zx, cs, cw, cb, I + g * N + n, nm, k, I, CS_C, CS_K, K, HAS_CB)
     c = _conv_silu(zx, cs, cw, cb, I + G * N + g * N + n, nm, k, I, CS_C, CS_K, K, HAS_CB)
     dt = tl.load(zx + I + CONV_DIM + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
-    dt = tl.where(dt > 20.0, dt, tl.where(dt < -20.0, tl.exp(dt), tl.log(1.0 + tl.exp(dt))))  # softplus (threshold 20)
+    dt = _softplus(dt)
     decay = tl.exp(-dt * tl.exp(tl.load(a_log + h).to(tl.float32)))  # exp(dt * A), A = -exp(A_log)
     ptr = st + h * P * N + p[:, None] * N + n[None, :]
     m = pm[:, None] & nm[None, :]
@@ -170,12 +184,7 @@ def _ssm_scan_kernel(x, dt, a, b, c, d_skip, dt_bias, s0, y, s_out, T, P, N, HPG
                      C_T, C_G, C_N, Y_T, DT_MIN, DT_MAX, DT_DT: tl.constexpr, HAS_S0: tl.constexpr, HAS_D: tl.constexpr,
                      HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     """One program per (head, block of head channels): the state [BP, N] in registers through every token."""
-    h, pb = tl.program_id(0), tl.program_id(1)
-    g = h // HPG
-    p = pb * BP + tl.arange(0, BP)
-    pm = p < P
-    n = tl.arange(0, BN)
-    nm = n < N
+    h, g, p, pm, n, nm = _head_tile(HPG, P, N, BP, BN)
     m = pm[:, None] & nm[None, :]
     ptr = h * P * N + p[:, None] * N + n[None, :]
     A = tl.load(a + h).to(tl.float32)
@@ -190,7 +199,7 @@ def _ssm_scan_kernel(x, dt, a, b, c, d_skip, dt_bias, s0, y, s_out, T, P, N, HPG
         # dt as transformers' scan makes it: each step rounded to dt's dtype (the bias added, softplus, the clamp)
         dv = _rounded(tl.load(dt + t * DT_T + h * DT_H).to(tl.float32) + bias, DT_DT)
         if SOFTPLUS:
-            dv = _rounded(tl.where(dv > 20.0, dv, tl.log(1.0 + tl.exp(dv))), DT_DT)
+            dv = _rounded(_softplus(dv), DT_DT)
         dv = _rounded(tl.minimum(tl.maximum(dv, DT_MIN), DT_MAX), DT_DT)
         bt = tl.load(b + t * B_T + g * B_G + n * B_N, mask=nm, other=0.0).to(tl.float32)
         ct = tl.load(c + t * C_T + g * C_G + n * C_N, mask=nm, other=0.0).to(tl.float32)
