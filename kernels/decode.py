@@ -233,25 +233,11 @@ def _down_relaid_kernel(
         n_live = 0
         for g in range(g0, g1):
             hg = tl.load(hp + g * 16 + tl.arange(0, 16)).to(tl.float32)
+            # a branch, not masked loads: with loads masked off for dead groups the kernel ran 0.5-0.9 x as fast
+            # at 25-50% live groups on the H200 (BENCHMARKS.md, thirteenth session)
             if tl.max(tl.abs(hg), axis=0) > SKIP_BELOW:  # -1 reads every group, 0 skips all-zero groups
                 n_live += 1
-                if FMT == NVFP4 or FMT == MXFP4:
-                    r = g * 8 + tl.arange(0, R)  # byte row r holds neurons 2r (low nibble) and 2r+1 (high)
-                    b = tl.load(base + W_OFF + r[:, None] * Dx + d[None, :], mask=dm[None, :], other=0).to(tl.int32)
-                    s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + d, dm, FMT)
-                    h_lo = tl.load(hp + g * 16 + 2 * tl.arange(0, R)).to(tl.float32)
-                    h_hi = tl.load(hp + g * 16 + 2 * tl.arange(0, R) + 1).to(tl.float32)
-                    acc += (e2m1_scaled(b & 15) * h_lo[:, None] + e2m1_scaled(b >> 4) * h_hi[:, None]) * s[None, :]
-                else:
-                    i = g * 16 + tl.arange(0, R)
-                    if FMT == DENSE:
-                        w = tl.load((base + W_OFF).to(tl.pointer_type(WDT)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
-                    else:
-                        w = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
-                    w = w.to(tl.float32) * hg[:, None]
-                    if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # 16 divides BLOCK: one scale row for the group
-                        w = w * block_scale(base + S_OFF, (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, dm, FMT)[None, :]
-                    acc += w
+                acc += _down_group(base, hp, g, d, dm, hg, Dx, W_OFF, S_OFF, S_STRIDE, FMT, WDT, BLOCK, SG, R)
         out = tl.sum(acc, axis=0)
         if FMT == NVFP4 or FMT == MXFP4:
             out = out * E2M1_UNSCALE
@@ -261,6 +247,47 @@ def _down_relaid_kernel(
         tl.store(part + (a * NSPLIT + sp) * Dx + d, out, mask=dm)
         if tl.program_id(2) == 0:
             tl.store(live + a * NSPLIT + sp, n_live)
+
+
+@triton.jit
+def _down_group(base, hp, g, d, dm, hg, Dx, W_OFF, S_OFF, S_STRIDE, FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr,
+                SG: tl.constexpr, R: tl.constexpr):
+    """One 16-neuron group's terms for outputs d (loads masked by dm) as [R, BD] fp32: R FP4 byte rows (each two
+    neurons; e2m1_scaled values times the group scale, E2M1_UNSCALE applied after the sum) or R = 16 neuron rows."""
+    if FMT == NVFP4 or FMT == MXFP4:
+        r = g * 8 + tl.arange(0, R)  # byte row r holds neurons 2r (low nibble) and 2r+1 (high)
+        b = tl.load(base + W_OFF + r[:, None] * Dx + d[None, :], mask=dm[None, :], other=0).to(tl.int32)
+        s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + d, dm, FMT)
+        h_lo = tl.load(hp + g * 16 + 2 * tl.arange(0, R)).to(tl.float32)
+        h_hi = tl.load(hp + g * 16 + 2 * tl.arange(0, R) + 1).to(tl.float32)
+        w = (e2m1_scaled(b & 15) * h_lo[:, None] + e2m1_scaled(b >> 4) * h_hi[:, None]) * s[None, :]
+    else:  # (one return at the end: Triton compiles code after a return under a constexpr `if` too)
+        i = g * 16 + tl.arange(0, R)
+        if FMT == DENSE:
+            w = tl.load((base + W_OFF).to(tl.pointer_type(WDT)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
+        else:
+            w = tl.load((base + W_OFF).to(tl.pointer_type(tl.float8e4nv)) + i[:, None] * Dx + d[None, :], mask=dm[None, :], other=0.0)
+        w = w.to(tl.float32) * hg[:, None]
+        if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # 16 divides BLOCK: one scale row for the group
+            w = w * block_scale(base + S_OFF, (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, dm, FMT)[None, :]
+    return w
+
+
+@triton.jit
+def _f16x2_group(base, rows, hq, g, c, cm, zero, DW, S_OFF, S_STRIDE, FMT: tl.constexpr, SG: tl.constexpr, BW: tl.constexpr,
+                 ASM: tl.constexpr):
+    """One scale group's 8 byte rows of words c (loads masked by cm) dotted with h's pairs, scaled: [BW, 4] fp32."""
+    r = rows + g * 8 * DW
+    d0, d1, d2, d3 = fp4_group_dot_f16x2(
+        tl.load(r, mask=cm, other=0), tl.load(r + DW, mask=cm, other=0), tl.load(r + 2 * DW, mask=cm, other=0),
+        tl.load(r + 3 * DW, mask=cm, other=0), tl.load(r + 4 * DW, mask=cm, other=0), tl.load(r + 5 * DW, mask=cm, other=0),
+        tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0),
+        zero + tl.load(hq + g * 8), zero + tl.load(hq + g * 8 + 1), zero + tl.load(hq + g * 8 + 2),
+        zero + tl.load(hq + g * 8 + 3), zero + tl.load(hq + g * 8 + 4), zero + tl.load(hq + g * 8 + 5),
+        zero + tl.load(hq + g * 8 + 6), zero + tl.load(hq + g * 8 + 7), ASM)
+    dots = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), [BW, 4])  # [w, j]: output 4w + j
+    s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + 4 * c[:, None] + tl.arange(0, 4)[None, :], cm[:, None], FMT)
+    return dots * s
 
 
 @triton.jit
@@ -281,17 +308,7 @@ def _down_f16x2(base, hp, hq, hinv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, 
         hg = tl.load(hp + g * 16 + tl.arange(0, 16)).to(tl.float32)
         if tl.max(tl.abs(hg), axis=0) > SKIP_BELOW:  # -1 reads every group, 0 skips all-zero groups
             n_live += 1
-            r = rows + g * 8 * DW
-            d0, d1, d2, d3 = fp4_group_dot_f16x2(
-                tl.load(r, mask=cm, other=0), tl.load(r + DW, mask=cm, other=0), tl.load(r + 2 * DW, mask=cm, other=0),
-                tl.load(r + 3 * DW, mask=cm, other=0), tl.load(r + 4 * DW, mask=cm, other=0), tl.load(r + 5 * DW, mask=cm, other=0),
-                tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0),
-                zero + tl.load(hq + g * 8), zero + tl.load(hq + g * 8 + 1), zero + tl.load(hq + g * 8 + 2),
-                zero + tl.load(hq + g * 8 + 3), zero + tl.load(hq + g * 8 + 4), zero + tl.load(hq + g * 8 + 5),
-                zero + tl.load(hq + g * 8 + 6), zero + tl.load(hq + g * 8 + 7), ASM)
-            dots = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), [BW, 4])  # [w, j]: output 4w + j
-            s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + 4 * c[:, None] + tl.arange(0, 4)[None, :], cm[:, None], FMT)
-            acc += dots * s
+            acc += _f16x2_group(base, rows, hq, g, c, cm, zero, DW, S_OFF, S_STRIDE, FMT, SG, BW, ASM)
     d = tl.program_id(2) * BD + tl.arange(0, BD)
     o = tl.reshape(acc, [BD]) * tl.load(hinv) * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
     tl.store(out + d, o, mask=d < Dx)
