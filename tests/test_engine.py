@@ -134,6 +134,22 @@ def test_bench_model_reports_io(stores):
     assert "decode:" in text and "hit rate" in text
 
 
+def test_bench_model_cold_times_from_empty_caches(stores):
+    """`--cold`: each timed prompt and the decode start from empty expert caches (the untimed runs before them only
+    compile), so every block a timed prompt routes to comes from disk; warm, none does."""
+    from sluice.pipeline.bench import bench_model
+
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
+        cold = bench_model(engine, prompt_lengths=(8,), decode_tokens=4, warm=False)
+        warm = bench_model(engine, prompt_lengths=(8,), decode_tokens=4)
+        engine.drop_caches()
+        assert len(engine.rt.ram.entries()) == 0
+    first = cold["prefill"][8]["blocks"]
+    assert first["disk"] > 0 and first["ram"] == first["vram"] == 0
+    assert warm["prefill"][8]["blocks"]["disk"] == 0 and warm["decode"]["blocks_per_token"]["disk"] == 0
+    assert cold["decode"]["disk_reads_per_token"] > 0  # blocks its 32-token prompt did not route to
+
+
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a VRAM budget sizes the GPU slot bank")
 def test_vram_budget_sizes_the_slot_bank(stores):
     """The slot bank gets what the budget leaves after the resident part and the reserve; a budget too small
