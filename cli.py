@@ -100,8 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(bm)
     bm.add_argument("--prompt-lengths", default="32,512", help="comma-separated prefill lengths")
     bm.add_argument("--decode-tokens", type=int, default=32)
-    bm.add_argument("--cold", action="store_true", help="time each prompt length and decode from empty expert caches (after "
-                                                        "untimed runs that compile the kernels, the caches are emptied)")
+    bm.add_argument("--cold", action="store_true", help="time each prompt length, and decode after a 32-token prompt, from empty "
+                                                        "expert caches (emptied after untimed runs that compile the kernels)")
     bm.add_argument("--json", type=Path, help="also write the results as JSON")
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
     bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths) run one after another "

@@ -5,7 +5,8 @@ then with other ids on the tier the first left (prompts fill its free slots: the
 32-token prompt, then `decode_tokens` greedy steps, each timed (the sampled id reaching the host
 is the step's sync). Untimed runs of the same shapes come first, so that Triton's compiles and the CUDA
 graph captures a process does once are not timed; with `warm` they also leave the RAM cache filled,
-without it (`--cold`) the expert caches are emptied after them: every timed run starts from the disk. Reported per
+without it (`--cold`) the expert caches are emptied after them: each timed prompt, and decode's 32-token prompt,
+starts from the disk. Reported per
 decode token: blocks and bytes per tier, hit rate, prefetch recall, fetch stall; and, on CUDA,
 the roofline: bytes that crossed PCIe over the pinned host-to-device bandwidth measured in the
 same run (the time a perfect pipeline would need for the expert I/O alone).

@@ -133,7 +133,7 @@ class Runtime:
     def read(self, layer: int, expert: int, entry: CacheEntry, guess: bool = False) -> asyncio.Future:
         """Start reading block (layer, expert) into entry's slot (a `guess` after demand reads); the future
         completes on the loop."""
-        after, entry.reuse_after = entry.reuse_after, None
+        after = entry.reuse_after  # kept on the entry: a read cancelled before it waited hands it to the slot's next entry
         fut = entry.job = self.reader.submit(layer, expert, entry.buf, after=after, guess=guess)
         if self.tracer.enabled:
             self.tracer.read_started(layer, expert, fut)
@@ -149,8 +149,21 @@ class Runtime:
         else:
             self.ram.unpin(entry)
 
+    def cancel_guesses(self, layer: int | None = None, keep: set[int] = frozenset()) -> int:
+        """Cancel the guesses still queued (for `layer`, whose list is then done with; else every layer's) but those of
+        experts in `keep`; a cancelled guess's slot is freed once the loop sees the cancellation. How many."""
+        n = 0
+        for entries in ([self.guessed.pop(layer, [])] if layer is not None else list(self.guessed.values())):
+            for e in entries:
+                if e.key[1] not in keep and e.prefetched and e.loading and e.job is not None and self.reader.cancel(e.job):
+                    self.stats.prefetch_reads -= 1  # never read
+                    n += 1
+        return n
+
     async def recover(self) -> None:
-        """After a failed step: let in-flight reads settle, then drop every cached block and pin."""
+        """After a failed step: let in-flight reads settle (guesses not started are cancelled), then drop every
+        cached block and pin."""
+        self.cancel_guesses()
         reads = [e.ready for e in self.ram.entries() if e.ready is not None]
         if reads:
             await asyncio.gather(*reads, return_exceptions=True)  # also marks failed reads as seen

@@ -21,6 +21,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from sluice.errors import ScheduleError
 from sluice.stages.base import Stage, StageIO
 from sluice.stages.types import HostBlock, Prediction, Routing
 
@@ -40,13 +41,18 @@ class Fetch(Stage):
     channel = True
     Knobs = FetchKnobs
 
+    def __init__(self, knobs: FetchKnobs, stream: str, rt):
+        if knobs.guess_reads < 1:
+            raise ScheduleError(f"fetch: 'guess_reads' must be >= 1, got {knobs.guess_reads} (prefetch: false reads no guesses)")
+        super().__init__(knobs, stream, rt)
+
     async def run(self, io: StageIO) -> None:
         routing: Routing = await io.value("routing")
         layer = (await io.value("layer")).block.layer
         rt = self.rt
         pending: dict[asyncio.Future, HostBlock] = {}
         tiers = []
-        self._drop_guesses(layer, routing.experts)
+        rt.cancel_guesses(layer, keep=set(routing.experts))  # this layer's guesses still queued that it did not route to
         for expert in routing.experts:
             key = (layer, expert)
             v = rt.vram.lookup(key) if rt.vram is not None else None
@@ -62,14 +68,15 @@ class Fetch(Stage):
             entry = rt.ram.lookup(key)
             if entry is not None:
                 rt.ram.pin(entry)
+                # a guess still queued is read now, as a demand: a miss, not a hit on a prefetch
+                queued = entry.loading and entry.prefetched and rt.reader.promote(entry.job)
+                tier = "disk" if queued else "ram"
                 if v is None:
-                    rt.stats.tier("ram", prefetched=entry.prefetched)
-                    tiers.append("ram")
+                    rt.stats.tier(tier, prefetched=entry.prefetched and not queued)
+                    tiers.append(tier)
                 if entry.loading:
-                    if entry.prefetched:  # a guess still queued: read it now
-                        rt.reader.promote(entry.job)
                     entry.prefetched = False
-                    pending[entry.ready] = HostBlock(expert, "ram", entry, v)
+                    pending[entry.ready] = HostBlock(expert, tier, entry, v)
                 else:
                     entry.prefetched = False
                     io.emit(HostBlock(expert, "ram", entry, v))
@@ -79,6 +86,7 @@ class Fetch(Stage):
                 tiers.append("disk")
             entry = rt.ram.try_reserve(key)
             if entry is None:
+                rt.cancel_guesses()  # slots that guesses not yet started hold go to demands (freed once the loop sees it)
                 await self._drain(io, pending)
                 io.end_wave()
                 entry = await rt.ram.reserve(key)
@@ -101,14 +109,6 @@ class Fetch(Stage):
                 fut.result()  # a failed read raises here, naming layer and expert
                 io.emit(hb)
         self.rt.stats.stall_s += time.perf_counter() - t0
-
-    def _drop_guesses(self, layer: int, experts: tuple[int, ...]) -> None:
-        """Cancel this layer's guesses that are still queued and that it did not route to (their slots are freed)."""
-        routed = set(experts)
-        for entry in self.rt.guessed.pop(layer, ()):
-            if entry.key[1] not in routed and entry.prefetched and entry.loading and entry.job is not None:
-                if self.rt.reader.cancel(entry.job):
-                    self.rt.stats.prefetch_reads -= 1  # never read
 
     def _prefetch(self, pred: Prediction) -> None:
         rt = self.rt

@@ -74,6 +74,7 @@ class BlockCache:
         self._entries: OrderedDict[Key, CacheEntry] = OrderedDict()  # LRU first
         self._held: dict[Key, CacheEntry] = {}  # kept for good, outside the eviction order
         self._free = list(range(arena.n - 1, -1, -1))
+        self._free_after: dict[int, Any] = {}  # a free slot -> the event to wait for before filling it (`discard`)
         self._released = asyncio.Event()
         self.stats = CacheStats()
         # lfu: uses per key since the engine opened, and a heap of (uses, last use, key), stale items skipped
@@ -110,7 +111,8 @@ class BlockCache:
         `use=False` (a guess, not a demand): the entry does not count as used for `lfu`."""
         assert key not in self, key
         if self._free:
-            slot, reuse_after = self._free.pop(), None
+            slot = self._free.pop()
+            reuse_after = self._free_after.pop(slot, None)
         else:
             evicted = self._evict_one()
             if evicted is None:
@@ -141,10 +143,15 @@ class BlockCache:
             self._released.set()
 
     def discard(self, entry: CacheEntry) -> None:
-        """Drop an entry whose load failed; its slot becomes free."""
+        """Drop an entry whose load failed or was cancelled; its slot becomes free. GPU work of the slot's previous
+        block may still read it (the entry's `reuse_after`, which a load that never ran did not wait for): the next
+        entry in the slot waits for it."""
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
             self._free.append(entry.slot)
+            after = entry.busy if entry.busy is not None else entry.reuse_after
+            if after is not None:
+                self._free_after[entry.slot] = after
             self._released.set()
 
     def entries(self) -> list[CacheEntry]:
@@ -159,6 +166,7 @@ class BlockCache:
             e.pins = 1
         held = {e.slot for e in self._held.values()}
         self._free = [i for i in range(self.arena.n - 1, -1, -1) if i not in held]
+        self._free_after.clear()  # the GPU is idle (see above)
         self._released.set()
 
     def hold(self, entry: CacheEntry) -> None:

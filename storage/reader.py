@@ -112,15 +112,17 @@ class BlockReader:
                     t.start()
         return job.future
 
-    def promote(self, future: Future) -> None:
-        """A queued guess is needed now: read it as a demand, ahead of the other guesses."""
+    def promote(self, future: Future) -> bool:
+        """A queued guess is needed now: read it as a demand, ahead of the other guesses. False if it has started."""
         with self._cond:
             job = self._queued.get(future)
-            if job is not None and job.guess:
-                self._guess.remove(job)
-                job.guess = False
-                self._demand.append(job)
-                self._cond.notify()
+            if job is None or not job.guess:
+                return False
+            self._guess.remove(job)
+            job.guess = False
+            self._demand.append(job)
+            self._cond.notify()
+            return True
 
     def cancel(self, future: Future) -> bool:
         """Drop a read that has not started; its future is cancelled. False if it has started (or finished)."""

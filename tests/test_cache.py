@@ -67,6 +67,13 @@ def test_slot_reuse_carries_the_previous_readers_event():
     c.unpin(e, busy="copy-event")
     again = c.try_reserve((3, 1))
     assert again.slot == e.slot and again.reuse_after == "copy-event"
+    # a load that never ran (a cancelled guess) did not wait for that event: its discarded slot still hands it on
+    c.discard(again)
+    third = c.try_reserve((3, 2))
+    assert third.slot == e.slot and third.reuse_after == "copy-event"
+    c.discard(third)
+    c.clear()  # error recovery: the GPU is idle, nothing left to wait for
+    assert c.try_reserve((3, 3)).reuse_after is None
 
 
 def test_arena_slots_are_page_aligned():

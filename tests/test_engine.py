@@ -359,3 +359,39 @@ def _block_bytes(stores) -> int:
     from sluice.storage.store import ExpertStore
 
     return ExpertStore.open(stores["qwen3_moe"]).block_bytes
+
+
+def test_queued_guesses_are_promoted_or_cancelled_and_change_no_logit(stores, tmp_path, monkeypatch):
+    """A slow drive with one reader: guesses (three layers ahead) are still queued when their layer runs, so fetch
+    promotes the routed ones and cancels the rest (their slots freed); the logits are those of a run without guesses."""
+    import time
+
+    import yaml
+
+    from sluice.pipeline.schedule import SCHEDULES_DIR
+    from sluice.storage.reader import BlockReader
+
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    doc["stages"]["fetch"] = {"prefetch": True, "readers": 1, "guess_reads": 1}
+    doc["stages"]["predict"] = {"depth": 3}
+    (tmp_path / "slow.yaml").write_text(yaml.safe_dump(doc))
+    real = BlockReader.read_into
+    monkeypatch.setattr(BlockReader, "read_into", lambda self, *a: (time.sleep(0.003), real(self, *a))[1])
+    calls = {"promote": 0, "cancel": 0}
+    for name in calls:
+        def spy(self, fut, _f=getattr(BlockReader, name), _n=name):
+            done = _f(self, fut)
+            calls[_n] += bool(done)
+            return done
+        monkeypatch.setattr(BlockReader, name, spy)
+    runs = []
+    for schedule in ("serial", str(tmp_path / "slow.yaml")):
+        with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, ram_cache=20 * _block_bytes(stores)) as engine:
+            seq = engine.new_sequence()
+            out = [engine.extend(seq, PROMPT)]
+            for _ in range(8):
+                out.append(engine.extend(seq, [int(out[-1][-1].argmax())]))
+            runs.append(torch.cat(out))
+            assert all(e.pins == 0 for e in engine.rt.ram.entries() if not e.loading)  # a guess may still be read
+    assert torch.equal(runs[0], runs[1])
+    assert calls["promote"] > 0 and calls["cancel"] > 0
