@@ -99,15 +99,16 @@ class Engine:
         readers = config.readers or (fetch.knobs.readers if fetch else FetchKnobs.readers)
         # every block held in RAM (by default as much RAM as that takes), unless the stage skips the routed experts
         direct_stage = schedule.stage("direct")
-        direct = direct_stage is not None and direct_stage.knobs.routed
-        no_blocks = direct_stage is not None and not direct  # routed experts skipped: one RAM slot will do
+        direct = direct_stage is not None and direct_stage.knobs.routed and direct_stage.knobs.hold
+        no_blocks = direct_stage is not None and not direct_stage.knobs.routed  # routed experts skipped: one RAM slot will do
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
             store.total_blocks * store.block_bytes if direct else store.block_bytes if no_blocks else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         if direct and store.total_blocks * store.block_bytes > available_ram():
             raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: "
                               f"{format_bytes(store.total_blocks * store.block_bytes)}, more than the "
-                              f"{format_bytes(available_ram())} this machine has available; use a streaming schedule (overlap)")
+                              f"{format_bytes(available_ram())} this machine has available; use a schedule that streams "
+                              f"(direct-stream, overlap)")
         if config.fused_mamba and not triton_runs_on(device):
             raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         # by default on CUDA (1.2-1.4 x faster decode on an H200, BENCHMARKS.md); a CPU keeps transformers' step (the

@@ -28,6 +28,12 @@ is paid for anyway, and the next prompt, or the first decode steps, find it in V
 Needs every block in RAM (`--ram-cache` at least the store's expert bytes) and keeps routed ids on the
 GPU, so it does not record routing traces; the trace shows one `direct` span per MoE layer.
 
+`hold: false` (schedules/direct-stream.yaml) is for stores larger than RAM: the RAM tier is an LRU cache of at least
+one layer's experts, and every step, one-token steps too, takes the prompts' path: the routed ids come to the host,
+the blocks a layer routes to that neither VRAM nor RAM holds are read from disk (demand reads, no guesses), and the
+layer's blocks stay pinned in RAM until its kernels and copies are queued (their slots then wait for that GPU work
+before a new block is read in). The VRAM tier's refreshes and a prompt's copies ahead take only blocks in RAM.
+
 `routed: false` skips the routed experts (their kernels, and loading their blocks at open): each MoE layer still
 routes and runs its shared expert and its own projections, with a zero routed sum. The outputs are not the
 model's; what it is for is the performance issue's roofline term "the resident part's own time, measured alone"
@@ -36,6 +42,7 @@ model's; what it is for is the performance issue's roofline term "the resident p
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -69,6 +76,7 @@ class DirectKnobs:
     # 2 x this many of the tier's slots (at most half of them), which one-token steps lend back to the tier; 0: off
     fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (stages/compute.py fp4_formulation)
     routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
+    hold: bool = True  # every block read into pinned RAM at open and held; false: RAM is an LRU cache filled from disk
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
     # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
     # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
@@ -100,12 +108,20 @@ class Direct(Stage):
         self.layers = list(store.moe_layers)  # MoE index -> model layer
         self.index = {layer: i for i, layer in enumerate(self.layers)}
         E = store.manifest.num_experts
-        self.ram_entries = self._load_all() if knobs.routed else {}  # (layer, expert) -> held RAM entry
+        self.stream_ram = knobs.routed and not knobs.hold  # RAM is a cache: blocks read from disk when routed to
+        if self.stream_ram and rt.ram.capacity < E:
+            need = E * store.block_bytes / 2**30
+            raise ConfigError(f"schedule stage 'direct' with hold: false needs RAM for one layer's experts at least: {E} blocks "
+                              f"({need:.2f} GiB), the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) {need:.2f}GiB or more")
+        # (layer, expert) -> its RAM entry: held for good, or (stream_ram) pinned for a step, then a cache's entry
+        self.ram_entries = self._load_all() if knobs.routed and knobs.hold else {}
+        self._disk: set[int] = set()  # stream_ram: the current layer's experts read from disk
+        self._pinned: list = []  # stream_ram: the RAM entries the current layer pinned
         self.vram = rt.vram if knobs.vram and knobs.routed and rt.vram is not None and rt.vram.capacity else None
         base = (self.vram.arena if self.vram is not None else rt.ram.arena).data
         self.base = base
-        self._ram_off = [[self.ram_entries[(layer, e)].buf.data_ptr() - base.data_ptr() if knobs.routed else 0 for e in range(E)]
-                         for layer in self.layers]
+        self._ram_off = [[self.ram_entries[(layer, e)].buf.data_ptr() - base.data_ptr() if self.ram_entries else 0 for e in range(E)]
+                         for layer in self.layers]  # stream_ram: set when a step pins the block
         self.table = torch.tensor(self._ram_off, dtype=torch.int64, device=dev)  # [n_moe, E] byte offsets from base
         self.in_vram = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # 1 where the table points at VRAM
         self.uses = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
@@ -140,7 +156,8 @@ class Direct(Stage):
         if rt.ram.capacity < n:
             gib = n * store.block_bytes / 2**30
             raise ConfigError(f"schedule stage 'direct' keeps every expert block in RAM: the store has {n} blocks ({gib:.2f} GiB), "
-                              f"the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) at least {gib:.2f}GiB")
+                              f"the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) at least {gib:.2f}GiB, or read "
+                              f"blocks from disk as they are routed to (hold: false, schedules/direct-stream.yaml)")
         t, entries, pending = time.perf_counter(), {}, deque()
         for layer in store.moe_layers:
             for e in range(store.manifest.num_experts):
@@ -165,16 +182,20 @@ class Direct(Stage):
         li: LayerInput = await io.value("layer")
         block, T = li.block, li.x.shape[0]
         i = self.index[block.layer]
-        if T == 1 and self.backend == "triton":
+        token = T == 1 and self.backend == "triton"
+        if token and not self.stream_ram:
             return LayerOutput(self._token(block, None, li.x, li.residual))
+        if token and i == 0:  # stream_ram: a one-token step takes the prompts' path
+            self._between_tokens()
         if self._landing is not None:  # a prompt reads the slots the host believes in: wait for their copies
             self.rt.streams.wait(self.stream, self._landing[0])
             self._point(self._landing[1], vram=True)
             self._landing = None
-        self._reclaim_bank()
+        if not token:
+            self._reclaim_bank()
         # prompts' lookahead: the next MoE layer's router on this layer's input, its ids brought back with these
         ahead = self.knobs.prompt_ahead and self.knobs.routed and self.backend == "triton" and li.next_block is not None \
-            and self.vram is not None
+            and self.vram is not None and not token
         with self.rt.streams.use(self.stream):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
@@ -185,6 +206,15 @@ class Direct(Stage):
         ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
         flat = ids_cpu.flatten().long()
         experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
+        if self.stream_ram:
+            need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self._slot_of]
+            await self._ensure_ram(block.layer, i, need)
+        try:
+            return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess)
+        finally:
+            self._release_ram()
+
+    def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess) -> LayerOutput:
         with self.rt.streams.use(self.stream):
             y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
             w = weights.reshape(-1)
@@ -196,11 +226,53 @@ class Direct(Stage):
                     self._look_ahead(self.index[li.next_block.layer], guess.flatten().long())
             else:
                 for e in experts:
-                    self.rt.stats.tier("vram" if (i, e) in self._slot_of else "ram")
+                    self.rt.stats.tier("vram" if (i, e) in self._slot_of else "disk" if e in self._disk else "ram")
                 self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
             routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
             h = li.residual + block.finish(routed, li.x).view_as(li.residual)
         return LayerOutput(h)
+
+    async def _ensure_ram(self, layer: int, i: int, experts: list[int]) -> None:
+        """stream_ram: the blocks of `experts` in RAM, pinned for this layer's step: cache hits, else demand reads from
+        disk (awaited; a failed read raises, naming layer and expert). Their RAM offsets are noted for the step."""
+        rt, pending = self.rt, []
+        self._disk = set()
+        for e in experts:
+            key = (layer, e)
+            entry = rt.ram.lookup(key)
+            if entry is None:
+                entry = rt.ram.try_reserve(key)
+                if entry is None:  # at least E slots (checked at open) and only this layer pins: cannot happen
+                    raise RuntimeError(f"direct: no free RAM slot for layer {layer}, expert {e}")
+                entry.ready = rt.read(layer, e, entry)
+                self._disk.add(e)
+            else:
+                rt.ram.pin(entry)
+            self._pinned.append(entry)
+            if entry.loading:
+                pending.append(entry.ready)
+            self.ram_entries[key] = entry
+            self._ram_off[i][e] = entry.buf.data_ptr() - self.base.data_ptr()
+        if pending:
+            t = time.perf_counter()
+            await asyncio.gather(*pending)
+            rt.stats.stall_s += time.perf_counter() - t
+
+    def _release_ram(self) -> None:
+        """stream_ram: unpin the step's RAM blocks; their slots wait for the GPU work queued so far before reuse."""
+        if not self._pinned:
+            return
+        done = self.rt.streams.record(self.stream)
+        for entry in self._pinned:
+            self.rt.ram.unpin(entry, busy=done)
+        self._pinned = []
+
+    def _resident(self, layer: int, e: int):
+        """A loaded RAM entry for (layer, e), or None: what a copy that is not this layer's may read (stream_ram)."""
+        if not self.stream_ram:
+            return self.ram_entries[(layer, e)]
+        entry = self.rt.ram.peek((layer, e))
+        return entry if entry is not None and not entry.loading else None
 
     def _prompt_experts(self, block, i, flat, experts, xe, w, y) -> None:
         """A prompt's experts (flat: its routed ids [T*K], CPU): those in VRAM from their slots; those the previous layer
@@ -218,7 +290,7 @@ class Direct(Stage):
         ahead = [e for e in experts if e in early]
         in_ram = [e for e in experts if (i, e) not in self._slot_of and e not in early]
         for e in experts:
-            self.rt.stats.tier("vram" if e in in_vram else "ram")
+            self.rt.stats.tier("vram" if e in in_vram else "disk" if e in self._disk else "ram")
         self.rt.stats.vram_prefetch_hits += len(ahead)
         ram_groups = [in_ram[s : s + G] for s in range(0, len(in_ram), G)] if G else [in_ram] if in_ram else []
         rank = torch.zeros(E, dtype=torch.int64)
@@ -291,8 +363,9 @@ class Direct(Stage):
         order = torch.argsort(counts, descending=True, stable=True)[: int((counts > 0).sum())].tolist()
         bank = iter(self._ahead_bank[i % 2])
         early, filled, moves = {}, [], []
+        layer = self.layers[i]
         for e in order:
-            if (i, e) in self._slot_of:
+            if (i, e) in self._slot_of or (src := self._resident(layer, e)) is None:
                 continue
             if self.knobs.prompt_fill and self._free:
                 slot = self._slot_of[(i, e)] = self._free.pop()
@@ -302,16 +375,19 @@ class Direct(Stage):
                 if slot is None:
                     break
             early[e] = slot * self.rt.store.block_bytes
-            moves.append((e, slot))
+            moves.append((e, slot, src))
         if not moves:
             return
-        streams, layer = self.rt.streams, self.layers[i]
+        streams = self.rt.streams
         try:
             with streams.use("copy"):
                 streams.wait("copy", self._ahead_read[i % 2])
-                for e, slot in moves:
-                    self.vram.arena.slot(slot).copy_(self.ram_entries[(layer, e)].buf, non_blocking=True)
+                for e, slot, src in moves:
+                    self.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
                 landed = streams.record("copy")
+            if self.stream_ram:  # the RAM slots are read by these copies: a new block waits for them
+                for _, _, src in moves:
+                    src.busy = landed
         except BaseException:
             self._unfill(filled)
             raise
@@ -339,7 +415,7 @@ class Direct(Stage):
         so one graph replay is the layer's whole host cost); None where this stage cannot (the torch backend, a
         MoE input that is not a pure function)."""
         block = layer.moe
-        if self.backend != "triton" or not block.graph_safe:
+        if self.backend != "triton" or not block.graph_safe or self.stream_ram:
             return None
         with self.rt.tracer.span(self.name, layer=block.layer, stream=self.stream):
             return self._token(block, layer, h)
@@ -473,6 +549,8 @@ class Direct(Stage):
             inside[torch.tensor([i * E + e for i, e in self._slot_of])] = True
         order = torch.argsort(flat, descending=True, stable=True)
         outside = order[~inside[order] & (flat[order] > 0)].tolist()  # candidates, most used first
+        if self.stream_ram:  # only blocks in RAM can be copied in
+            outside = [j for j in outside if self._resident(self.layers[j // E], j % E) is not None]
         come = [divmod(j, E) for j in outside[: len(self._free)]]
         incumbents = order[inside[order]].flip(0).tolist()  # least used first
         leave = []
@@ -492,13 +570,19 @@ class Direct(Stage):
         moves = []
         with streams.use("copy"):
             streams.wait("copy", pointed)  # the kernels that still read a leaving block's slot come first
+            sources = []
             for i, e in come:
                 slot = self._free.pop()
-                self.vram.arena.slot(slot).copy_(self.ram_entries[(self.layers[i], e)].buf, non_blocking=True)
+                sources.append(src := self._resident(self.layers[i], e))
+                self.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
                 self._slot_of[(i, e)] = slot
                 moves.append((i, e, slot))
+            landed = streams.record("copy")
+        if self.stream_ram:  # the RAM slots are read by these copies: a new block waits for them
+            for src in sources:
+                src.busy = landed
         self.rt.stats.vram_fills += len(moves)
-        self._landing = (streams.record("copy"), moves)
+        self._landing = (landed, moves)
 
     def _point(self, moves: list[tuple[int, int, int]], vram: bool) -> None:
         """Table entries (i, e) -> VRAM slot (vram) or back to their RAM slot, in stream order on the compute stream."""

@@ -204,7 +204,7 @@ def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
     with pytest.raises(ScheduleError, match="stage 'direct': 'fp4_matvec' must be one of auto, f16x2, words, got 'fp16'"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, fp4_matvec="fp16"))
     monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
-    with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a streaming schedule"):
+    with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a schedule that streams"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct")
 
 
@@ -253,3 +253,32 @@ def test_resident_alone_skips_only_the_routed_experts(variant, backend, stores, 
     diff = (got - want).abs().max().item()
     assert diff <= LOGIT_ATOL, f"{variant}/resident-alone: max |dlogit| {diff:.3g} against transformers without routed experts"
     assert (got[0] - refs.logits(variant, PROMPT)[-1]).abs().max().item() > 100 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_moe"])
+@pytest.mark.parametrize("backend, vram_slots", [("triton", 6), ("triton", 0), ("auto", 0)])
+def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backend, vram_slots, stores, tmp_path):
+    """`hold: false`: a RAM cache of one layer's experts and two more, blocks read from disk as layers route to them,
+    every step through the prompts' path (the VRAM tier refreshed every 2 steps where there is one). The logits are
+    direct's bit for bit (the same kernels on the same bytes, the same sum); blocks come from disk, and nothing stays
+    pinned. Less RAM than one layer's experts is refused."""
+    from sluice.errors import ConfigError
+    from sluice.storage.store import ExpertStore
+
+    store = ExpertStore.open(stores[variant])
+    E, bb = store.manifest.num_experts, store.block_bytes
+    held = direct_schedule(tmp_path, "held", backend=backend, refresh=2, prompt_group=2)
+    streamed = direct_schedule(tmp_path, "streamed", backend=backend, refresh=2, prompt_group=2, hold=False)
+    kw = {"vram_slots": vram_slots} if vram_slots else {}
+    with sluice.load(stores[variant], device=DEVICE, schedule=held, **kw) as engine:
+        want = greedy_logits(engine, PROMPT, 10)
+    with sluice.load(stores[variant], device=DEVICE, schedule=streamed, ram_cache=(E + 2) * bb, **kw) as engine:
+        got = greedy_logits(engine, PROMPT, 10)
+        io = engine.rt.stats.snapshot()
+        assert engine.rt.ram.capacity == E + 2 < store.total_blocks
+        assert all(e.pins == 0 and not e.loading for e in engine.rt.ram.entries())
+    assert torch.equal(got, want)
+    assert io["blocks"]["disk"] > E  # the cache turns over: more disk reads than it has slots
+    assert io["blocks"]["vram"] > 0 if vram_slots else io["blocks"]["vram"] == 0
+    with pytest.raises(ConfigError, match="hold: false needs RAM for one layer's experts"):
+        sluice.load(stores[variant], device=DEVICE, schedule=streamed, ram_cache=(E - 1) * bb)

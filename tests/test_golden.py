@@ -40,12 +40,20 @@ def mean_kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-def ram_sizes(store) -> list[int]:
-    """RAM caches from the smallest the engine accepts (one block) to every block of the store."""
+def least_blocks(store, schedule: str) -> int:
+    """The smallest RAM cache a schedule accepts, in blocks: one layer's experts for direct-stream, else one."""
+    from sluice.storage.store import ExpertStore
+
+    return ExpertStore.open(store).manifest.num_experts if schedule == "direct-stream" else 1
+
+
+def ram_sizes(store, least: int = 1) -> list[int]:
+    """RAM caches from the smallest the engine accepts (`least` blocks: one, or one layer's experts for
+    direct-stream) to every block of the store."""
     from sluice.storage.store import ExpertStore
 
     s = ExpertStore.open(store)
-    return [s.block_bytes, 3 * s.block_bytes, s.total_blocks * s.block_bytes]
+    return [least * s.block_bytes, (least + 2) * s.block_bytes, s.total_blocks * s.block_bytes]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -59,7 +67,7 @@ def test_matches_transformers(variant, schedule, stores, refs):
         vram_slots = (1, None)
     else:
         vram_slots = (None, 1) if schedule in ("overlap", "prefetch-vram") else (None,)
-    for ram in ram_sizes(stores[variant]):
+    for ram in ram_sizes(stores[variant], least_blocks(stores[variant], schedule)):
         for vram in vram_slots:
             where = f"{variant}/{schedule}/ram={ram}/vram={vram}"
             with sluice.load(stores[variant], device=DEVICE, schedule=schedule, ram_cache=ram, vram_slots=vram) as engine:
@@ -169,7 +177,7 @@ def test_resident_graphs_change_nothing(variant, schedule, stores):
 def test_bit_identical_across_runs_schedules_and_caches(variant, stores):
     outputs = []
     for schedule in SCHEDULES:
-        for ram in ram_sizes(stores[variant])[::2]:
+        for ram in ram_sizes(stores[variant], least_blocks(stores[variant], schedule))[::2]:
             with sluice.load(stores[variant], device=DEVICE, schedule=schedule, ram_cache=ram) as engine:
                 outputs.append(engine.forward(PROMPT))
                 outputs.append(engine.forward(PROMPT))  # warm cache, same engine
