@@ -279,6 +279,9 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
         assert all(e.pins == 0 and not e.loading for e in engine.rt.ram.entries())
     assert torch.equal(got, want)
     assert io["blocks"]["disk"] > E  # the cache turns over: more disk reads than it has slots
-    assert io["blocks"]["vram"] > 0 if vram_slots else io["blocks"]["vram"] == 0
+    if vram_slots:
+        assert io["blocks"]["vram"] > 0
+    elif not DEVICE.startswith("cuda"):  # (on a GPU a tier is there by default)
+        assert io["blocks"]["vram"] == 0
     with pytest.raises(ConfigError, match="hold: false needs RAM for one layer's experts"):
         sluice.load(stores[variant], device=DEVICE, schedule=streamed, ram_cache=(E - 1) * bb)
