@@ -206,13 +206,13 @@ class Direct(Stage):
         ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
         flat = ids_cpu.flatten().long()
         experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
-        if self.stream_ram:
-            need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self._slot_of]
-            await self._ensure_ram(block.layer, i, need)
         try:
+            if self.stream_ram:
+                need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self._slot_of]
+                await self._ensure_ram(block.layer, i, need)
             return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess)
         finally:
-            self._release_ram()
+            self._release_ram()  # also after a failed read: the engine's recovery then drops every RAM block
 
     def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess) -> LayerOutput:
         with self.rt.streams.use(self.stream):

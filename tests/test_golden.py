@@ -251,7 +251,8 @@ def test_gpt_oss_gate_up_interleave_must_be_undone(checkpoints, refs, tmp_path, 
     assert diff > 100 * LOGIT_ATOL
 
 
-def test_corrupt_block_is_named(stores, tmp_path):
+@pytest.mark.parametrize("schedule", ["overlap", "direct-stream"])
+def test_corrupt_block_is_named(schedule, stores, tmp_path):
     bad = tmp_path / "corrupt"
     shutil.copytree(stores["nemotron_h"], bad)
     manifest = json.loads((bad / "manifest.json").read_text())
@@ -262,13 +263,13 @@ def test_corrupt_block_is_named(stores, tmp_path):
     for expert in range(manifest["num_experts"]):  # every block of the first MoE layer
         data[expert * n + 100] ^= 0xFF
     path.write_bytes(data)
-    with sluice.load(bad, device=DEVICE) as engine:
+    with sluice.load(bad, device=DEVICE, schedule=schedule) as engine:
         with pytest.raises(CorruptBlockError, match=rf"layer {layer['layer']}, expert \d+"):
             engine.forward(PROMPT)
         # the engine recovers: a fresh sequence on a store-independent path still reports the same error
         with pytest.raises(CorruptBlockError):
             engine.forward(PROMPT)
-    with sluice.load(bad, device=DEVICE, verify_checksums=False) as engine:
+    with sluice.load(bad, device=DEVICE, schedule=schedule, verify_checksums=False) as engine:
         assert engine.forward(PROMPT).shape[0] == len(PROMPT)  # unverified reads run (wrongly) instead
 
 
