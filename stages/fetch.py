@@ -74,12 +74,12 @@ class Fetch(Stage):
                 if v is None:
                     rt.stats.tier(tier, prefetched=entry.prefetched and not queued)
                     tiers.append(tier)
+                entry.prefetched = False
+                hb = HostBlock(expert, tier, entry, v)
                 if entry.loading:
-                    entry.prefetched = False
-                    pending[entry.ready] = HostBlock(expert, tier, entry, v)
+                    pending[entry.ready] = hb
                 else:
-                    entry.prefetched = False
-                    io.emit(HostBlock(expert, "ram", entry, v))
+                    io.emit(hb)
                 continue
             if v is None:
                 rt.stats.tier("disk")
