@@ -1,4 +1,5 @@
-# Two commands (README): `make run` runs the default model, `make test` runs the tests.
+# Two commands (README): `make run` runs the default model, `make test` runs the tests (CI's suite: the tests
+# marked slow, more combinations of model and schedule, are left to `make test-all`).
 # Each creates .venv and installs what it needs on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ TORCH ?= torch==2.13.0
 PROMPT ?= The quick brown fox
 ARGS ?=
 
-.PHONY: run test install clean
+.PHONY: run test test-all install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -20,8 +21,12 @@ install: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice generate --prompt "$(PROMPT)" $(ARGS)
 
+# tests spread over up to four worker processes (pytest-xdist), one per core
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not slow" $(ARGS)
+
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -q -n auto --maxprocesses 4 $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

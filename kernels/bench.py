@@ -155,7 +155,7 @@ TIMING = "graph"  # or "launch" (set by `sluice bench kernels --launch-timing`)
 
 
 def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cuda") -> tuple[dict, list[Row]]:
-    from sluice.kernels.decode import down_relaid, matvec
+    from sluice.kernels.decode import down_relaid, h_pairs, matvec
 
     device = torch.device(device)
     ceil = ceilings(device)
@@ -173,15 +173,25 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
             if kind == "relu2":
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
                 add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")
-                if fmt == "nvfp4":  # the e4m3 / f16x2 formulation, its x packing included
-                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3) for b in banks])
+                pairs = (torch.empty(A, I // 2, dtype=torch.int32, device=device), torch.empty(A, I // 16, device=device))
+                if fmt == "nvfp4":  # the e4m3 / f16x2 formulation as decode runs it: x packed first, h's pairs written
+                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs)
+                                for b in banks])
                     add("decode up (relu2, f16x2)", shape, fmt, up_bytes, us, "hbm")
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
                 add("decode down (re-laid)", shape, fmt, A * L["down"].nbytes, us, "hbm")
-                if fmt == "nvfp4":  # f16x2 products, the h packing included
-                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, f16x2=True) for b in banks])
+                if fmt == "nvfp4":  # f16x2 products from the pairs the up projection wrote
+                    hp = h_pairs(hl)
+                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, f16x2=True, pairs=hp) for b in banks])
                     add("decode down (re-laid, f16x2)", shape, fmt, A * L["down"].nbytes, us, "hbm")
+
+                    def expert(b):  # both projections as TritonExperts._decode runs them (the down reads every group)
+                        matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs)
+                        down_relaid(b, offs, h, L["down"], skip=False, f16x2=True, pairs=pairs)
+
+                    us = _time([lambda b=b: expert(b) for b in banks])
+                    add("decode up + down (f16x2)", shape, fmt, up_bytes + A * L["down"].nbytes, us, "hbm")
             else:
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1) for b in banks])
                 add("decode gate+up (swiglu)", shape, fmt, up_bytes, us, "hbm")

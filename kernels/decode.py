@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
-                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, fp4_word_dot, fp4_word_dot_f16x2,
+                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, group_pairs, fp4_word_dot, fp4_word_dot_f16x2,
                                     group_scale, load_bias, row_pair_scales, tensor_scale, x_pair)
 from sluice.kernels.layout import ProjLayout
 
@@ -52,9 +52,11 @@ def _xw(vp, w, wm, I: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
 @triton.jit
 def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
               FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
-              WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, xq, xinv, ASM: tl.constexpr):
+              WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, xq, xinv, ASM: tl.constexpr,
+              AHEAD: tl.constexpr):
     """W[n, :] . v for rows n [BN]; fp32. Products accumulate in registers; one reduction at the end.
-    WORDS 3 (NVFP4): v's pairs xq (int32 [4, K/8], `x_pairs`) and their unscale xinv instead of v."""
+    WORDS 3 (NVFP4): v's pairs xq (int32 [4, K/8], `x_pairs`) and their unscale xinv instead of v; AHEAD: each
+    step's words are requested before the previous step's arithmetic."""
     nm = n < N
     if FMT == NVFP4 and WORDS == 3:
         # words of 8 nibbles through the e4m3 conversion and f16x2 FMAs (dequant.fp4_word_dot_f16x2); a step's
@@ -64,17 +66,23 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
         NW = K // 8
         acc = tl.zeros([BN, BG], dtype=tl.float32)
         rows = (base + W_OFF).to(tl.pointer_type(tl.int32)) + n[:, None] * NW
+        wi = tl.arange(0, BW)
+        word = tl.load(rows + wi[None, :], mask=nm[:, None] & (wi < NW)[None, :], other=0)
         for w0 in range(0, NW, BW):
-            w = w0 + tl.arange(0, BW)
+            w = w0 + wi
             wm = w < NW
             g = w0 // 2 + tl.arange(0, BG)
-            word = tl.load(rows + w[None, :], mask=nm[:, None] & wm[None, :], other=0)
+            if AHEAD:  # the next step's words requested before this step's arithmetic
+                nxt = tl.load(rows + (w + BW)[None, :], mask=nm[:, None] & (w + BW < NW)[None, :], other=0)
             x0 = tl.load(xq + w, mask=wm, other=0)[None, :]
             x1 = tl.load(xq + NW + w, mask=wm, other=0)[None, :]
             x2 = tl.load(xq + 2 * NW + w, mask=wm, other=0)[None, :]
             x3 = tl.load(xq + 3 * NW + w, mask=wm, other=0)[None, :]
             t = tl.sum(tl.reshape(fp4_word_dot_f16x2(word, x0, x1, x2, x3, ASM), [BN, BG, 2]), axis=2)
             acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], nm[:, None] & (g < NW // 2)[None, :], FMT)
+            if not AHEAD:
+                nxt = tl.load(rows + (w + BW)[None, :], mask=nm[:, None] & (w + BW < NW)[None, :], other=0)
+            word = nxt
         r = tl.sum(acc, axis=1) * tl.load(xinv)
     elif (FMT == NVFP4 or FMT == MXFP4) and WORDS > 0:
         # 32-bit words of 8 nibbles: word w of a row holds elements 8w..8w+7 (nibble i = element 8w+i);
@@ -181,13 +189,14 @@ def _matvec_kernel(
     FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
     HAS_BIAS: tl.constexpr, BDT: tl.constexpr, EPI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     X_DT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    AHEAD: tl.constexpr, HQ, HGINV, PAIRS: tl.constexpr,
 ):
     a = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     base = bank + tl.multiple_of(tl.load(offs + a), 16)  # blocks start 4 KiB-aligned in every bank
     vp = v + a * V_STRIDE
     xq, xinv = XQ + a * XQ_STRIDE, XINV + a * XINV_STRIDE
-    acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK, xq, xinv, ASM)
+    acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK, xq, xinv, ASM, AHEAD)
     acc = acc.to(X_DT).to(tl.float32)  # the reference rounds each linear's output to the activation dtype
     acc = _biased(acc, base, B_OFF, n, N, HAS_BIAS, BDT, X_DT)
     if EPI == WEIGHTED:
@@ -197,7 +206,7 @@ def _matvec_kernel(
     else:
         if EPI == SWIGLU:
             g = _row_dots(base, G_W_OFF, G_S_OFF, G_S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK,
-                          xq, xinv, ASM)
+                          xq, xinv, ASM, AHEAD)
             g = _biased(g.to(X_DT).to(tl.float32), base, G_B_OFF, n, N, HAS_BIAS, BDT, X_DT)
             h = _glu(g, acc, ACT, X_DT, ALPHA, LIMIT)
         elif EPI == PLAIN:
@@ -205,11 +214,17 @@ def _matvec_kernel(
         else:
             h = _act(acc, ACT)
         tl.store(out + a * OUT_STRIDE + n, h.to(X_DT), mask=n < N)
+        if PAIRS:  # h as down_relaid's f16x2 pairs too, each 16-row group (whole in a tile: BN, N multiples of 16) scaled
+            q, inv = group_pairs(h.to(X_DT).to(tl.float32), BN)
+            p = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
+            tl.store(HQ + a * (N // 2) + p, q, mask=p < N // 2)
+            gi = tl.program_id(1) * (BN // 16) + tl.arange(0, BN // 16)
+            tl.store(HGINV + a * (N // 16) + gi, inv, mask=gi < N // 16)
 
 
 @triton.jit
 def _down_relaid_kernel(
-    bank, offs, h, part, Dx, I, GROUPS_PER_SPLIT, NSPLIT, live, HQ, HINV,
+    bank, offs, h, part, Dx, I, GROUPS_PER_SPLIT, NSPLIT, live, HQ, HGINV,
     W_OFF, S_OFF, S2_OFF, S_STRIDE,
     FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr,
     HOST: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, F16X2: tl.constexpr, ASM: tl.constexpr,
@@ -224,7 +239,7 @@ def _down_relaid_kernel(
         base = bank + tl.load(offs + a)
     hp = h + a * I
     if F16X2:  # NVFP4 as int32 words of four outputs' bytes, f16x2 products with h's pairs (`h_pairs`)
-        _down_f16x2(base, hp, HQ + a * (I // 2), HINV + a, part + (a * NSPLIT + sp) * Dx, live + a * NSPLIT + sp, Dx, I,
+        _down_f16x2(base, HQ + a * (I // 2), HGINV + a * (I // 16), part + (a * NSPLIT + sp) * Dx, live + a * NSPLIT + sp, Dx, I,
                     sp * GROUPS_PER_SPLIT, W_OFF, S_OFF, S2_OFF, S_STRIDE, GROUPS_PER_SPLIT, FMT, S2_INV, SG, SKIP_BELOW, BD, ASM)
     else:
         acc = tl.zeros([R, BD], dtype=tl.float32)  # R = rows of one group: 8 FP4 byte rows or 16 neurons
@@ -274,27 +289,27 @@ def _down_group(base, hp, g, d, dm, hg, Dx, W_OFF, S_OFF, S_STRIDE, FMT: tl.cons
 
 
 @triton.jit
-def _f16x2_group(base, rows, hq, g, c, cm, zero, DW, S_OFF, S_STRIDE, FMT: tl.constexpr, SG: tl.constexpr, BW: tl.constexpr,
-                 ASM: tl.constexpr):
-    """One scale group's 8 byte rows of words c (loads masked by cm) dotted with h's pairs, scaled: [BW, 4] fp32."""
+def _f16x2_group(base, rows, g, c, cm, H0, H1, H2, H3, H4, H5, H6, H7, ginv, DW, S_OFF, S_STRIDE, FMT: tl.constexpr,
+                 SG: tl.constexpr, BW: tl.constexpr, ASM: tl.constexpr):
+    """One scale group's 8 byte rows of words c (loads masked by cm) dotted with h's pairs H0..H7 ([BW] int32, the
+    same in every lane), scaled by the group scales and ginv (the pairs' unscale): [BW, 4] fp32."""
     r = rows + g * 8 * DW
     d0, d1, d2, d3 = fp4_group_dot_f16x2(
         tl.load(r, mask=cm, other=0), tl.load(r + DW, mask=cm, other=0), tl.load(r + 2 * DW, mask=cm, other=0),
         tl.load(r + 3 * DW, mask=cm, other=0), tl.load(r + 4 * DW, mask=cm, other=0), tl.load(r + 5 * DW, mask=cm, other=0),
-        tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0),
-        zero + tl.load(hq + g * 8), zero + tl.load(hq + g * 8 + 1), zero + tl.load(hq + g * 8 + 2),
-        zero + tl.load(hq + g * 8 + 3), zero + tl.load(hq + g * 8 + 4), zero + tl.load(hq + g * 8 + 5),
-        zero + tl.load(hq + g * 8 + 6), zero + tl.load(hq + g * 8 + 7), ASM)
+        tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0), H0, H1, H2, H3, H4, H5, H6, H7, ASM)
     dots = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), [BW, 4])  # [w, j]: output 4w + j
     s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + 4 * c[:, None] + tl.arange(0, 4)[None, :], cm[:, None], FMT)
-    return dots * s
+    return dots * (s * ginv)
 
 
 @triton.jit
-def _down_f16x2(base, hp, hq, hinv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, S_STRIDE, GPS, FMT: tl.constexpr,
+def _down_f16x2(base, hq, hginv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, S_STRIDE, GPS, FMT: tl.constexpr,
                 S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr, BD: tl.constexpr, ASM: tl.constexpr):
     """_down_relaid_kernel's NVFP4 path through f16x2 (dequant.fp4_group_dot_f16x2): a program's BD outputs as BD / 4
-    int32 words per byte row; each scale group's 8 rows in one call, its four sums per word scaled in fp32."""
+    int32 words per byte row; each scale group's 8 rows in one call with its 8 h pairs (hq, each group scaled: its
+    unscale in hginv), its four sums per word scaled in fp32. A group is live when one of its pairs is not zero
+    (a live group's largest |h| scales to at least 2**13, so no live group reads as zero)."""
     BW: tl.constexpr = BD // 4
     DW = Dx // 4  # words per byte row
     c = tl.program_id(2) * BW + tl.arange(0, BW)
@@ -305,39 +320,46 @@ def _down_f16x2(base, hp, hq, hinv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, 
     g1 = tl.minimum(g0 + GPS, I // 16)
     n_live = 0
     for g in range(g0, g1):
-        hg = tl.load(hp + g * 16 + tl.arange(0, 16)).to(tl.float32)
-        if tl.max(tl.abs(hg), axis=0) > SKIP_BELOW:  # -1 reads every group, 0 skips all-zero groups
+        q = hq + g * 8
+        H0, H1, H2, H3 = tl.load(q), tl.load(q + 1), tl.load(q + 2), tl.load(q + 3)
+        H4, H5, H6, H7 = tl.load(q + 4), tl.load(q + 5), tl.load(q + 6), tl.load(q + 7)
+        if SKIP_BELOW < 0:  # -1 reads every group
+            on = True
+        else:  # 0 skips all-zero groups (sign bits dropped: -0.0 is zero, as in the fp32 path)
+            on = ((H0 | H1 | H2 | H3 | H4 | H5 | H6 | H7) & 0x7FFF7FFF) != 0
+        if on:
             n_live += 1
-            acc += _f16x2_group(base, rows, hq, g, c, cm, zero, DW, S_OFF, S_STRIDE, FMT, SG, BW, ASM)
+            acc += _f16x2_group(base, rows, g, c, cm, zero + H0, zero + H1, zero + H2, zero + H3, zero + H4, zero + H5,
+                                zero + H6, zero + H7, tl.load(hginv + g), DW, S_OFF, S_STRIDE, FMT, SG, BW, ASM)
     d = tl.program_id(2) * BD + tl.arange(0, BD)
-    o = tl.reshape(acc, [BD]) * tl.load(hinv) * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
+    o = tl.reshape(acc, [BD]) * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
     tl.store(out + d, o, mask=d < Dx)
     if tl.program_id(2) == 0:
         tl.store(live, n_live)
 
 
 @triton.jit
-def _h_pairs_kernel(h, hq, hinv, I, BW: tl.constexpr, BM: tl.constexpr):
-    """Row r of h [R, I] -> hq[r] int32 [I/2] (pair p = h[2p], h[2p+1] as f16x2, scaled as `x_pair_scales` scales) and
-    hinv[r]. Grid (R, cdiv(I/2, BW)): each program finds the row's largest |h| itself and packs BW pairs."""
+def _h_pairs_kernel(h, hq, hginv, I, BM: tl.constexpr):
+    """Row r of h [R, I] -> hq[r] int32 [I/2] (pair p = h[2p], h[2p+1] as f16x2) and hginv[r] fp32 [I/16], each
+    16-value group scaled by its own power of two (`dequant.group_pairs`). Grid (R, cdiv(I, BM))."""
     r = tl.program_id(0)
-    hp = h + r * I
-    scale, inv = row_pair_scales(hp, I, BM)
-    if tl.program_id(1) == 0:
-        tl.store(hinv + r, inv)
-    p = tl.program_id(1) * BW + tl.arange(0, BW)
-    pm = p < I // 2
-    tl.store(hq + r * (I // 2) + p, f16x2_bits(tl.load(hp + 2 * p, mask=pm, other=0.0), tl.load(hp + 2 * p + 1, mask=pm, other=0.0),
-                                               scale), mask=pm)
+    i = tl.program_id(1) * BM + tl.arange(0, BM)
+    q, inv = group_pairs(tl.load(h + r * I + i, mask=i < I, other=0.0).to(tl.float32), BM)
+    p = tl.program_id(1) * (BM // 2) + tl.arange(0, BM // 2)
+    tl.store(hq + r * (I // 2) + p, q, mask=p < I // 2)
+    gi = tl.program_id(1) * (BM // 16) + tl.arange(0, BM // 16)
+    tl.store(hginv + r * (I // 16) + gi, inv, mask=gi < I // 16)
 
 
 def h_pairs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [R, I] -> (int32 [R, I/2] f16x2 pairs (h[2p], h[2p+1]) scaled per row, fp32 [R] unscale) for down_relaid's f16x2 path."""
+    """h [R, I] (I a multiple of 16) -> (int32 [R, I/2] f16x2 pairs (h[2p], h[2p+1]), fp32 [R, I/16] unscales), each
+    16-value group scaled by its own power of two: down_relaid's f16x2 input. matvec's relu2 epilogue writes the same
+    (its `pairs`), so decode does not launch this."""
     R, I = h.shape
     hq = torch.empty(R, I // 2, dtype=torch.int32, device=h.device)
-    hinv = torch.empty(R, dtype=torch.float32, device=h.device)
-    _h_pairs_kernel[(R, triton.cdiv(I // 2, 256))](h, hq, hinv, I, BW=256, BM=1024)
-    return hq, hinv
+    hginv = torch.empty(R, I // 16, dtype=torch.float32, device=h.device)
+    _h_pairs_kernel[(R, triton.cdiv(I, 256))](h, hq, hginv, I, BM=256)
+    return hq, hginv
 
 
 @triton.jit
@@ -369,7 +391,8 @@ def x_pairs(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: ProjLayout, epilogue: str, x_dtype: torch.dtype,
            out: torch.Tensor, gate: ProjLayout | None = None, act: int = 0, rows: torch.Tensor | None = None,
            wts: torch.Tensor | None = None, act_args: tuple[float, float] = (0.0, 0.0), bn: int = 0, bk: int = 0,
-           num_warps: int = 4, fp4_words: int = FP4_WORDS) -> torch.Tensor:
+           num_warps: int = 4, fp4_words: int = FP4_WORDS, pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+           ahead: bool | None = None) -> torch.Tensor:
     """Launch `_matvec_kernel` for A = len(offs) experts. v [K] shared or [A, K]; out [A, N] or y [rows, N].
     act_args: (alpha, limit) of gpt-oss's GLU. fp4_words: FP4 weights read as 32-bit words of eight
     nibbles, their scales loaded as contiguous runs (2) or gathered word by word (1); 0: as bytes in
@@ -378,15 +401,21 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     (one more launch); 1.05-1.19 x faster than 2 on ReLU^2 up projections in `sluice bench kernels` (slower on
     SwiGLU gate+up), the default there on sm_89+ (stages/compute.py fp4_formulation).
 
+    f16x2 details: ahead: each step's words are requested before the previous step's arithmetic; None: below 2048
+    inputs, where it measured 1.03 x on the H200 (0.89-1.00 x with the wider tiles above: BENCHMARKS.md, fourteenth
+    session). pairs (relu2 epilogue): h is also written as `h_pairs` packs it, (int32 [A, N/2], fp32 [A, N/16]), for
+    down_relaid's f16x2 path: no packing launch there.
+
     Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
-    32 x 256 (16 x 1024 from 2048 inputs on), FP8 8 x 256, dense 16 x 256."""
+    32 x 256 (16 x 1024 from 2048 inputs on; f16x2 16 x 512 there), FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
     words = fp4_words if layout.fmt in SCALE_GROUPS else 0
     if words == 3 and layout.fmt != FORMAT_CODES["nvfp4"]:  # the f16x2 path reads NVFP4's 16-input groups only
         words = 2
     wide = words and layout.k >= 2048
+    ahead = not wide if ahead is None else ahead
     bn = bn or (16 if wide else 32 if words else 16 if layout.fmt == 0 else 8)
-    bk = min(bk or (1024 if wide else 256), max(16, triton.next_power_of_2(layout.k)))
+    bk = min(bk or ((512 if words == 3 else 1024) if wide else 256), max(16, triton.next_power_of_2(layout.k)))
     if words == 2 and bk < layout.sg:  # a step narrower than a scale group: each word gathers its scale
         words = 1
     if layout.block:  # FP8 blocks: a step must not straddle two scale blocks
@@ -397,24 +426,30 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     g = gate or layout
     dummy = offs
     xq, xinv = x_pairs(v) if words == 3 else (dummy, dummy)
+    if pairs is not None:  # whole 16-row groups in every tile
+        assert epilogue == "relu2" and layout.n % 16 == 0, (epilogue, layout.n)
+        bn = max(bn, 16)
+    hq, hginv = pairs if pairs is not None else (dummy, dummy)
     _matvec_kernel[(A, triton.cdiv(layout.n, bn))](
         bank, offs, v, v_stride, out, out.stride(0), rows if rows is not None else dummy, wts if wts is not None else dummy,
         layout.n, layout.k, xq, 4 * (layout.k // 8) if v_stride else 0, xinv, 1 if v_stride else 0, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, layout.b_off, g.w_off, g.s_off, g.s2_off, g.b_off,
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
         HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0], LIMIT=act_args[1],
-        X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, num_warps=num_warps,
+        X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, AHEAD=ahead,
+        HQ=hq, HGINV=hginv, PAIRS=pairs is not None, num_warps=num_warps,
     )
     return out
 
 
 def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout: ProjLayout, skip: bool,
                 splits: int = 0, bd: int = 512, num_warps: int = 4, host: bool | None = None,
-                f16x2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                f16x2: bool = False, pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ReLU^2 down for A experts from re-laid blocks: h [A, I] -> (partials [A, S, Dx] fp32, live groups [A, S] int32).
     host: some blocks are read from host memory (zero-copy), so tell the compiler that rows start 16-byte aligned:
     wide loads, which zero-copy reads need and which made FP4 / FP8 rows read from HBM alone slower (BENCHMARKS.md);
     None: whether the bank is host memory. f16x2 (NVFP4): h packed into f16x2 pairs first (`h_pairs`, one more launch),
-    each scale group's rows read as int32 words and multiplied in f16x2 (sm_89+ PTX; Triton fp16 elsewhere).
+    each scale group's rows read as int32 words and multiplied in f16x2 (sm_89+ PTX; Triton fp16 elsewhere); pairs:
+    h already packed so (matvec's relu2 epilogue), no launch.
 
     Default split of the groups: 32 for NVFP4, 16 otherwise (from the H200 sweep in BENCHMARKS.md)."""
     A, I = h.shape
@@ -430,9 +465,9 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     bd = min(bd, triton.next_power_of_2(Dx))
     f16x2 = f16x2 and layout.fmt == FORMAT_CODES["nvfp4"]
     assert not f16x2 or Dx % 4 == 0, Dx
-    hq, hinv = h_pairs(h) if f16x2 else (live, live)
+    hq, hginv = (pairs if pairs is not None else h_pairs(h)) if f16x2 else (live, live)
     _down_relaid_kernel[(A, splits, triton.cdiv(Dx, bd))](
-        bank, offs, h, part, Dx, I, gps, splits, live, hq, hinv, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride,
+        bank, offs, h, part, Dx, I, gps, splits, live, hq, hginv, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride,
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
         SKIP_BELOW=0.0 if skip else -1.0, HOST=bank.device.type == "cpu" if host is None else host,
         R=8 if layout.fmt in SCALE_GROUPS else 16, BD=bd, F16X2=f16x2, ASM=f16x2 and h.is_cuda, num_warps=num_warps,

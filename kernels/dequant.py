@@ -265,6 +265,15 @@ def f16x2_bits(a, b, scale):
 
 
 @triton.jit
+def group_pairs(v, B: tl.constexpr):
+    """v [B] fp32 (B a multiple of 16) -> (int32 [B/2]: f16x2 pairs (v[2p], v[2p+1]), fp32 [B/16]: unscales), each
+    16-value group scaled by its own power of two (`x_pair_scales` of the group's largest |v|)."""
+    scale, inv = x_pair_scales(tl.max(tl.abs(tl.reshape(v, [B // 16, 16])), axis=1))
+    lo, hi = tl.split(tl.reshape(v, [B // 2, 2]))
+    return f16x2_bits(lo, hi, tl.reshape(tl.broadcast_to(scale[:, None], [B // 16, 8]), [B // 2])), inv
+
+
+@triton.jit
 def row_pair_scales(vp, K, BM: tl.constexpr):
     """`x_pair_scales` for the row of K values at vp: its largest |value| found BM at a time."""
     m = tl.zeros([BM], dtype=tl.float32)

@@ -23,7 +23,8 @@ from tests.common import VARIANTS
 @pytest.fixture(scope="session", autouse=True)
 def _sluice_home(tmp_path_factory):
     os.environ["SLUICE_HOME"] = str(tmp_path_factory.mktemp("sluice-home"))
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pytest-xdist's worker processes share the cores
+    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // workers)))
 
 
 @pytest.fixture(scope="session")

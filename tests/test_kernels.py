@@ -376,8 +376,46 @@ def test_expert_graph_capture_while_another_thread_pins_memory():
     assert len(kern._graphs) == 4
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct"])
-@pytest.mark.parametrize("A, Dx, I, scale", [(1, 64, 32, 1.0), (3, 96, 48, 1e-20), (2, 1040, 80, 1e20)])
+def test_f16x2_words_loaded_ahead_or_not_give_the_same_rows():
+    """`ahead` only changes when a step's words are requested: the rows are the same bit for bit, over several steps
+    with a partial last one."""
+    bank, offs, manifest, _ = make_bank("swiglu", "nvfp4", 2, 208, 48, seed=9)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)
+    x = torch.randn(208, device=DEVICE)
+    h0, h1 = torch.empty(2, 48, device=DEVICE), torch.empty(2, 48, device=DEVICE)
+    matvec(bank, offs, x, lay["up"], "plain", torch.float32, h0, fp4_words=3, bk=64, ahead=False)
+    matvec(bank, offs, x, lay["up"], "plain", torch.float32, h1, fp4_words=3, bk=64, ahead=True)
+    assert torch.equal(h0, h1) and h0.abs().sum() > 0
+
+
+@pytest.mark.parametrize("words", [3, 2])
+@pytest.mark.parametrize("A, Dx, I", [(2, 64, 48), (3, 96, 80)])
+def test_up_epilogue_packs_h_as_h_pairs(words, A, Dx, I):
+    """matvec's relu2 epilogue with `pairs` writes h's f16x2 pairs and per-group unscales exactly as h_pairs packs the
+    h it stored (down_relaid then reads them without a packing launch); h itself is unchanged; 16-row groups that a
+    tile boundary would split are refused (bn raised to 16)."""
+    from sluice.kernels.decode import h_pairs
+
+    bank, offs, manifest, dense = make_bank("relu2", "nvfp4", A, Dx, I, seed=A + I)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)
+    x = torch.randn(Dx, device=DEVICE, dtype=torch.bfloat16)
+    h, h_plain = (torch.empty(A, I, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    pairs = (torch.empty(A, I // 2, dtype=torch.int32, device=DEVICE), torch.empty(A, I // 16, device=DEVICE))
+    matvec(bank, offs, x, lay["up"], "relu2", torch.bfloat16, h, fp4_words=words, pairs=pairs, bn=8)
+    matvec(bank, offs, x, lay["up"], "relu2", torch.bfloat16, h_plain, fp4_words=words, bn=8)
+    assert torch.equal(h, h_plain) and (h == 0).any() and (h > 0).any()
+    hq, hginv = h_pairs(h)
+    assert torch.equal(pairs[0], hq) and torch.equal(pairs[1], hginv)
+    part, live = down_relaid(bank, offs, h, lay["down"], skip=True, f16x2=True, pairs=pairs)
+    part2, live2 = down_relaid(bank, offs, h, lay["down"], skip=True, f16x2=True)
+    assert torch.equal(part, part2) and torch.equal(live, live2)
+
+
+@pytest.mark.parametrize("fmt, A, Dx, I, scale", [  # the three-tile case once per suite: ~25 s interpreted
+    (f, *c) for f in ("nvfp4", "nvfp4_ct") for c in [(1, 64, 32, 1.0), (3, 96, 48, 1e-20)]]
+    + [("nvfp4", 2, 1040, 80, 1e20), pytest.param("nvfp4_ct", 2, 1040, 80, 1e20, marks=pytest.mark.slow)])
 def test_relaid_down_f16x2(fmt, A, Dx, I, scale):
     """The re-laid NVFP4 down through f16x2 (h packed as scaled fp16 pairs, each scale group's rows as int32 words):
     within fp16 rounding of the reference for h far outside fp16's range (with an outlier), columns past a tile's end
