@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
-                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, group_pairs, fp4_word_dot, fp4_word_dot_f16x2,
+                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, fp8_group_dot_f16x2, group_pairs, fp4_word_dot, fp4_word_dot_f16x2,
                                     group_scale, load_bias, row_pair_scales, tensor_scale, x_pair)
 from sluice.kernels.layout import ProjLayout
 
@@ -35,6 +35,7 @@ WEIGHTED = tl.constexpr(2)
 PLAIN = tl.constexpr(3)
 EPILOGUES = {"relu2": 0, "swiglu": 1, "weighted": 2, "plain": 3}
 FP4_WORDS = 2  # matvec's FP4 formulation (see matvec)
+F16X2_DOWN = {FORMAT_CODES[f] for f in ("nvfp4", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0")}  # down_relaid's f16x2 path
 GPT_OSS = tl.constexpr(2)
 SILU_CLAMPED = tl.constexpr(3)
 ACTS = {"relu2": 0, "silu": 1, "gpt_oss_glu": 2, "silu_clamped": 3}  # activation name (MoEBlock.act_name) -> ACT code
@@ -215,7 +216,7 @@ def _matvec_kernel(
             h = _act(acc, ACT)
         tl.store(out + a * OUT_STRIDE + n, h.to(X_DT), mask=n < N)
         if PAIRS:  # h as down_relaid's f16x2 pairs too, each 16-row group (whole in a tile: BN, N multiples of 16) scaled
-            q, inv = group_pairs(h.to(X_DT).to(tl.float32), BN)
+            q, inv = group_pairs(h.to(X_DT).to(tl.float32), BN, PAIRS == 2)  # 1: for NVFP4 weights, 2: FP8
             p = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
             tl.store(HQ + a * (N // 2) + p, q, mask=p < N // 2)
             gi = tl.program_id(1) * (BN // 16) + tl.arange(0, BN // 16)
@@ -240,7 +241,7 @@ def _down_relaid_kernel(
     hp = h + a * I
     if F16X2:  # NVFP4 as int32 words of four outputs' bytes, f16x2 products with h's pairs (`h_pairs`)
         _down_f16x2(base, HQ + a * (I // 2), HGINV + a * (I // 16), part + (a * NSPLIT + sp) * Dx, live + a * NSPLIT + sp, Dx, I,
-                    sp * GROUPS_PER_SPLIT, W_OFF, S_OFF, S2_OFF, S_STRIDE, GROUPS_PER_SPLIT, FMT, S2_INV, SG, SKIP_BELOW, BD, ASM)
+                    sp * GROUPS_PER_SPLIT, W_OFF, S_OFF, S2_OFF, S_STRIDE, GROUPS_PER_SPLIT, FMT, BLOCK, S2_INV, SG, SKIP_BELOW, BD, ASM)
     else:
         acc = tl.zeros([R, BD], dtype=tl.float32)  # R = rows of one group: 8 FP4 byte rows or 16 neurons
         g0 = sp * GROUPS_PER_SPLIT
@@ -290,28 +291,44 @@ def _down_group(base, hp, g, d, dm, hg, Dx, W_OFF, S_OFF, S_STRIDE, FMT: tl.cons
 
 @triton.jit
 def _f16x2_group(base, rows, g, c, cm, H0, H1, H2, H3, H4, H5, H6, H7, ginv, DW, S_OFF, S_STRIDE, FMT: tl.constexpr,
-                 SG: tl.constexpr, BW: tl.constexpr, ASM: tl.constexpr):
-    """One scale group's 8 byte rows of words c (loads masked by cm) dotted with h's pairs H0..H7 ([BW] int32, the
-    same in every lane), scaled by the group scales and ginv (the pairs' unscale): [BW, 4] fp32."""
-    r = rows + g * 8 * DW
-    d0, d1, d2, d3 = fp4_group_dot_f16x2(
-        tl.load(r, mask=cm, other=0), tl.load(r + DW, mask=cm, other=0), tl.load(r + 2 * DW, mask=cm, other=0),
-        tl.load(r + 3 * DW, mask=cm, other=0), tl.load(r + 4 * DW, mask=cm, other=0), tl.load(r + 5 * DW, mask=cm, other=0),
-        tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0), H0, H1, H2, H3, H4, H5, H6, H7, ASM)
+                 BLOCK: tl.constexpr, SG: tl.constexpr, BW: tl.constexpr, ASM: tl.constexpr):
+    """One 16-neuron group's rows of words c (loads masked by cm: NVFP4's 8 byte rows, FP8's 16 neuron rows) dotted
+    with h's pairs H0..H7 ([BW] int32, the same in every lane), times the group's scales (NVFP4 groups, FP8 blocks)
+    and ginv (the pairs' unscale): [BW, 4] fp32. A per-tensor or per-output FP8 scale is the caller's."""
+    if FMT == NVFP4:
+        r = rows + g * 8 * DW
+        d0, d1, d2, d3 = fp4_group_dot_f16x2(
+            tl.load(r, mask=cm, other=0), tl.load(r + DW, mask=cm, other=0), tl.load(r + 2 * DW, mask=cm, other=0),
+            tl.load(r + 3 * DW, mask=cm, other=0), tl.load(r + 4 * DW, mask=cm, other=0), tl.load(r + 5 * DW, mask=cm, other=0),
+            tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0), H0, H1, H2, H3, H4, H5, H6, H7, ASM)
+    else:
+        r = rows + g * 16 * DW
+        d0, d1, d2, d3 = fp8_group_dot_f16x2(
+            tl.load(r, mask=cm, other=0), tl.load(r + DW, mask=cm, other=0), tl.load(r + 2 * DW, mask=cm, other=0),
+            tl.load(r + 3 * DW, mask=cm, other=0), tl.load(r + 4 * DW, mask=cm, other=0), tl.load(r + 5 * DW, mask=cm, other=0),
+            tl.load(r + 6 * DW, mask=cm, other=0), tl.load(r + 7 * DW, mask=cm, other=0), tl.load(r + 8 * DW, mask=cm, other=0),
+            tl.load(r + 9 * DW, mask=cm, other=0), tl.load(r + 10 * DW, mask=cm, other=0), tl.load(r + 11 * DW, mask=cm, other=0),
+            tl.load(r + 12 * DW, mask=cm, other=0), tl.load(r + 13 * DW, mask=cm, other=0), tl.load(r + 14 * DW, mask=cm, other=0),
+            tl.load(r + 15 * DW, mask=cm, other=0), H0, H1, H2, H3, H4, H5, H6, H7, ASM)
     dots = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), [BW, 4])  # [w, j]: output 4w + j
-    s = group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + 4 * c[:, None] + tl.arange(0, 4)[None, :], cm[:, None], FMT)
-    return dots * (s * ginv)
+    d = 4 * c[:, None] + tl.arange(0, 4)[None, :]
+    if FMT == NVFP4:
+        dots = dots * group_scale(base + S_OFF, (g * 16 // SG) * S_STRIDE + d, cm[:, None], FMT)
+    elif FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # 16 divides BLOCK: one scale row for the group
+        dots = dots * block_scale(base + S_OFF, (g * 16 // BLOCK) * S_STRIDE + d // BLOCK, cm[:, None], FMT)
+    return dots * ginv
 
 
 @triton.jit
 def _down_f16x2(base, hq, hginv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, S_STRIDE, GPS, FMT: tl.constexpr,
-                S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr, BD: tl.constexpr, ASM: tl.constexpr):
-    """_down_relaid_kernel's NVFP4 path through f16x2 (dequant.fp4_group_dot_f16x2): a program's BD outputs as BD / 4
-    int32 words per byte row; each scale group's 8 rows in one call with its 8 h pairs (hq, each group scaled: its
-    unscale in hginv), its four sums per word scaled in fp32. A group is live when one of its pairs is not zero
-    (a live group's largest |h| scales to at least 2**13, so no live group reads as zero)."""
+                BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr, BD: tl.constexpr,
+                ASM: tl.constexpr):
+    """_down_relaid_kernel's NVFP4 / FP8 path through f16x2 (dequant.fp4_group_dot_f16x2, fp8_group_dot_f16x2): a
+    program's BD outputs as BD / 4 int32 words per row; each 16-neuron group's rows in one call with its 8 h pairs (hq,
+    each group scaled: its unscale in hginv), its four sums per word scaled in fp32. A group is live when one of its
+    pairs is not zero (a live group's largest |h| scales to a normal fp16, so no live group reads as zero)."""
     BW: tl.constexpr = BD // 4
-    DW = Dx // 4  # words per byte row
+    DW = Dx // 4  # words per row
     c = tl.program_id(2) * BW + tl.arange(0, BW)
     cm = c < DW
     rows = (base + W_OFF).to(tl.pointer_type(tl.int32)) + c
@@ -330,35 +347,37 @@ def _down_f16x2(base, hq, hginv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, S_S
         if on:
             n_live += 1
             acc += _f16x2_group(base, rows, g, c, cm, zero + H0, zero + H1, zero + H2, zero + H3, zero + H4, zero + H5,
-                                zero + H6, zero + H7, tl.load(hginv + g), DW, S_OFF, S_STRIDE, FMT, SG, BW, ASM)
+                                zero + H6, zero + H7, tl.load(hginv + g), DW, S_OFF, S_STRIDE, FMT, BLOCK, SG, BW, ASM)
     d = tl.program_id(2) * BD + tl.arange(0, BD)
     o = tl.reshape(acc, [BD]) * tensor_scale(base, S_OFF, S2_OFF, FMT, S2_INV)
+    if FMT == FP8_ROW:
+        o = o * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + d, mask=d < Dx, other=0.0)
     tl.store(out + d, o, mask=d < Dx)
     if tl.program_id(2) == 0:
         tl.store(live, n_live)
 
 
 @triton.jit
-def _h_pairs_kernel(h, hq, hginv, I, BM: tl.constexpr):
+def _h_pairs_kernel(h, hq, hginv, I, BM: tl.constexpr, FP8: tl.constexpr):
     """Row r of h [R, I] -> hq[r] int32 [I/2] (pair p = h[2p], h[2p+1] as f16x2) and hginv[r] fp32 [I/16], each
     16-value group scaled by its own power of two (`dequant.group_pairs`). Grid (R, cdiv(I, BM))."""
     r = tl.program_id(0)
     i = tl.program_id(1) * BM + tl.arange(0, BM)
-    q, inv = group_pairs(tl.load(h + r * I + i, mask=i < I, other=0.0).to(tl.float32), BM)
+    q, inv = group_pairs(tl.load(h + r * I + i, mask=i < I, other=0.0).to(tl.float32), BM, FP8)
     p = tl.program_id(1) * (BM // 2) + tl.arange(0, BM // 2)
     tl.store(hq + r * (I // 2) + p, q, mask=p < I // 2)
     gi = tl.program_id(1) * (BM // 16) + tl.arange(0, BM // 16)
     tl.store(hginv + r * (I // 16) + gi, inv, mask=gi < I // 16)
 
 
-def h_pairs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def h_pairs(h: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R, I] (I a multiple of 16) -> (int32 [R, I/2] f16x2 pairs (h[2p], h[2p+1]), fp32 [R, I/16] unscales), each
-    16-value group scaled by its own power of two: down_relaid's f16x2 input. matvec's relu2 epilogue writes the same
-    (its `pairs`), so decode does not launch this."""
+    16-value group scaled by its own power of two (for NVFP4 weights, or FP8 ones: `dequant.group_pairs`): down_relaid's
+    f16x2 input. matvec's relu2 epilogue writes the same (its `pairs`), so decode does not launch this."""
     R, I = h.shape
     hq = torch.empty(R, I // 2, dtype=torch.int32, device=h.device)
     hginv = torch.empty(R, I // 16, dtype=torch.float32, device=h.device)
-    _h_pairs_kernel[(R, triton.cdiv(I, 256))](h, hq, hginv, I, BM=256)
+    _h_pairs_kernel[(R, triton.cdiv(I, 256))](h, hq, hginv, I, BM=256, FP8=fp8)
     return hq, hginv
 
 
@@ -392,7 +411,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
            out: torch.Tensor, gate: ProjLayout | None = None, act: int = 0, rows: torch.Tensor | None = None,
            wts: torch.Tensor | None = None, act_args: tuple[float, float] = (0.0, 0.0), bn: int = 0, bk: int = 0,
            num_warps: int = 4, fp4_words: int = FP4_WORDS, pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
-           ahead: bool | None = None) -> torch.Tensor:
+           pairs_fp8: bool = False, ahead: bool | None = None) -> torch.Tensor:
     """Launch `_matvec_kernel` for A = len(offs) experts. v [K] shared or [A, K]; out [A, N] or y [rows, N].
     act_args: (alpha, limit) of gpt-oss's GLU. fp4_words: FP4 weights read as 32-bit words of eight
     nibbles, their scales loaded as contiguous runs (2) or gathered word by word (1); 0: as bytes in
@@ -404,7 +423,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     f16x2 details: ahead: each step's words are requested before the previous step's arithmetic; None: below 2048
     inputs, where it measured 1.03 x on the H200 (0.89-1.00 x with the wider tiles above: BENCHMARKS.md, fourteenth
     session). pairs (relu2 epilogue): h is also written as `h_pairs` packs it, (int32 [A, N/2], fp32 [A, N/16]), for
-    down_relaid's f16x2 path: no packing launch there.
+    down_relaid's f16x2 path (scaled for FP8 weights with pairs_fp8): no packing launch there.
 
     Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
     32 x 256 (16 x 1024 from 2048 inputs on; f16x2 16 x 512 there), FP8 8 x 256, dense 16 x 256."""
@@ -436,7 +455,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
         HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0], LIMIT=act_args[1],
         X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, AHEAD=ahead,
-        HQ=hq, HGINV=hginv, PAIRS=pairs is not None, num_warps=num_warps,
+        HQ=hq, HGINV=hginv, PAIRS=0 if pairs is None else 2 if pairs_fp8 else 1, num_warps=num_warps,
     )
     return out
 
@@ -447,8 +466,9 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     """ReLU^2 down for A experts from re-laid blocks: h [A, I] -> (partials [A, S, Dx] fp32, live groups [A, S] int32).
     host: some blocks are read from host memory (zero-copy), so tell the compiler that rows start 16-byte aligned:
     wide loads, which zero-copy reads need and which made FP4 / FP8 rows read from HBM alone slower (BENCHMARKS.md);
-    None: whether the bank is host memory. f16x2 (NVFP4): h packed into f16x2 pairs first (`h_pairs`, one more launch),
-    each scale group's rows read as int32 words and multiplied in f16x2 (sm_89+ PTX; Triton fp16 elsewhere); pairs:
+    None: whether the bank is host memory. f16x2 (NVFP4 and FP8; other formats ignore it): h packed into f16x2 pairs
+    first (`h_pairs`, one more launch), each group's rows read as int32 words of four outputs and multiplied in f16x2
+    (sm_89+ PTX; Triton fp16 elsewhere); pairs:
     h already packed so (matvec's relu2 epilogue), no launch.
 
     Default split of the groups: 32 for NVFP4, 16 otherwise (from the H200 sweep in BENCHMARKS.md)."""
@@ -463,9 +483,10 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     part = torch.empty(A, splits, Dx, dtype=torch.float32, device=h.device)
     live = torch.empty(A, splits, dtype=torch.int32, device=h.device)
     bd = min(bd, triton.next_power_of_2(Dx))
-    f16x2 = f16x2 and layout.fmt == FORMAT_CODES["nvfp4"]
+    f16x2 = f16x2 and layout.fmt in F16X2_DOWN
     assert not f16x2 or Dx % 4 == 0, Dx
-    hq, hginv = (pairs if pairs is not None else h_pairs(h)) if f16x2 else (live, live)
+    fp8 = layout.fmt != FORMAT_CODES["nvfp4"]
+    hq, hginv = (pairs if pairs is not None else h_pairs(h, fp8)) if f16x2 else (live, live)
     _down_relaid_kernel[(A, splits, triton.cdiv(Dx, bd))](
         bank, offs, h, part, Dx, I, gps, splits, live, hq, hginv, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride,
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,

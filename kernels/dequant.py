@@ -218,6 +218,77 @@ def fp4_group_dot_f16x2(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, 
             _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, 3))
 
 
+def _fp8_group_dot_ptx() -> str:
+    """PTX for fp8_group_dot_f16x2: each h pair becomes two broadcast pairs (h, h) by byte permutes (prmt); each row's
+    word, four E4M3 outputs, two f16x2 conversions and two f16x2 FMAs; the four sums to fp32."""
+    body = []
+    for p in range(8):
+        body += [f"prmt.b32 hA, ${20 + p}, ${20 + p}, 4112;", f"prmt.b32 hB, ${20 + p}, ${20 + p}, 12850;"]  # 0x1010, 0x3232
+        for r, hh in ((2 * p, "hA"), (2 * p + 1, "hB")):
+            body += [f"mov.b32 {{q0, q1}}, ${4 + r};", "cvt.rn.f16x2.e4m3x2 c0, q0;", "cvt.rn.f16x2.e4m3x2 c1, q1;"]
+            body += ([f"mul.rn.f16x2 a0, c0, {hh};", f"mul.rn.f16x2 a1, c1, {hh};"] if r == 0 else
+                     [f"fma.rn.f16x2 a0, c0, {hh}, a0;", f"fma.rn.f16x2 a1, c1, {hh}, a1;"])
+    for j, (a, half) in enumerate((("a0", "e0"), ("a0", "e1"), ("a1", "e0"), ("a1", "e1"))):
+        body += [f"mov.b32 {{e0, e1}}, {a};", f"cvt.f32.f16 f0, {half};", f"mov.b32 ${j}, f0;"]
+    return ("{\n.reg .b32 hA, hB, c0, c1, a0, a1;\n.reg .b16 q0, q1, e0, e1;\n.reg .f32 f0;\n" + "\n".join(body) + "\n}")
+
+
+FP8_GROUP_DOT_PTX = tl.constexpr(_fp8_group_dot_ptx())
+FP8_GROUP_DOT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
+
+
+@triton.jit
+def fp8_group_dot_f16x2(W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W13, W14, W15,
+                        H0, H1, H2, H3, H4, H5, H6, H7, ASM: tl.constexpr):
+    """A re-laid FP8 (E4M3) down's 16 neuron rows of one group, four outputs per int32 word: Wi the words of neuron i
+    (byte j = output j), H0..H7 the int32 bits of the group's h pairs (h[2p], h[2p+1]) as f16x2. Returns the four
+    outputs' sums over the group (fp32), as a tuple. Products and sums in f16x2 (h scaled so that they fit: `group_pairs`
+    with FP8). ASM: one inline-PTX call (sm_89+); else the same in Triton fp16 (mul + add where PTX fuses)."""
+    if ASM:
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+            asm=FP8_GROUP_DOT_PTX,
+            constraints=FP8_GROUP_DOT_CONSTRAINTS,
+            args=[W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W13, W14, W15, H0, H1, H2, H3, H4, H5, H6, H7],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        return (d0.to(tl.float32, bitcast=True), d1.to(tl.float32, bitcast=True), d2.to(tl.float32, bitcast=True),
+                d3.to(tl.float32, bitcast=True))
+    return (_fp8_group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W13, W14, W15, H0, H1, H2, H3, H4, H5, H6, H7, 0),
+            _fp8_group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W13, W14, W15, H0, H1, H2, H3, H4, H5, H6, H7, 1),
+            _fp8_group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W13, W14, W15, H0, H1, H2, H3, H4, H5, H6, H7, 2),
+            _fp8_group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W13, W14, W15, H0, H1, H2, H3, H4, H5, H6, H7, 3))
+
+
+@triton.jit
+def _e4m3_f16(word, J: tl.constexpr):
+    """Byte J of each int32 word as an E4M3 value in fp16 (exact)."""
+    return ((word >> (8 * J)) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _fp8_row(acc, W, H, HI: tl.constexpr, J: tl.constexpr):
+    """acc plus row W's output J times half HI of the pair H, in fp16."""
+    return acc + _e4m3_f16(W, J) * _f16_half(H, HI)
+
+
+@triton.jit
+def _fp8_group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W13, W14, W15,
+                        H0, H1, H2, H3, H4, H5, H6, H7, J: tl.constexpr):
+    """fp8_group_dot_f16x2's output J in Triton fp16, summed in the PTX's order (row by row)."""
+    acc = _e4m3_f16(W0, J) * _f16_half(H0, 0)
+    acc = _fp8_row(acc, W1, H0, 1, J)
+    acc = _fp8_row(_fp8_row(acc, W2, H1, 0, J), W3, H1, 1, J)
+    acc = _fp8_row(_fp8_row(acc, W4, H2, 0, J), W5, H2, 1, J)
+    acc = _fp8_row(_fp8_row(acc, W6, H3, 0, J), W7, H3, 1, J)
+    acc = _fp8_row(_fp8_row(acc, W8, H4, 0, J), W9, H4, 1, J)
+    acc = _fp8_row(_fp8_row(acc, W10, H5, 0, J), W11, H5, 1, J)
+    acc = _fp8_row(_fp8_row(acc, W12, H6, 0, J), W13, H6, 1, J)
+    acc = _fp8_row(_fp8_row(acc, W14, H7, 0, J), W15, H7, 1, J)
+    return acc.to(tl.float32)
+
+
 @triton.jit
 def _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, J: tl.constexpr):
     """fp4_group_dot_f16x2's output J in Triton fp16: low-nibble and high-nibble products summed apart, then added."""
@@ -244,9 +315,16 @@ def _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, 
 def x_pair_scales(mx):
     """For a row whose largest |x| is mx: (scale, 2**6 / scale), scale a power of two putting mx in [2**13, 2**14)
     (exponents clamped to normal floats): eight products of up to 6 * 2**-6 * 2**14 and their sums fit fp16."""
+    return pair_scales(mx, 13, 6)
+
+
+@triton.jit
+def pair_scales(mx, P: tl.constexpr, F: tl.constexpr):
+    """(scale, 2**F / scale) for values whose largest magnitude is mx: scale a power of two putting mx in
+    [2**P, 2**(P + 1)), exponents clamped to normal floats; 2**F undoes the weights' own factor (the e4m3 trick's 2**-6)."""
     e = (mx.to(tl.int32, bitcast=True) >> 23) & 255
-    sb = tl.minimum(tl.maximum(267 - e, 1), 254)
-    return (sb << 23).to(tl.float32, bitcast=True), ((260 - sb) << 23).to(tl.float32, bitcast=True)
+    sb = tl.minimum(tl.maximum(P + 254 - e, 1), 254)
+    return (sb << 23).to(tl.float32, bitcast=True), ((F + 254 - sb) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -265,10 +343,15 @@ def f16x2_bits(a, b, scale):
 
 
 @triton.jit
-def group_pairs(v, B: tl.constexpr):
+def group_pairs(v, B: tl.constexpr, FP8: tl.constexpr):
     """v [B] fp32 (B a multiple of 16) -> (int32 [B/2]: f16x2 pairs (v[2p], v[2p+1]), fp32 [B/16]: unscales), each
-    16-value group scaled by its own power of two (`x_pair_scales` of the group's largest |v|)."""
-    scale, inv = x_pair_scales(tl.max(tl.abs(tl.reshape(v, [B // 16, 16])), axis=1))
+    16-value group scaled by its own power of two: for NVFP4 weights `x_pair_scales`; for FP8 (FP8 true) the group's
+    largest |v| in [4, 8), so that 16 products with E4M3 values (up to 448) and their sum fit fp16."""
+    mx = tl.max(tl.abs(tl.reshape(v, [B // 16, 16])), axis=1)
+    if FP8:
+        scale, inv = pair_scales(mx, 2, 0)
+    else:
+        scale, inv = x_pair_scales(mx)
     lo, hi = tl.split(tl.reshape(v, [B // 2, 2]))
     return f16x2_bits(lo, hi, tl.reshape(tl.broadcast_to(scale[:, None], [B // 16, 8]), [B // 2])), inv
 

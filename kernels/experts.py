@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels.decode import ACTS, FP4_WORDS, down_relaid, matvec
+from sluice.kernels.decode import ACTS, F16X2_DOWN, FP4_WORDS, down_relaid, matvec
 from sluice.kernels.dequant import FORMAT_CODES, SCALE_GROUPS
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
@@ -115,10 +115,11 @@ class TritonExperts:
         h = torch.empty(A, L["up"].n, dtype=x_dtype, device=x.device)
         if self.kind == "relu2":
             pairs = None  # the f16x2 down's packed h, written by the up projection's epilogue
-            if self.fp4_words == 3 and L["down"].fmt == FORMAT_CODES["nvfp4"]:
+            if self.fp4_words == 3 and L["down"].fmt in F16X2_DOWN:
                 pairs = (torch.empty(A, L["up"].n // 2, dtype=torch.int32, device=x.device),
                          torch.empty(A, L["up"].n // 16, dtype=torch.float32, device=x.device))
-            matvec(bank, offs, x, L["up"], "relu2", x_dtype, h, act=self.act, fp4_words=self.fp4_words, pairs=pairs)
+            matvec(bank, offs, x, L["up"], "relu2", x_dtype, h, act=self.act, fp4_words=self.fp4_words, pairs=pairs,
+                   pairs_fp8=L["down"].fmt != FORMAT_CODES["nvfp4"])
             part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip, host=host, f16x2=pairs is not None,
                                      pairs=pairs)
             self.live_groups += live.sum()

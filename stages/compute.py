@@ -90,12 +90,13 @@ def check_fp4_matvec(stage: str, value: str) -> None:
 
 
 def fp4_formulation(choice: str, kind: str, device: torch.device) -> str:
-    """The one-token NVFP4 matvec a stage's `fp4_matvec` knob gives: `words` (32-bit words of eight nibbles, each
-    decoded to fp32 in software) or `f16x2` (nibbles widened to e4m3 bytes, `cvt.rn.f16x2.e4m3x2`, f16x2 FMAs;
-    fp16 products). `auto` takes f16x2 where its kernels measured faster (ReLU^2 up projections: 1.05-1.19 x in
-    `sluice bench kernels`; SwiGLU gate+up 0.93-0.97 x) on a GPU with the e4m3 conversion (compute capability
-    8.9 on), else words. A full Nemotron-3-Nano's decode is the same either way (7.56 / 7.49 ms/token: the
-    resident layers dominate; H200, BENCHMARKS.md)."""
+    """The one-token formulation a stage's `fp4_matvec` knob gives: `words` (NVFP4 as 32-bit words of eight nibbles,
+    each decoded to fp32 in software) or `f16x2` (nibbles widened to e4m3 bytes, `cvt.rn.f16x2.e4m3x2`, f16x2 FMAs;
+    fp16 products; for ReLU^2 experts also the re-laid down in f16x2, NVFP4 or FP8). `auto` takes f16x2 where its
+    kernels measured faster (ReLU^2 up projections: 1.05-1.19 x in `sluice bench kernels`, re-laid downs 1.6-2.1 x;
+    SwiGLU gate+up 0.93-0.97 x) on a GPU with the e4m3 conversion (compute capability 8.9 on), else words. A full
+    Nemotron-3-Nano's decode is the same either way (7.56 / 7.49 ms/token: the resident layers dominate; H200,
+    BENCHMARKS.md)."""
     if choice != "auto":
         return choice
     fast = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -389,24 +389,25 @@ def test_f16x2_words_loaded_ahead_or_not_give_the_same_rows():
     assert torch.equal(h0, h1) and h0.abs().sum() > 0
 
 
-@pytest.mark.parametrize("words", [3, 2])
-@pytest.mark.parametrize("A, Dx, I", [(2, 64, 48), (3, 96, 80)])
-def test_up_epilogue_packs_h_as_h_pairs(words, A, Dx, I):
+@pytest.mark.parametrize("words, A, Dx, I, fmt", [(3, 2, 64, 48, "nvfp4"), (2, 2, 64, 48, "nvfp4"), (3, 3, 96, 80, "nvfp4"),
+                                                (2, 3, 96, 80, "nvfp4"), (3, 2, 64, 48, "fp8_block")])
+def test_up_epilogue_packs_h_as_h_pairs(words, A, Dx, I, fmt):
     """matvec's relu2 epilogue with `pairs` writes h's f16x2 pairs and per-group unscales exactly as h_pairs packs the
     h it stored (down_relaid then reads them without a packing launch); h itself is unchanged; 16-row groups that a
     tile boundary would split are refused (bn raised to 16)."""
     from sluice.kernels.decode import h_pairs
 
-    bank, offs, manifest, dense = make_bank("relu2", "nvfp4", A, Dx, I, seed=A + I)
+    bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=A + I)
     bank, offs = _to(bank, offs)
     lay = proj_layouts(manifest.formats, manifest.slots)
     x = torch.randn(Dx, device=DEVICE, dtype=torch.bfloat16)
     h, h_plain = (torch.empty(A, I, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     pairs = (torch.empty(A, I // 2, dtype=torch.int32, device=DEVICE), torch.empty(A, I // 16, device=DEVICE))
-    matvec(bank, offs, x, lay["up"], "relu2", torch.bfloat16, h, fp4_words=words, pairs=pairs, bn=8)
+    fp8 = fmt.startswith("fp8")
+    matvec(bank, offs, x, lay["up"], "relu2", torch.bfloat16, h, fp4_words=words, pairs=pairs, pairs_fp8=fp8, bn=8)
     matvec(bank, offs, x, lay["up"], "relu2", torch.bfloat16, h_plain, fp4_words=words, bn=8)
     assert torch.equal(h, h_plain) and (h == 0).any() and (h > 0).any()
-    hq, hginv = h_pairs(h)
+    hq, hginv = h_pairs(h, fp8)
     assert torch.equal(pairs[0], hq) and torch.equal(pairs[1], hginv)
     part, live = down_relaid(bank, offs, h, lay["down"], skip=True, f16x2=True, pairs=pairs)
     part2, live2 = down_relaid(bank, offs, h, lay["down"], skip=True, f16x2=True)
@@ -415,9 +416,11 @@ def test_up_epilogue_packs_h_as_h_pairs(words, A, Dx, I):
 
 @pytest.mark.parametrize("fmt, A, Dx, I, scale", [  # the three-tile case once per suite: ~25 s interpreted
     (f, *c) for f in ("nvfp4", "nvfp4_ct") for c in [(1, 64, 32, 1.0), (3, 96, 48, 1e-20)]]
-    + [("nvfp4", 2, 1040, 80, 1e20), pytest.param("nvfp4_ct", 2, 1040, 80, 1e20, marks=pytest.mark.slow)])
+    + [("nvfp4", 2, 1040, 80, 1e20), pytest.param("nvfp4_ct", 2, 1040, 80, 1e20, marks=pytest.mark.slow)]
+    + [(f, 3, 96, 48, 1e-20) for f in ("fp8", "fp8_row", "fp8_block", "fp8_block_e8m0")] + [("fp8", 1, 64, 32, 1e20)]
+    + [pytest.param("fp8_block", 2, 1040, 80, 1.0, marks=pytest.mark.slow)])
 def test_relaid_down_f16x2(fmt, A, Dx, I, scale):
-    """The re-laid NVFP4 down through f16x2 (h packed as scaled fp16 pairs, each scale group's rows as int32 words):
+    """The re-laid NVFP4 or FP8 down through f16x2 (h packed as scaled fp16 pairs, each group's rows as int32 words):
     within fp16 rounding of the reference for h far outside fp16's range (with an outlier), columns past a tile's end
     masked (1040 outputs: three tiles of 512, the last partial), zero-skip counting as the fp32 path; h pairs
     swapped (each nibble with its neighbour's activation) or two groups' rows exchanged are far off."""
@@ -438,7 +441,7 @@ def test_relaid_down_f16x2(fmt, A, Dx, I, scale):
     try:
         for wrong in (lambda q: (q << 16) | ((q >> 16) & 0xFFFF),  # the pair's halves exchanged
                       lambda q: q.view(A, -1, 8).roll(1, dims=1).reshape(A, -1)):  # each group's activations another group's
-            dec.h_pairs = lambda v, wrong=wrong: (lambda q, inv: (wrong(q).contiguous(), inv))(*real(v))
+            dec.h_pairs = lambda v, fp8=False, wrong=wrong: (lambda q, inv: (wrong(q).contiguous(), inv))(*real(v, fp8))
             part, _ = down_relaid(bank, offs, h, lay, skip=False, f16x2=True)
             assert rel_err(part.sum(1).cpu(), ref) > 0.2
     finally:
