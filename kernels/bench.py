@@ -175,9 +175,9 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
                 add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")
                 pairs = (torch.empty(A, I // 2, dtype=torch.int32, device=device), torch.empty(A, I // 16, device=device))
                 fp8 = fmt == "fp8"
-                if fmt == "nvfp4":  # the e4m3 / f16x2 formulation as decode runs it: x packed first, h's pairs written
-                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs)
-                                for b in banks])
+                if fmt in ("nvfp4", "fp8"):  # the e4m3 / f16x2 formulation as decode runs it: x packed first, h's pairs written
+                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs,
+                                                   pairs_fp8=fp8) for b in banks])
                     add("decode up (relu2, f16x2)", shape, fmt, up_bytes, us, "hbm")
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
@@ -196,7 +196,7 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
             else:
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1) for b in banks])
                 add("decode gate+up (swiglu)", shape, fmt, up_bytes, us, "hbm")
-                if fmt == "nvfp4":
+                if fmt in ("nvfp4", "fp8"):
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1, fp4_words=3)
                                 for b in banks])
                     add("decode gate+up (swiglu, f16x2)", shape, fmt, up_bytes, us, "hbm")
@@ -205,6 +205,10 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
                 wts = torch.rand(A, device=device)
                 us = _time([lambda b=b: matvec(b, offs, h, L["down"], "weighted", torch.bfloat16, y, rows=rws, wts=wts) for b in banks])
                 add("decode down (swiglu)", shape, fmt, A * L["down"].nbytes, us, "hbm")
+                if fmt == "fp8":
+                    us = _time([lambda b=b: matvec(b, offs, h, L["down"], "weighted", torch.bfloat16, y, rows=rws, wts=wts, fp4_words=3)
+                                for b in banks])
+                    add("decode down (swiglu, f16x2)", shape, fmt, A * L["down"].nbytes, us, "hbm")
             del banks
             if kind == "relu2":
                 hbanks, L, block_bytes = make_banks(kind, fmt, Dx, I, A, device, pin=True)

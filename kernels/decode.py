@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
-                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, fp8_group_dot_f16x2, group_pairs, fp4_word_dot, fp4_word_dot_f16x2,
+                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, fp8_group_dot_f16x2, fp8_word_dot_f16x2, group_pairs, fp4_word_dot, fp4_word_dot_f16x2,
                                     group_scale, load_bias, row_pair_scales, tensor_scale, x_pair)
 from sluice.kernels.layout import ProjLayout
 
@@ -35,7 +35,8 @@ WEIGHTED = tl.constexpr(2)
 PLAIN = tl.constexpr(3)
 EPILOGUES = {"relu2": 0, "swiglu": 1, "weighted": 2, "plain": 3}
 FP4_WORDS = 2  # matvec's FP4 formulation (see matvec)
-F16X2_DOWN = {FORMAT_CODES[f] for f in ("nvfp4", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0")}  # down_relaid's f16x2 path
+FP8_FORMATS = {FORMAT_CODES[f] for f in ("fp8", "fp8_row", "fp8_block", "fp8_block_e8m0")}
+F16X2_DOWN = FP8_FORMATS | {FORMAT_CODES["nvfp4"]}  # down_relaid's f16x2 path
 GPT_OSS = tl.constexpr(2)
 SILU_CLAMPED = tl.constexpr(3)
 ACTS = {"relu2": 0, "silu": 1, "gpt_oss_glu": 2, "silu_clamped": 3}  # activation name (MoEBlock.act_name) -> ACT code
@@ -85,6 +86,23 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
                 nxt = tl.load(rows + (w + BW)[None, :], mask=nm[:, None] & (w + BW < NW)[None, :], other=0)
             word = nxt
         r = tl.sum(acc, axis=1) * tl.load(xinv)
+    elif WORDS == 3 and FMT != DENSE and FMT != NVFP4 and FMT != MXFP4:
+        # FP8 as int32 words of four inputs through the e4m3 conversion and f16x2 FMAs (dequant.fp8_word_dot_f16x2)
+        BW: tl.constexpr = BK // 4
+        NW = K // 4
+        acc = tl.zeros([BN, BW], dtype=tl.float32)
+        rows = (base + W_OFF).to(tl.pointer_type(tl.int32)) + n[:, None] * NW
+        for w0 in range(0, NW, BW):
+            w = w0 + tl.arange(0, BW)
+            wm = w < NW
+            word = tl.load(rows + w[None, :], mask=nm[:, None] & wm[None, :], other=0)
+            t = fp8_word_dot_f16x2(word, tl.load(xq + w, mask=wm, other=0)[None, :], tl.load(xq + NW + w, mask=wm, other=0)[None, :], ASM)
+            if FMT == FP8_BLOCK or FMT == FP8_BLOCK_E8M0:  # BK divides BLOCK: one scale per row in this step
+                t = t * block_scale(base + S_OFF, (n // BLOCK) * S_STRIDE + (4 * w0) // BLOCK, nm, FMT)[:, None]
+            acc += t
+        r = tl.sum(acc, axis=1) * tl.load(xinv)
+        if FMT == FP8_ROW:
+            r = r * tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)
     elif (FMT == NVFP4 or FMT == MXFP4) and WORDS > 0:
         # 32-bit words of 8 nibbles: word w of a row holds elements 8w..8w+7 (nibble i = element 8w+i);
         # fp4_word_dot places each nibble's bits straight into an fp32 (no conversion instruction).
@@ -382,28 +400,36 @@ def h_pairs(h: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Ten
 
 
 @triton.jit
-def _x_pairs_kernel(v, V_STRIDE, xq, xinv, K, NW, BW: tl.constexpr, BM: tl.constexpr):
-    """Row r of v [R, K] -> xq[r] int32 [4, NW] (plane J: pair J of every word, `dequant.x_pair`) and xinv[r]. Grid
+def _x_pairs_kernel(v, V_STRIDE, xq, xinv, K, NW, BW: tl.constexpr, BM: tl.constexpr, FP8: tl.constexpr):
+    """Row r of v [R, K] -> xq[r] int32 [4, NW] (NVFP4 words of 8 inputs; plane J: pair J of every word,
+    `dequant.x_pair`) or [2, NW] (FP8 words of 4: plane J the pair (x[4w + 2J], x[4w + 2J + 1])) and xinv[r]. Grid
     (R, cdiv(NW, BW)): each program finds the row's largest |x| itself (K is a hidden size) and packs BW words."""
     r = tl.program_id(0)
     vp = v + r * V_STRIDE
-    scale, inv = row_pair_scales(vp, K, BM)
+    scale, inv = row_pair_scales(vp, K, BM, FP8)
     if tl.program_id(1) == 0:
         tl.store(xinv + r, inv)
     w = tl.program_id(1) * BW + tl.arange(0, BW)
     wm = w < NW
-    for J in tl.static_range(4):
-        tl.store(xq + r * 4 * NW + J * NW + w, x_pair(vp, w, wm, J, scale), mask=wm)
+    if FP8:
+        for J in tl.static_range(2):
+            q = f16x2_bits(tl.load(vp + 4 * w + 2 * J, mask=wm, other=0.0), tl.load(vp + 4 * w + 2 * J + 1, mask=wm, other=0.0), scale)
+            tl.store(xq + r * 2 * NW + J * NW + w, q, mask=wm)
+    else:
+        for J in tl.static_range(4):
+            tl.store(xq + r * 4 * NW + J * NW + w, x_pair(vp, w, wm, J, scale), mask=wm)
 
 
-def x_pairs(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """v [K] or [R, K] -> (int32 [R, 4, K/8] f16x2 pairs, fp32 [R] unscale) for matvec's f16x2 FP4 path."""
+def x_pairs(v: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [K] or [R, K] -> (int32 [R, 4, K/8] f16x2 pairs, fp32 [R] unscale) for matvec's f16x2 NVFP4 path; with fp8
+    (int32 [R, 2, K/4], fp32 [R]) for its FP8 one."""
     v2 = v if v.dim() == 2 else v[None]
     R, K = v2.shape
-    NW = K // 8
-    xq = torch.empty(R, 4, NW, dtype=torch.int32, device=v.device)
+    planes = 2 if fp8 else 4
+    NW = K // 4 if fp8 else K // 8
+    xq = torch.empty(R, planes, NW, dtype=torch.int32, device=v.device)
     xinv = torch.empty(R, dtype=torch.float32, device=v.device)
-    _x_pairs_kernel[(R, triton.cdiv(NW, 128))](v2, v2.stride(0), xq, xinv, K, NW, BW=128, BM=1024)
+    _x_pairs_kernel[(R, triton.cdiv(NW, 128))](v2, v2.stride(0), xq, xinv, K, NW, BW=128, BM=1024, FP8=fp8)
     return xq, xinv
 
 
@@ -415,10 +441,12 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     """Launch `_matvec_kernel` for A = len(offs) experts. v [K] shared or [A, K]; out [A, N] or y [rows, N].
     act_args: (alpha, limit) of gpt-oss's GLU. fp4_words: FP4 weights read as 32-bit words of eight
     nibbles, their scales loaded as contiguous runs (2) or gathered word by word (1); 0: as bytes in
-    [rows, groups, bytes] tiles, the earlier formulation. 1 and 0 are kept for the sweep. 3 (NVFP4; other
-    formats read it as 2): words through the e4m3 conversion and f16x2 FMAs, v first packed by `x_pairs`
+    [rows, groups, bytes] tiles, the earlier formulation. 1 and 0 are kept for the sweep. 3 (NVFP4; MXFP4
+    reads it as 2): words through the e4m3 conversion and f16x2 FMAs, v first packed by `x_pairs`
     (one more launch); 1.05-1.19 x faster than 2 on ReLU^2 up projections in `sluice bench kernels` (slower on
-    SwiGLU gate+up), the default there on sm_89+ (stages/compute.py fp4_formulation).
+    SwiGLU gate+up), the default there on sm_89+ (stages/compute.py fp4_formulation). 3 also takes FP8 weights
+    (K a multiple of 4) through f16x2: int32 words of four E4M3 inputs, two conversions and two f16x2 FMAs each,
+    x packed in pairs for them (`x_pairs` with fp8); other formats ignore it.
 
     f16x2 details: ahead: each step's words are requested before the previous step's arithmetic; None: below 2048
     inputs, where it measured 1.03 x on the H200 (0.89-1.00 x with the wider tiles above: BENCHMARKS.md, fourteenth
@@ -428,8 +456,9 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
     32 x 256 (16 x 1024 from 2048 inputs on; f16x2 16 x 512 there), FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
-    words = fp4_words if layout.fmt in SCALE_GROUPS else 0
-    if words == 3 and layout.fmt != FORMAT_CODES["nvfp4"]:  # the f16x2 path reads NVFP4's 16-input groups only
+    fp8 = layout.fmt in FP8_FORMATS
+    words = fp4_words if layout.fmt in SCALE_GROUPS else 3 if fp4_words == 3 and fp8 and layout.k % 4 == 0 else 0
+    if words == 3 and layout.fmt == FORMAT_CODES["mxfp4"]:  # the f16x2 FP4 path reads NVFP4's 16-input groups only
         words = 2
     wide = words and layout.k >= 2048
     ahead = not wide if ahead is None else ahead
@@ -444,7 +473,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     v_stride = 0 if v.dim() == 1 else v.stride(0)
     g = gate or layout
     dummy = offs
-    xq, xinv = x_pairs(v) if words == 3 else (dummy, dummy)
+    xq, xinv = x_pairs(v, fp8) if words == 3 else (dummy, dummy)
     if pairs is not None:  # whole 16-row groups in every tile
         assert epilogue == "relu2" and layout.n % 16 == 0, (epilogue, layout.n)
         bn = max(bn, 16)

@@ -218,6 +218,39 @@ def fp4_group_dot_f16x2(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, 
             _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, H7, 3))
 
 
+FP8_WORD_DOT_PTX = tl.constexpr("""
+            {
+            .reg .b32 c0, c1, p;
+            .reg .b16 q0, q1;
+            .reg .f32 f0, f1;
+            mov.b32 {q0, q1}, $1;
+            cvt.rn.f16x2.e4m3x2 c0, q0;
+            cvt.rn.f16x2.e4m3x2 c1, q1;
+            mul.rn.f16x2 p, c0, $2;
+            fma.rn.f16x2 p, c1, $3, p;
+            mov.b32 {q0, q1}, p;
+            cvt.f32.f16 f0, q0;
+            cvt.f32.f16 f1, q1;
+            add.f32 f0, f0, f1;
+            mov.b32 $0, f0;
+            }
+            """)
+
+
+@triton.jit
+def fp8_word_dot_f16x2(word, X0, X1, ASM: tl.constexpr):
+    """sum_j E4M3(byte j of word) * x_j as fp32, elementwise over int32 words of four inputs; X0, X1 the word's x
+    pairs (x0, x1) and (x2, x3) as f16x2 bits (`x_pairs` with fp8: scaled so that products and sums fit fp16). ASM: one
+    inline-PTX call (sm_89+: two e4m3x2 conversions, two f16x2 FMAs); else the same pairing in Triton fp16."""
+    if ASM:
+        r = tl.inline_asm_elementwise(asm=FP8_WORD_DOT_PTX, constraints="=r,r,r,r", args=[word, X0, X1], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+        return r.to(tl.float32, bitcast=True)
+    lo = _e4m3_f16(word, 0) * _f16_half(X0, 0) + _e4m3_f16(word, 2) * _f16_half(X1, 0)
+    hi = _e4m3_f16(word, 1) * _f16_half(X0, 1) + _e4m3_f16(word, 3) * _f16_half(X1, 1)
+    return lo.to(tl.float32) + hi.to(tl.float32)
+
+
 def _fp8_group_dot_ptx() -> str:
     """PTX for fp8_group_dot_f16x2: each h pair becomes two broadcast pairs (h, h) by byte permutes (prmt); each row's
     word, four E4M3 outputs, two f16x2 conversions and two f16x2 FMAs; the four sums to fp32."""
@@ -357,12 +390,16 @@ def group_pairs(v, B: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def row_pair_scales(vp, K, BM: tl.constexpr):
-    """`x_pair_scales` for the row of K values at vp: its largest |value| found BM at a time."""
+def row_pair_scales(vp, K, BM: tl.constexpr, FP8: tl.constexpr):
+    """`x_pair_scales` for the row of K values at vp (its largest |value| found BM at a time); for FP8 weights (FP8
+    true) that largest |value| goes to [32, 64), so that two products with E4M3 values (up to 448) and their sum fit
+    fp16 (`fp8_word_dot_f16x2`)."""
     m = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BM):
         k = k0 + tl.arange(0, BM)
         m = tl.maximum(m, tl.abs(tl.load(vp + k, mask=k < K, other=0.0).to(tl.float32)))
+    if FP8:
+        return pair_scales(tl.max(m, axis=0), 5, 0)
     return x_pair_scales(tl.max(m, axis=0))
 
 

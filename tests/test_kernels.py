@@ -313,7 +313,7 @@ def test_fp4_f16x2_path_scales_x_into_fp16(scale):
     import sluice.kernels.decode as dec
 
     real = dec.x_pairs
-    dec.x_pairs = lambda v: (swapped.contiguous(), xinv)
+    dec.x_pairs = lambda v, fp8=False: (swapped.contiguous(), xinv)
     try:
         matvec(bank, offs, x, lay["up"], "plain", torch.float32, h, fp4_words=3, bk=32)
     finally:
@@ -374,6 +374,39 @@ def test_expert_graph_capture_while_another_thread_pins_memory():
         worker.join()
     assert not errors, errors
     assert len(kern._graphs) == 4
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_row", "fp8_block", "fp8_block_e8m0"])
+@pytest.mark.parametrize("scale", [1e-20, 1.0, 1e20])
+def test_fp8_matvec_f16x2(fmt, scale):
+    """FP8 matvecs through f16x2 (int32 words of four E4M3 inputs, x packed as scaled fp16 pairs): within fp16 rounding
+    of the reference for x far outside fp16's range (with an outlier), every FP8 scale layout, gate+up and the weighted
+    down alike; x's pairs swapped (each input with its neighbour's weight) is far off."""
+    import sluice.kernels.decode as dec
+
+    A, Dx, I = 3, 96, 64
+    bank, offs, manifest, dense = make_bank("swiglu", fmt, A, Dx, I, seed=7)
+    bank, offs = _to(bank, offs)
+    lay = proj_layouts(manifest.formats, manifest.slots)
+    x = torch.randn(Dx, device=DEVICE) * scale
+    x[5] *= 40
+    h = torch.empty(A, I, device=DEVICE)
+    matvec(bank, offs, x, lay["up"], "plain", torch.float32, h, fp4_words=3, bk=32)
+    ref = torch.stack([d["up"].double() @ x.double().cpu() for d in dense])
+    assert rel_err(h.cpu(), ref) < 3e-3
+    hd = torch.randn(A, I, device=DEVICE)
+    y = torch.empty(A, Dx, device=DEVICE)
+    w = torch.rand(A, device=DEVICE)
+    matvec(bank, offs, hd, lay["down"], "weighted", torch.float32, y, rows=torch.arange(A, device=DEVICE), wts=w, fp4_words=3, bk=32)
+    ref_y = torch.stack([(dense[a]["down"].double() @ hd[a].double().cpu()) * float(w[a]) for a in range(A)])
+    assert rel_err(y.cpu(), ref_y) < 3e-3
+    real = dec.x_pairs
+    dec.x_pairs = lambda v, fp8=False: (lambda q, inv: (((q << 16) | ((q >> 16) & 0xFFFF)).contiguous(), inv))(*real(v, fp8))
+    try:
+        matvec(bank, offs, x, lay["up"], "plain", torch.float32, h, fp4_words=3, bk=32)
+    finally:
+        dec.x_pairs = real
+    assert rel_err(h.cpu(), ref) > 0.2
 
 
 def test_f16x2_words_loaded_ahead_or_not_give_the_same_rows():
