@@ -67,7 +67,7 @@ class ComputeKnobs:
     cpu_threads: int = 0  # the hybrid path's native CPU kernels' threads; 0: all cores but two (the host's own work)
     cpu_int8: bool = False  # the hybrid path's FP4 experts with activations rounded to int8 per scale group (AVX-512 VNNI;
     # 1.4-1.8 x faster ReLU^2 experts, each output ~0.5% off the fp32 kernels': kernels/cpu_native.py)
-    fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (fp4_formulation)
+    fp4_matvec: str = "auto"  # one-token NVFP4 / FP8 formulation: f16x2 | words | auto (fp4_formulation)
 
 
 def expert_backend(stage: str, backend: str, device: torch.device) -> str:

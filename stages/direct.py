@@ -74,7 +74,7 @@ class DirectKnobs:
     prompt_ahead: int = 32  # prompts: the next MoE layer's blocks, guessed by its router on this layer's input, copied
     # while this layer computes: into free tier slots (as many as are free), then up to this many into a bank of
     # 2 x this many of the tier's slots (at most half of them), which one-token steps lend back to the tier; 0: off
-    fp4_matvec: str = "auto"  # one-token NVFP4 matvecs: f16x2 | words | auto (stages/compute.py fp4_formulation)
+    fp4_matvec: str = "auto"  # one-token NVFP4 / FP8 formulation: f16x2 | words | auto (stages/compute.py fp4_formulation)
     routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
     hold: bool = True  # every block read into pinned RAM at open and held; false: RAM is an LRU cache filled from disk
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider

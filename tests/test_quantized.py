@@ -73,7 +73,9 @@ def test_quantized_golden(case, backend, quantized, tmp_path):
     store, ref_path = quantized[case]
     n = 32 if backend == "torch" or DEVICE != "cpu" else 12  # interpreted Triton is slow: fewer tokens on a CPU
     ref_logits, ref_tokens = _reference(ref_path, n)
-    schedule = triton_schedule(tmp_path, "overlap", backend=backend)
+    # fp32 products (`fp4_matvec: words`): on sm_89+ the default for ReLU^2 experts is f16x2, whose fp16 products can
+    # flip a near tie (nemotron_fp8_row's last of 32 greedy tokens on the H200); it is checked on its own below
+    schedule = triton_schedule(tmp_path, "overlap", backend=backend, **({"fp4_matvec": "words"} if backend == "triton" else {}))
     with sluice.load(store, device=DEVICE, schedule=schedule) as engine:
         logits = engine.forward(PROMPT)
         tokens = engine.generate(PROMPT, n)
