@@ -480,7 +480,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     hq, hginv = pairs if pairs is not None else (dummy, dummy)
     _matvec_kernel[(A, triton.cdiv(layout.n, bn))](
         bank, offs, v, v_stride, out, out.stride(0), rows if rows is not None else dummy, wts if wts is not None else dummy,
-        layout.n, layout.k, xq, 4 * (layout.k // 8) if v_stride else 0, xinv, 1 if v_stride else 0, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, layout.b_off, g.w_off, g.s_off, g.s2_off, g.b_off,
+        layout.n, layout.k, xq, xq.stride(0) if v_stride and words == 3 else 0, xinv, 1 if v_stride else 0, layout.w_off, layout.s_off, layout.s2_off, layout.s_stride, layout.b_off, g.w_off, g.s_off, g.s2_off, g.b_off,
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
         HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0], LIMIT=act_args[1],
         X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, AHEAD=ahead,

@@ -356,7 +356,8 @@ def pair_scales(mx, P: tl.constexpr, F: tl.constexpr):
     """(scale, 2**F / scale) for values whose largest magnitude is mx: scale a power of two putting mx in
     [2**P, 2**(P + 1)), exponents clamped to normal floats; 2**F undoes the weights' own factor (the e4m3 trick's 2**-6)."""
     e = (mx.to(tl.int32, bitcast=True) >> 23) & 255
-    sb = tl.minimum(tl.maximum(P + 254 - e, 1), 254)
+    # at most 2**126 and, with F < 1, short of it so that the unscale stays a normal float (tiny rows then scale less)
+    sb = tl.minimum(tl.minimum(tl.maximum(P + 254 - e, 1), 254), 253 + F)
     return (sb << 23).to(tl.float32, bitcast=True), ((F + 254 - sb) << 23).to(tl.float32, bitcast=True)
 
 

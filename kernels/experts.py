@@ -115,7 +115,7 @@ class TritonExperts:
         h = torch.empty(A, L["up"].n, dtype=x_dtype, device=x.device)
         if self.kind == "relu2":
             pairs = None  # the f16x2 down's packed h, written by the up projection's epilogue
-            if self.fp4_words == 3 and L["down"].fmt in F16X2_DOWN:
+            if self.fp4_words == 3 and L["down"].fmt in F16X2_DOWN and L["down"].n % 4 == 0:
                 pairs = (torch.empty(A, L["up"].n // 2, dtype=torch.int32, device=x.device),
                          torch.empty(A, L["up"].n // 16, dtype=torch.float32, device=x.device))
             matvec(bank, offs, x, L["up"], "relu2", x_dtype, h, act=self.act, fp4_words=self.fp4_words, pairs=pairs,

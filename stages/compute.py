@@ -97,10 +97,14 @@ def fp4_formulation(choice: str, kind: str, device: torch.device) -> str:
     SwiGLU gate+up 0.93-0.97 x) on a GPU with the e4m3 conversion (compute capability 8.9 on), else words. A full
     Nemotron-3-Nano's decode is the same either way (7.56 / 7.49 ms/token: the resident layers dominate; H200,
     BENCHMARKS.md)."""
+    e4m3 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if choice == "f16x2" and device.type == "cuda" and not e4m3:
+        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ScheduleError(f"'fp4_matvec: f16x2' needs a GPU of compute capability 8.9 or newer (its e4m3 conversion); "
+                            f"this one is {cc}: use 'words' or 'auto'")
     if choice != "auto":
         return choice
-    fast = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    return "f16x2" if fast and kind == "relu2" else "words"
+    return "f16x2" if e4m3 and kind == "relu2" else "words"
 
 
 def triton_experts(made: dict, rt, block, graphs: bool, fp4_matvec: str = "auto"):

@@ -34,11 +34,11 @@ class LiveServer:
         if template:
             tok.chat_template = template
         app = create_app(self.engine, tok, MODEL, snapshot_bytes=snapshot_bytes, context=context, prefill_chunk=8)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.sock = socket.socket()  # bound here and handed to uvicorn: no other process can take the port meanwhile
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 60
         while not self.server.started:
@@ -50,6 +50,7 @@ class LiveServer:
     def close(self):
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.sock.close()
         self.engine.close()
 
     def metric(self, name: str) -> float:

@@ -66,6 +66,9 @@ CORE = {"serial": ("nemotron_h", "qwen3_moe", "gpt_oss"),
 
 
 def golden_cases():
+    # a schedule added later must be placed in CORE (or run by every variant, as overlap) to run in CI's suite
+    assert set(CORE) | {"overlap"} == set(SCHEDULES), (sorted(CORE), SCHEDULES)
+    assert all(v in VARIANTS for vs in CORE.values() for v in vs), CORE
     for v in VARIANTS:
         for s in SCHEDULES:
             core = s == "overlap" or v in CORE.get(s, ())
