@@ -89,14 +89,15 @@ def check_fp4_matvec(stage: str, value: str) -> None:
         raise ScheduleError(f"stage {stage!r}: 'fp4_matvec' must be one of {', '.join(FP4_MATVECS)}, got {value!r}")
 
 
-def fp4_formulation(choice: str, kind: str, device: torch.device) -> str:
+def fp4_formulation(choice: str, kind: str, device: torch.device, fp8: bool = False) -> str:
     """The one-token formulation a stage's `fp4_matvec` knob gives: `words` (NVFP4 as 32-bit words of eight nibbles,
     each decoded to fp32 in software) or `f16x2` (nibbles widened to e4m3 bytes, `cvt.rn.f16x2.e4m3x2`, f16x2 FMAs;
     fp16 products; for ReLU^2 experts also the re-laid down in f16x2, NVFP4 or FP8). `auto` takes f16x2 where its
-    kernels measured faster (ReLU^2 up projections: 1.05-1.19 x in `sluice bench kernels`, re-laid downs 1.6-2.1 x;
-    SwiGLU gate+up 0.93-0.97 x) on a GPU with the e4m3 conversion (compute capability 8.9 on), else words. A full
-    Nemotron-3-Nano's decode is the same either way (7.56 / 7.49 ms/token: the resident layers dominate; H200,
-    BENCHMARKS.md)."""
+    kernels measured faster or the same on the H200 (`sluice bench kernels`, BENCHMARKS.md): ReLU^2 experts (up
+    projections 1.05-1.26 x, re-laid downs 1.6-2.2 x) and FP8 experts of any kind (`fp8`: SwiGLU gate+up and down 1.0 x
+    on Qwen3-30B's shape, 1.4 x on gpt-oss-120b's); not NVFP4 SwiGLU (gate+up 0.93-0.97 x on Qwen3-30B's). Only on a
+    GPU with the e4m3 conversion (compute capability 8.9 on), else words. A full Nemotron-3-Nano's decode is the same
+    either way (7.56 / 7.49 ms/token: the resident layers dominate)."""
     e4m3 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if choice == "f16x2" and device.type == "cuda" and not e4m3:
         cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
@@ -104,7 +105,7 @@ def fp4_formulation(choice: str, kind: str, device: torch.device) -> str:
                             f"this one is {cc}: use 'words' or 'auto'")
     if choice != "auto":
         return choice
-    return "f16x2" if e4m3 and kind == "relu2" else "words"
+    return "f16x2" if e4m3 and (kind == "relu2" or fp8) else "words"
 
 
 def triton_experts(made: dict, rt, block, graphs: bool, fp4_matvec: str = "auto"):
@@ -115,7 +116,8 @@ def triton_experts(made: dict, rt, block, graphs: bool, fp4_matvec: str = "auto"
 
     kern = made.get((block.kind, block.act_name))
     if kern is None:
-        words = 3 if fp4_formulation(fp4_matvec, block.kind, rt.device) == "f16x2" else FP4_WORDS
+        fp8 = rt.store.manifest.formats["up"].kind.startswith("fp8")
+        words = 3 if fp4_formulation(fp4_matvec, block.kind, rt.device, fp8) == "f16x2" else FP4_WORDS
         kern = made[(block.kind, block.act_name)] = TritonExperts(rt.store.manifest, block.kind, block.act_name, rt.device,
                                                                  block.act_args, graphs, words)
         rt.stats.kernels.append(kern)

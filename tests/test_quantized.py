@@ -159,7 +159,7 @@ def test_e8m0_block_scales_read_as_f32_must_fail():
     assert not torch.allclose(ql._kernel(x).cpu().double(), ref, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("case, base", [("nemotron_nvfp4_all", "zero-skip"), ("nemotron_fp8", "zero-skip"),
+@pytest.mark.parametrize("case, base", [("nemotron_nvfp4_all", "zero-skip"), ("nemotron_fp8", "zero-skip"), ("qwen_fp8_block_all", "overlap"),
                                         pytest.param("qwen_nvfp4_ct", "overlap", marks=pytest.mark.slow)])
 def test_fp4_matvec_f16x2_keeps_the_reference_tokens(case, base, quantized, tmp_path):
     """compute's `fp4_matvec: f16x2` (NVFP4 one-token matvecs with fp16 products, Hopper's e4m3 conversion on CUDA, its

@@ -87,6 +87,8 @@ def test_fp4_matvec_auto_takes_f16x2_only_where_it_measured_faster():
         new = torch.cuda.get_device_capability() >= (8, 9)  # the e4m3 conversion
         assert fp4_formulation("auto", "relu2", torch.device("cuda")) == ("f16x2" if new else "words")
         assert fp4_formulation("auto", "swiglu", torch.device("cuda")) == "words"
+        assert fp4_formulation("auto", "swiglu", torch.device("cuda"), fp8=True) == ("f16x2" if new else "words")
+    assert fp4_formulation("auto", "swiglu", cpu, fp8=True) == "words"
 
 
 def test_knob_values_as_written():
