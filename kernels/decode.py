@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
-                                    SCALE_GROUPS, block_scale, e2m1_scaled, f16x2_bits, fp4_group_dot_f16x2, fp8_group_dot_f16x2, fp8_word_dot_f16x2, group_pairs, fp4_word_dot, fp4_word_dot_f16x2,
-                                    group_scale, load_bias, row_pair_scales, tensor_scale, x_pair)
+                                    SCALE_GROUPS, block_scale, e2m1_scaled, fp4_word_dot, group_scale, load_bias, tensor_scale)
+from sluice.kernels.f16x2 import (f16x2_bits, fp4_group_dot_f16x2, fp4_word_dot_f16x2, fp8_group_dot_f16x2, fp8_word_dot_f16x2, group_pairs,
+                                  row_pair_scales, x_pair)
 from sluice.kernels.layout import ProjLayout
 
 RELU2 = tl.constexpr(0)
@@ -61,7 +62,7 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
     step's words are requested before the previous step's arithmetic."""
     nm = n < N
     if FMT == NVFP4 and WORDS == 3:
-        # words of 8 nibbles through the e4m3 conversion and f16x2 FMAs (dequant.fp4_word_dot_f16x2); a step's
+        # words of 8 nibbles through the e4m3 conversion and f16x2 FMAs (f16x2.fp4_word_dot_f16x2); a step's
         # two words per scale group summed in registers, the group scales applied in fp32
         BW: tl.constexpr = BK // 8
         BG: tl.constexpr = BK // 16
@@ -87,7 +88,7 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
             word = nxt
         r = tl.sum(acc, axis=1) * tl.load(xinv)
     elif WORDS == 3 and FMT != DENSE and FMT != NVFP4 and FMT != MXFP4:
-        # FP8 as int32 words of four inputs through the e4m3 conversion and f16x2 FMAs (dequant.fp8_word_dot_f16x2)
+        # FP8 as int32 words of four inputs through the e4m3 conversion and f16x2 FMAs (f16x2.fp8_word_dot_f16x2)
         BW: tl.constexpr = BK // 4
         NW = K // 4
         acc = tl.zeros([BN, BW], dtype=tl.float32)
@@ -341,7 +342,7 @@ def _f16x2_group(base, rows, g, c, cm, H0, H1, H2, H3, H4, H5, H6, H7, ginv, DW,
 def _down_f16x2(base, hq, hginv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, S_STRIDE, GPS, FMT: tl.constexpr,
                 BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr, SKIP_BELOW: tl.constexpr, BD: tl.constexpr,
                 ASM: tl.constexpr):
-    """_down_relaid_kernel's NVFP4 / FP8 path through f16x2 (dequant.fp4_group_dot_f16x2, fp8_group_dot_f16x2): a
+    """_down_relaid_kernel's NVFP4 / FP8 path through f16x2 (f16x2.fp4_group_dot_f16x2, fp8_group_dot_f16x2): a
     program's BD outputs as BD / 4 int32 words per row; each 16-neuron group's rows in one call with its 8 h pairs (hq,
     each group scaled: its unscale in hginv), its four sums per word scaled in fp32. A group is live when one of its
     pairs is not zero (a live group's largest |h| scales to a normal fp16, so no live group reads as zero)."""
@@ -378,7 +379,7 @@ def _down_f16x2(base, hq, hginv, out, live, Dx, I, g0, W_OFF, S_OFF, S2_OFF, S_S
 @triton.jit
 def _h_pairs_kernel(h, hq, hginv, I, BM: tl.constexpr, FP8: tl.constexpr):
     """Row r of h [R, I] -> hq[r] int32 [I/2] (pair p = h[2p], h[2p+1] as f16x2) and hginv[r] fp32 [I/16], each
-    16-value group scaled by its own power of two (`dequant.group_pairs`). Grid (R, cdiv(I, BM))."""
+    16-value group scaled by its own power of two (`f16x2.group_pairs`). Grid (R, cdiv(I, BM))."""
     r = tl.program_id(0)
     i = tl.program_id(1) * BM + tl.arange(0, BM)
     q, inv = group_pairs(tl.load(h + r * I + i, mask=i < I, other=0.0).to(tl.float32), BM, FP8)
@@ -390,7 +391,7 @@ def _h_pairs_kernel(h, hq, hginv, I, BM: tl.constexpr, FP8: tl.constexpr):
 
 def h_pairs(h: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R, I] (I a multiple of 16) -> (int32 [R, I/2] f16x2 pairs (h[2p], h[2p+1]), fp32 [R, I/16] unscales), each
-    16-value group scaled by its own power of two (for NVFP4 weights, or FP8 ones: `dequant.group_pairs`): down_relaid's
+    16-value group scaled by its own power of two (for NVFP4 weights, or FP8 ones: `f16x2.group_pairs`): down_relaid's
     f16x2 input. matvec's relu2 epilogue writes the same (its `pairs`), so decode does not launch this."""
     R, I = h.shape
     hq = torch.empty(R, I // 2, dtype=torch.int32, device=h.device)
@@ -402,7 +403,7 @@ def h_pairs(h: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Ten
 @triton.jit
 def _x_pairs_kernel(v, V_STRIDE, xq, xinv, K, NW, BW: tl.constexpr, BM: tl.constexpr, FP8: tl.constexpr):
     """Row r of v [R, K] -> xq[r] int32 [4, NW] (NVFP4 words of 8 inputs; plane J: pair J of every word,
-    `dequant.x_pair`) or [2, NW] (FP8 words of 4: plane J the pair (x[4w + 2J], x[4w + 2J + 1])) and xinv[r]. Grid
+    `f16x2.x_pair`) or [2, NW] (FP8 words of 4: plane J the pair (x[4w + 2J], x[4w + 2J + 1])) and xinv[r]. Grid
     (R, cdiv(NW, BW)): each program finds the row's largest |x| itself (K is a hidden size) and packs BW words."""
     r = tl.program_id(0)
     vp = v + r * V_STRIDE
