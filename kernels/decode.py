@@ -258,7 +258,7 @@ def _down_relaid_kernel(
     else:
         base = bank + tl.load(offs + a)
     hp = h + a * I
-    if F16X2:  # NVFP4 as int32 words of four outputs' bytes, f16x2 products with h's pairs (`h_pairs`)
+    if F16X2:  # NVFP4 / FP8 as int32 words of four outputs' bytes, f16x2 products with h's pairs (`h_pairs`)
         _down_f16x2(base, HQ + a * (I // 2), HGINV + a * (I // 16), part + (a * NSPLIT + sp) * Dx, live + a * NSPLIT + sp, Dx, I,
                     sp * GROUPS_PER_SPLIT, W_OFF, S_OFF, S2_OFF, S_STRIDE, GROUPS_PER_SPLIT, FMT, BLOCK, S2_INV, SG, SKIP_BELOW, BD, ASM)
     else:
@@ -498,8 +498,7 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
     wide loads, which zero-copy reads need and which made FP4 / FP8 rows read from HBM alone slower (BENCHMARKS.md);
     None: whether the bank is host memory. f16x2 (NVFP4 and FP8; other formats ignore it): h packed into f16x2 pairs
     first (`h_pairs`, one more launch), each group's rows read as int32 words of four outputs and multiplied in f16x2
-    (sm_89+ PTX; Triton fp16 elsewhere); pairs:
-    h already packed so (matvec's relu2 epilogue), no launch.
+    (sm_89+ PTX; Triton fp16 elsewhere); pairs: h already packed so (matvec's relu2 epilogue), no launch.
 
     Default split of the groups: 32 for NVFP4, 16 otherwise (from the H200 sweep in BENCHMARKS.md)."""
     A, I = h.shape
