@@ -173,16 +173,16 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
             if kind == "relu2":
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
                 add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")
-                pairs = (torch.empty(A, I // 2, dtype=torch.int32, device=device), torch.empty(A, I // 16, device=device))
-                fp8 = fmt == "fp8"
-                if fmt in ("nvfp4", "fp8"):  # the e4m3 / f16x2 formulation as decode runs it: x packed first, h's pairs written
+                f16x2, fp8 = fmt in ("nvfp4", "fp8"), fmt == "fp8"
+                if f16x2:  # the e4m3 / f16x2 formulation as decode runs it: x packed first, h's pairs written
+                    pairs = (torch.empty(A, I // 2, dtype=torch.int32, device=device), torch.empty(A, I // 16, device=device))
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs,
                                                    pairs_fp8=fp8) for b in banks])
                     add("decode up (relu2, f16x2)", shape, fmt, up_bytes, us, "hbm")
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
                 add("decode down (re-laid)", shape, fmt, A * L["down"].nbytes, us, "hbm")
-                if fmt in ("nvfp4", "fp8"):  # f16x2 products from the pairs the up projection wrote
+                if f16x2:  # f16x2 products from the pairs the up projection wrote
                     hp = h_pairs(hl, fp8)
                     us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, f16x2=True, pairs=hp) for b in banks])
                     add("decode down (re-laid, f16x2)", shape, fmt, A * L["down"].nbytes, us, "hbm")

@@ -241,9 +241,14 @@ def _e4m3_f16(word, J: tl.constexpr):
 
 
 @triton.jit
-def _fp8_row(acc, W, H, HI: tl.constexpr, J: tl.constexpr):
-    """acc plus row W's output J times half HI of the pair H, in fp16."""
-    return acc + _e4m3_f16(W, J) * _f16_half(H, HI)
+def _row(acc, W, H, HI: tl.constexpr, J: tl.constexpr, FP8: tl.constexpr):
+    """acc plus row W's weight for output J times half HI of the pair H, in fp16: FP8's byte J, or NVFP4's nibble
+    2J + HI (the row's byte J holds both neurons of the pair)."""
+    if FP8:
+        w = _e4m3_f16(W, J)
+    else:
+        w = _nibble_f16(W, 2 * J + HI)
+    return acc + w * _f16_half(H, HI)
 
 
 @triton.jit
@@ -251,14 +256,14 @@ def _fp8_group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W
                         H0, H1, H2, H3, H4, H5, H6, H7, J: tl.constexpr):
     """fp8_group_dot_f16x2's output J in Triton fp16, summed in the PTX's order (row by row)."""
     acc = _e4m3_f16(W0, J) * _f16_half(H0, 0)
-    acc = _fp8_row(acc, W1, H0, 1, J)
-    acc = _fp8_row(_fp8_row(acc, W2, H1, 0, J), W3, H1, 1, J)
-    acc = _fp8_row(_fp8_row(acc, W4, H2, 0, J), W5, H2, 1, J)
-    acc = _fp8_row(_fp8_row(acc, W6, H3, 0, J), W7, H3, 1, J)
-    acc = _fp8_row(_fp8_row(acc, W8, H4, 0, J), W9, H4, 1, J)
-    acc = _fp8_row(_fp8_row(acc, W10, H5, 0, J), W11, H5, 1, J)
-    acc = _fp8_row(_fp8_row(acc, W12, H6, 0, J), W13, H6, 1, J)
-    acc = _fp8_row(_fp8_row(acc, W14, H7, 0, J), W15, H7, 1, J)
+    acc = _row(acc, W1, H0, 1, J, True)
+    acc = _row(_row(acc, W2, H1, 0, J, True), W3, H1, 1, J, True)
+    acc = _row(_row(acc, W4, H2, 0, J, True), W5, H2, 1, J, True)
+    acc = _row(_row(acc, W6, H3, 0, J, True), W7, H3, 1, J, True)
+    acc = _row(_row(acc, W8, H4, 0, J, True), W9, H4, 1, J, True)
+    acc = _row(_row(acc, W10, H5, 0, J, True), W11, H5, 1, J, True)
+    acc = _row(_row(acc, W12, H6, 0, J, True), W13, H6, 1, J, True)
+    acc = _row(_row(acc, W14, H7, 0, J, True), W15, H7, 1, J, True)
     return acc.to(tl.float32)
 
 
@@ -267,20 +272,13 @@ def _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, 
     """fp4_group_dot_f16x2's output J in Triton fp16: low-nibble and high-nibble products summed apart, then added."""
     lo = _nibble_f16(W0, 2 * J) * _f16_half(H0, 0)
     hi = _nibble_f16(W0, 2 * J + 1) * _f16_half(H0, 1)
-    lo = lo + _nibble_f16(W1, 2 * J) * _f16_half(H1, 0)
-    hi = hi + _nibble_f16(W1, 2 * J + 1) * _f16_half(H1, 1)
-    lo = lo + _nibble_f16(W2, 2 * J) * _f16_half(H2, 0)
-    hi = hi + _nibble_f16(W2, 2 * J + 1) * _f16_half(H2, 1)
-    lo = lo + _nibble_f16(W3, 2 * J) * _f16_half(H3, 0)
-    hi = hi + _nibble_f16(W3, 2 * J + 1) * _f16_half(H3, 1)
-    lo = lo + _nibble_f16(W4, 2 * J) * _f16_half(H4, 0)
-    hi = hi + _nibble_f16(W4, 2 * J + 1) * _f16_half(H4, 1)
-    lo = lo + _nibble_f16(W5, 2 * J) * _f16_half(H5, 0)
-    hi = hi + _nibble_f16(W5, 2 * J + 1) * _f16_half(H5, 1)
-    lo = lo + _nibble_f16(W6, 2 * J) * _f16_half(H6, 0)
-    hi = hi + _nibble_f16(W6, 2 * J + 1) * _f16_half(H6, 1)
-    lo = lo + _nibble_f16(W7, 2 * J) * _f16_half(H7, 0)
-    hi = hi + _nibble_f16(W7, 2 * J + 1) * _f16_half(H7, 1)
+    lo, hi = _row(lo, W1, H1, 0, J, False), _row(hi, W1, H1, 1, J, False)
+    lo, hi = _row(lo, W2, H2, 0, J, False), _row(hi, W2, H2, 1, J, False)
+    lo, hi = _row(lo, W3, H3, 0, J, False), _row(hi, W3, H3, 1, J, False)
+    lo, hi = _row(lo, W4, H4, 0, J, False), _row(hi, W4, H4, 1, J, False)
+    lo, hi = _row(lo, W5, H5, 0, J, False), _row(hi, W5, H5, 1, J, False)
+    lo, hi = _row(lo, W6, H6, 0, J, False), _row(hi, W6, H6, 1, J, False)
+    lo, hi = _row(lo, W7, H7, 0, J, False), _row(hi, W7, H7, 1, J, False)
     return lo.to(tl.float32) + hi.to(tl.float32)
 
 
