@@ -83,10 +83,22 @@ class MoEBlock:
     combine_dtype: torch.dtype  # dtype in which weighted expert outputs are summed
     glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (gate out, up out) -> h, when not act(gate) * up
     act_args: tuple[float, float] = (0.0, 0.0)  # the Triton kernels' (alpha, limit) for "gpt_oss_glu" / "silu_clamped"
-    # router, expert_input, finish and the layer's moe_input are pure functions of their tensor arguments
+    # x [T,D] -> a term of the layer's output that needs x alone (a shared expert, gated or not), added to finish's:
+    # out = finish(routed, x) + shared(x). Stages may run it before or beside the routed experts (it waits for none of
+    # them): the route stage while the host waits for the ids, the direct stage on a side stream
+    shared: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # router, expert_input, finish, shared and the layer's moe_input are pure functions of their tensor arguments
     # (no state read or written, no host sync; moe_input does not read its ctx): their one-token calls
     # may be replayed as CUDA graphs (pipeline/graphs.py FnGraphs)
     graph_safe: bool = False
+
+    def output(self, routed: torch.Tensor, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output before the residual from the routed sum [T,Dx]: finish, plus the shared term (`shared`
+        where a stage has computed it already)."""
+        out = self.finish(routed, x)
+        if self.shared is None:
+            return out
+        return out + (self.shared(x) if shared is None else shared)
 
 
 class Layer(ABC):

@@ -142,7 +142,7 @@ class DecoderResident(ResidentModel):
         return self.hf.lm_head(self.hf.model.norm(h)[0]).float()
 
 
-def swiglu_block(moe: nn.Module, layer_idx: int, moe_index: int, config, dtype: torch.dtype, finish=None) -> MoEBlock:
+def swiglu_block(moe: nn.Module, layer_idx: int, moe_index: int, config, dtype: torch.dtype, finish=None, shared=None) -> MoEBlock:
     """The MoEBlock of a SwiGLU MoE whose router is `moe.gate` returning (logits, weights, ids) and whose
     routed outputs are summed in the activation dtype, as transformers' *Experts modules do."""
     from transformers.activations import ACT2FN
@@ -152,7 +152,7 @@ def swiglu_block(moe: nn.Module, layer_idx: int, moe_index: int, config, dtype: 
         layer=layer_idx, index=moe_index, kind="swiglu", top_k=config.num_experts_per_tok,
         num_experts=_num_experts(config), router=lambda x: gate(x)[1:], expert_input=lambda x: x,
         finish=finish or (lambda routed, x: routed), act=ACT2FN[config.hidden_act], act_name=config.hidden_act,
-        combine_dtype=dtype,
+        combine_dtype=dtype, shared=shared,
     )
 
 

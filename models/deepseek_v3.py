@@ -35,8 +35,4 @@ class DeepseekV3(Architecture):
         hf = build_hf_model(self, hf_config, tensors, strip_routed(sparse), device, dtype)
         dt = hf.lm_head.weight.dtype
 
-        def block(moe, i, k):
-            shared = moe.shared_experts
-            return swiglu_block(moe, i, k, hf_config, dt, finish=lambda routed, x: routed + shared(x))
-
-        return DecoderResident(hf, sparse, block)
+        return DecoderResident(hf, sparse, lambda moe, i, k: swiglu_block(moe, i, k, hf_config, dt, shared=moe.shared_experts))

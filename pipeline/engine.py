@@ -323,7 +323,7 @@ class Engine:
                 if layer.moe is None:
                     h = graphs.run(i, layer, h, ctx) if graphs is not None else layer.forward(h, ctx)
                     continue
-                if whole is not None and (out := whole.token(layer, h)) is not None:  # the layer's step in one call
+                if whole is not None and (out := whole.token(layer, h, self._next[layer.moe.index])) is not None:  # the layer's step in one call
                     h = out
                     continue
                 view = self._decode_views.get(i) if graphs is not None else None

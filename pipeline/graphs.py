@@ -102,7 +102,7 @@ class DecodeGraphs:
 
 
 class FnGraphs:
-    """One-token calls of pure tensor functions (a MoE block's router, expert input, finish; the layer's
+    """One-token calls of pure tensor functions (a MoE block's router, expert input, finish, shared term; the layer's
     MoE input) replayed as CUDA graphs, one per (name, argument shapes and dtypes).
 
     The first call runs eagerly (the warm-up), then the function is captured on static copies of its
@@ -150,11 +150,12 @@ class FnGraphs:
         return call
 
     def block(self, block, role: str):
-        """`block` with its router, expert input and finish replayed as graphs under names of this role."""
+        """`block` with its router, expert input, finish and shared term replayed as graphs under names of this role."""
         tag = f"{role}:{block.layer}"
+        shared = block.shared and self.wrap(block.shared, f"shared/{tag}")
         return replace(block, router=self.wrap(block.router, f"router/{tag}"),
                        expert_input=self.wrap(block.expert_input, f"expert_input/{tag}"),
-                       finish=self.wrap(block.finish, f"finish/{tag}"))
+                       finish=self.wrap(block.finish, f"finish/{tag}"), shared=shared)
 
 
 def _tensors(result) -> list[torch.Tensor]:

@@ -2,25 +2,27 @@
 
 The sum runs over k = 0..K-1 of y viewed [T, K, Dx], a fixed-order reduction with no atomics, so
 the layer output is bit-identical whatever the schedule, cache size or arrival order. `finish`
-is the model's: the latent up-projection and shared expert for NemotronH, identity for Qwen3-MoE.
+is the model's: the latent up-projection for NemotronH, identity for Qwen3-MoE; then the block's shared
+term (its shared expert), which route has run already unless its `shared` knob is `late`.
 """
 
 from __future__ import annotations
 
 from sluice.stages.base import Stage, StageIO
-from sluice.stages.types import ExpertOutputs, LayerInput, LayerOutput
+from sluice.stages.types import ExpertOutputs, LayerInput, LayerOutput, Routing
 
 
 class Combine(Stage):
     name = "combine"
-    consumes = ("layer", "expert_outputs")
+    consumes = ("layer", "routing", "expert_outputs")
     produces = "output"
 
     async def run(self, io: StageIO) -> LayerOutput:
         li: LayerInput = await io.value("layer")
+        routing: Routing = await io.value("routing")
         out: ExpertOutputs = await io.value("expert_outputs")
         T, K = li.x.shape[0], li.block.top_k
         with self.rt.streams.use(self.stream):
             routed = out.y.view(T, K, -1).sum(dim=1).to(li.x.dtype)
-            h = li.residual + li.block.finish(routed, li.x).view_as(li.residual)
+            h = li.residual + li.block.output(routed, li.x, routing.shared).view_as(li.residual)
         return LayerOutput(h)

@@ -12,6 +12,14 @@ are bit-identical to the streaming schedules' (the same kernels on the same byte
 with no VRAM tier the bank is host memory, for which the re-laid down kernel declares its rows aligned, and on a
 GPU its FP4 / FP8 partial sums then add in another order (equal within fp32 rounding; tests/test_kernels.py).
 
+One-token lookahead (`token_ahead`, with a VRAM tier): each step also runs the next MoE layer's router on its input
+(on a side stream, with the shared expert: `shared`), and of those guesses, the first S whose blocks the tier lacks are
+copied from RAM into half of a staging bank of tier slots (kernels/ahead.py: ids chosen and copied on the GPU, the
+host never sees them) on a stream of their own, after the step: under the resident layers before the next MoE layer.
+That layer waits for the copies, then resolves each routed id to the tier's slot, else a staging slot holding that
+block, else its RAM slot. Blocks are bytes that never change, so a slot is read only once its copy has landed and the
+result is the same wherever a block is read from.
+
 VRAM tier (`vram`): the routed experts are counted on the GPU; every `refresh` one-token steps the
 host reads the counts (decayed by `decay` each time), and the most used blocks that the tier lacks
 are copied into its slots on the copy stream, in place of the least used. The table only points at
@@ -43,6 +51,7 @@ model's; what it is for is the performance issue's roofline term "the resident p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -50,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.errors import ConfigError, ScheduleError
+from sluice.kernels.ahead import resolve, select, stage_copy
 from sluice.log import get_logger
 from sluice.stages.base import Stage, StageIO
 from sluice.stages.compute import check_fp4_matvec, expert_backend, torch_expert, triton_experts
@@ -80,6 +90,16 @@ class DirectKnobs:
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
     # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
     # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
+    token_ahead: int = 8  # one-token steps: of the next MoE layer's guessed experts (its router on this layer's input),
+    # the first this many whose blocks VRAM lacks are copied from RAM into a staging bank of the tier's slots (two
+    # halves, by the layer's parity) on a stream of their own, under the resident layers before that layer, which
+    # then reads them there instead of over PCIe; 0: off (blocks outside VRAM read in place)
+    shared: str = "side"  # the block's shared term (its shared expert): side (one-token steps run it on a stream of its
+    # own beside the router and routed experts; prompts before their wait for the ids) | late (after the routed sum)
+
+    def __post_init__(self):
+        if self.shared not in ("side", "late"):
+            raise ScheduleError(f"stage 'direct': 'shared' must be side or late, got {self.shared!r}")
 
 
 class Direct(Stage):
@@ -126,13 +146,21 @@ class Direct(Stage):
         self.in_vram = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # 1 where the table points at VRAM
         self.uses = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
         self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
+        self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
+        self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
         self.token_blocks = 0  # one-token steps' routed blocks (host count)
-        self._seen = (0, 0)  # (vram_served, token_blocks) already added to the I/O counters
+        self._seen = (0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks) already added to the I/O counters
         self._score = torch.zeros(len(self.layers), E, dtype=torch.float64)
         self._last_uses = torch.zeros(len(self.layers), E, dtype=torch.int64)
         self._slot_of: dict[tuple[int, int], int] = {}  # VRAM tier: (MoE index, expert) -> slot
         self._ahead_bank = self._bank_slots()  # prompts' lookahead: [2][prompt_ahead] tier slots, by the layer's parity
+        self._stage0 = self._staging_slots()  # one-token lookahead: the first of 2 x S staging slots (S = self._S)
         self._free = self._tier_slots()
+        S = self._S
+        self._guess_ids = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # by the guessed layer's parity: global ids
+        self._guess_src = torch.zeros(2, S, dtype=torch.int64, device=dev)  # ... and their RAM offsets
+        self._held = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # what each staging half holds (copies landed)
+        self._copied: list = [None, None]  # per half: the event after its copies, for the compute stream to wait on
         self._ahead: tuple | None = None  # (MoE index, {expert: offset}, copy event, [(i, e, slot)] tier slots it filled)
         self._ahead_read: list = [None, None]  # per bank half: the event after the compute that last read it
         self._bank_lent = False  # between prompts the bank's slots serve the tier too (`_lend_bank`, `_reclaim_bank`)
@@ -145,6 +173,11 @@ class Direct(Stage):
 
             self._graphs = FnGraphs()
         self._steppers = {}
+        # one-token steps: the stream of the shared term and the next layer's guess, forked from the stage's and joined
+        # before the layer's output; and the staging copies' stream
+        cuda = dev.type == "cuda"
+        self._side = torch.cuda.Stream(dev) if cuda and (knobs.shared == "side" or S) else None
+        self._ahead_stream = torch.cuda.Stream(dev) if cuda and S else None
         self._staging: torch.Tensor | None = None  # prompts: 2 x prompt_group block slots in VRAM
         self._staged: list = [None, None]  # per staging half: the event after the compute that last read it
         rt.stats.sources.append(self._flush_counts)
@@ -184,7 +217,7 @@ class Direct(Stage):
         i = self.index[block.layer]
         token = T == 1 and self.backend == "triton"
         if token and not self.stream_ram:
-            return LayerOutput(self._token(block, None, li.x, li.residual))
+            return LayerOutput(self._token(block, li.next_block, None, li.x, li.residual))
         if token and i == 0:  # stream_ram: a one-token step takes the prompts' path
             self._between_tokens()
         if self._landing is not None:  # a prompt reads the slots the host believes in: wait for their copies
@@ -202,6 +235,10 @@ class Direct(Stage):
             self.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
             both = torch.cat((ids, li.next_block.router(li.x)[1].to(ids.dtype)), dim=1) if ahead else ids
         host, arrived = self.rt.streams.to_host(self.stream, both)
+        shared = None
+        if block.shared is not None and self.knobs.shared == "side":  # the GPU runs it while the host waits for the ids
+            with self.rt.streams.use(self.stream):
+                shared = block.shared(li.x)
         await self.rt.streams.arrived(arrived)
         ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
         flat = ids_cpu.flatten().long()
@@ -210,11 +247,11 @@ class Direct(Stage):
             if self.stream_ram:
                 need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self._slot_of]
                 await self._ensure_ram(block.layer, i, need)
-            return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess)
+            return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared)
         finally:
             self._release_ram()  # also after a failed read: the engine's recovery then drops every RAM block
 
-    def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess) -> LayerOutput:
+    def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared) -> LayerOutput:
         with self.rt.streams.use(self.stream):
             y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
             w = weights.reshape(-1)
@@ -229,7 +266,7 @@ class Direct(Stage):
                     self.rt.stats.tier("vram" if (i, e) in self._slot_of else "disk" if e in self._disk else "ram")
                 self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
             routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
-            h = li.residual + block.finish(routed, li.x).view_as(li.residual)
+            h = li.residual + block.output(routed, li.x, shared).view_as(li.residual)
         return LayerOutput(h)
 
     async def _ensure_ram(self, layer: int, i: int, experts: list[int]) -> None:
@@ -410,7 +447,7 @@ class Direct(Stage):
         self.rt.streams.wait(self.stream, landed)
         self._point(filled, vram=True)
 
-    def token(self, layer, h: torch.Tensor) -> torch.Tensor | None:
+    def token(self, layer, h: torch.Tensor, next_block=None) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole, from its input h [1, 1, D] (the norm before the experts included,
         so one graph replay is the layer's whole host cost); None where this stage cannot (the torch backend, a
         MoE input that is not a pure function)."""
@@ -418,41 +455,70 @@ class Direct(Stage):
         if self.backend != "triton" or not block.graph_safe or self.stream_ram:
             return None
         with self.rt.tracer.span(self.name, layer=block.layer, stream=self.stream):
-            return self._token(block, layer, h)
+            return self._token(block, next_block, layer, h)
 
-    def _token(self, block, layer, *args) -> torch.Tensor:
-        if self.index[block.layer] == 0:
+    def _token(self, block, next_block, layer, *args) -> torch.Tensor:
+        i = self.index[block.layer]
+        if i == 0:
             self._between_tokens()
+        for h in (i % 2, (i + 1) % 2):  # the staging half this layer reads; the one its guesses go to (copies left unread)
+            copied, self._copied[h] = self._copied[h], None
+            self.rt.streams.wait(self.stream, copied)
         with self.rt.streams.use(self.stream):
-            h = self._stepper(block, layer)(*args)
+            h = self._stepper(block, next_block, layer)(*args)
+        if self._S and next_block is not None:
+            self._stage(i + 1)
         if self.knobs.routed:
             self.token_blocks += block.top_k
             self._kernel(block).count_groups(block.top_k)
         return h
 
-    def _stepper(self, block, layer=None):
+    def _stepper(self, block, next_block, layer=None):
         """The one-token step of `block`'s layer: h [1, 1, D] -> h with `layer` (its MoE input included), else
         (x [1, D], residual) -> h; replayed as a CUDA graph with `graphs`."""
         fn = self._steppers.get((block.layer, layer is None))
         if fn is None:
-            kern, i, K = self._kernel(block), self.index[block.layer], block.top_k
-            ones = torch.ones(K, dtype=torch.int64, device=self.rt.device)
-            zero_skip, base, skip = self.knobs.zero_skip, self.base, not self.knobs.routed
+            kern, i, K, E = self._kernel(block), self.index[block.layer], block.top_k, self.rt.store.manifest.num_experts
+            zero_skip, base, skip, bb = self.knobs.zero_skip, self.base, not self.knobs.routed, self.rt.store.block_bytes
             # with a VRAM tier the bank is VRAM and the blocks outside it are read from pinned RAM over PCIe
             host = True if self.knobs.host_hint and self.vram is not None else None
+            j = i + 1  # the next MoE layer (next_block), whose guesses this step makes when the staging bank is on
+            nxt = next_block if self._S else None
+            shared = block.shared if self.knobs.shared == "side" else None
+            side = self._side if shared is not None or nxt is not None else None
+            stage0 = (self._stage0 + (i % 2) * self._S) * bb
+
+            def routed_sum(x, weights, ids, xe):
+                if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width
+                    return torch.zeros_like(xe)
+                offs = resolve(ids[0], self.table[i], self.in_vram[i], self._held[i % 2], stage0, bb, i * E,
+                               torch.empty(K, dtype=torch.int64, device=x.device), self.uses[i], self.vram_served,
+                               self.staged_served)
+                y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip, host)  # [K, Dx], row k
+                return y.view(1, K, -1).sum(dim=1).to(x.dtype)
+
+            def beside(x):
+                """The next layer's guesses that VRAM lacks, then the shared term (None without)."""
+                if nxt is not None:
+                    select(nxt.router(x)[1][0], self.in_vram[j], self.table[j], j * E, self._guess_ids[j % 2],
+                           self._guess_src[j % 2], self.staged_copies)
+                return shared(x) if shared is not None else None
 
             def experts(x, residual):
+                if side is None:  # a CPU: in line
+                    s = beside(x)
+                    weights, ids = block.router(x)
+                    return residual + block.output(routed_sum(x, weights, ids, block.expert_input(x)), x, s).view_as(residual)
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)  # beside the router and the routed experts
+                with torch.cuda.stream(side):
+                    s = beside(x)
                 weights, ids = block.router(x)
-                xe = block.expert_input(x)
-                if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width
-                    return residual + block.finish(torch.zeros_like(xe), x).view_as(residual)
-                idx = ids[0]
-                offs = self.table[i].index_select(0, idx)
-                self.uses[i].index_add_(0, idx, ones)
-                self.vram_served.add_(self.in_vram[i].index_select(0, idx).sum())
-                y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip, host)  # [K, Dx], row k
-                routed = y.view(1, K, -1).sum(dim=1).to(x.dtype)
-                return residual + block.finish(routed, x).view_as(residual)
+                routed = routed_sum(x, weights, ids, block.expert_input(x))
+                main.wait_stream(side)
+                if s is not None and not torch.cuda.is_current_stream_capturing():  # eager: not reused before main reads it
+                    s.record_stream(main)
+                return residual + block.output(routed, x, s).view_as(residual)
 
             step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
             name = f"direct{'' if layer is None else '+input'}:{block.layer}"
@@ -461,6 +527,20 @@ class Direct(Stage):
             graphed = self._graphs is not None and block.graph_safe
             fn = self._steppers[(block.layer, layer is None)] = self._graphs.wrap(step, name) if graphed else step
         return fn
+
+    def _stage(self, j: int) -> None:
+        """Copy MoE layer j's guessed blocks (chosen by the step just queued) into staging half j % 2, on the
+        staging stream after that step; layer j's step waits for them (`_token`)."""
+        h, bb = j % 2, self.rt.store.block_bytes
+        stream = self._ahead_stream
+        if stream is not None:
+            stream.wait_event(self.rt.streams.record(self.stream))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            stage_copy(self.base, self._guess_ids[h], self._guess_src[h], (self._stage0 + h * self._S) * bb, bb)
+            self._held[h].copy_(self._guess_ids[h])
+        if stream is not None:
+            self._copied[h] = torch.cuda.Event()
+            self._copied[h].record(stream)
 
     def _kernel(self, block):
         return triton_experts(self._kernels, self.rt, block, False, self.knobs.fp4_matvec)  # the whole layer is one graph here
@@ -508,6 +588,14 @@ class Direct(Stage):
         self._ahead_read = [self.rt.streams.record(self.stream)] * 2
         self._bank_lent = False
 
+    def _staging_slots(self) -> int:
+        """The one-token staging bank (`token_ahead`): 2 x S tier slots before the prompts' bank, at most a quarter of
+        the rest of the tier. Sets S; returns the first slot."""
+        rest = self.vram.capacity - 2 * len(self._ahead_bank[0]) if self.vram is not None else 0
+        on = self.backend == "triton" and self.knobs.routed and not self.stream_ram
+        self._S = min(self.knobs.token_ahead, rest // 8) if on else 0
+        return rest - 2 * self._S
+
     def _bank_slots(self) -> list[list[int]]:
         """The lookahead bank (`prompt_ahead`): two halves of the tier's last slots, at most half the tier."""
         if self.vram is None or self.backend != "triton" or not self.knobs.routed:
@@ -517,9 +605,8 @@ class Direct(Stage):
         return [list(range(cap - 2 * a, cap - a)), list(range(cap - a, cap))]
 
     def _tier_slots(self) -> list[int]:
-        """The VRAM tier's slots but the lookahead bank's, the lowest popped first."""
-        n = self.vram.capacity - 2 * len(self._ahead_bank[0]) if self.vram is not None else 0
-        return list(range(n - 1, -1, -1))
+        """The VRAM tier's slots but the lookahead and staging banks', the lowest popped first."""
+        return list(range(self._stage0 - 1, -1, -1)) if self.vram is not None else []
 
     def _between_tokens(self) -> None:
         """At a one-token step's first MoE layer: switch the table to blocks whose copies have landed, and every
@@ -599,8 +686,11 @@ class Direct(Stage):
 
     def _flush_counts(self) -> None:
         """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""
-        served, blocks = int(self.vram_served), self.token_blocks
-        dv, db = served - self._seen[0], blocks - self._seen[1]
-        self.rt.stats.blocks["vram"] += dv
-        self.rt.stats.blocks["ram"] += db - dv
-        self._seen = (served, blocks)
+        now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks)
+        dv, ds, dc, db = (a - b for a, b in zip(now, self._seen))
+        stats = self.rt.stats
+        stats.blocks["vram"] += dv + ds  # a staged block is read from VRAM; its copy is counted as a guess copied ahead
+        stats.blocks["ram"] += db - dv - ds
+        stats.vram_prefetches += dc
+        stats.vram_prefetch_hits += ds
+        self._seen = now

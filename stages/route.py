@@ -2,22 +2,38 @@
 
 Also computes the expert input (the latent projection for latent MoE) and, from the ids, which
 flat (token, k) positions each distinct expert serves, so compute can gather and scatter rows.
+
+`shared: early` (the default) enqueues the block's shared term (its shared expert, MoEBlock.shared) right after
+the ids' copy to the host: the GPU runs it while the host waits for the ids and then for the layer's copies,
+instead of after the routed experts, where `late` leaves it (combine runs it). The same kernels either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
+from sluice.errors import ScheduleError
 from sluice.stages.base import Stage, StageIO
 from sluice.stages.types import LayerInput, Routing
+
+
+@dataclass(frozen=True)
+class RouteKnobs:
+    shared: str = "early"  # when the shared term runs: early (after the ids leave for the host) | late (in combine)
+
+    def __post_init__(self):
+        if self.shared not in ("early", "late"):
+            raise ScheduleError(f"stage 'route': 'shared' must be early or late, got {self.shared!r}")
 
 
 class Route(Stage):
     name = "route"
     consumes = ("layer",)
     produces = "routing"
+    Knobs = RouteKnobs
 
     async def run(self, io: StageIO) -> Routing:
         li: LayerInput = await io.value("layer")
@@ -27,11 +43,15 @@ class Route(Stage):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
         ids_cpu, arrived = streams.to_host(self.stream, ids)
+        shared = None
+        if block.shared is not None and self.knobs.shared == "early":
+            with streams.use(self.stream):
+                shared = block.shared(li.x)
         await streams.arrived(arrived)  # the layer's wait for the GPU; predict's transfer shares it
         ids_cpu = ids_cpu.long()
         experts, rows = group_by_expert(ids_cpu, li.x.device)
         predicted = self.rt.stats.observe_routing(block.layer, experts)
-        return Routing(weights, ids_cpu, xe, experts, rows, predicted)
+        return Routing(weights, ids_cpu, xe, experts, rows, predicted, shared)
 
 
 class OneTokenRows(Mapping):

@@ -39,6 +39,7 @@ class Routing:
     rows: Mapping[int, torch.Tensor]  # expert -> flat (token * K + k) positions it serves, int64, device (route.OneTokenRows
     # in a one-token step: host ints, device tensors on demand)
     predicted: tuple[int, ...] | None  # the guesses the predict stage made for this layer, if any
+    shared: torch.Tensor | None = None  # [T, D] the block's shared term (MoEBlock.shared), compute stream, where route ran it
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,74 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     assert (wrong - direct).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stores, refs, tmp_path, monkeypatch):
+    """`token_ahead`: each one-token step guesses the next MoE layer's experts, and those VRAM lacks are copied from
+    RAM into a staging bank (kernels/ahead.py), from which that layer reads them. The tier stays empty here (no
+    refresh, no prompt fill), so every block comes from RAM or staging. Logits are those of the same schedule
+    without staging bit for bit, and greedy tokens the reference's; staging filled with the wrong blocks diverges."""
+    import sluice.stages.direct as direct_mod
+
+    ref_tokens = refs.greedy(variant, PROMPT, 8)
+    knobs = dict(backend="triton", refresh=1000, prompt_fill=False, prompt_ahead=0)
+    off, on = direct_schedule(tmp_path, "off", token_ahead=0, **knobs), direct_schedule(tmp_path, "on", token_ahead=3, **knobs)
+    with sluice.load(stores[variant], device=DEVICE, schedule=off, vram_slots=24) as engine:
+        plain = greedy_logits(engine, PROMPT, 8)
+    with sluice.load(stores[variant], device=DEVICE, schedule=on, vram_slots=24) as engine:
+        staged = greedy_logits(engine, PROMPT, 8)
+        io = engine.rt.stats.snapshot()
+        assert engine.coordinator.stages[0][1]._S == 3
+    assert [int(t) for t in staged.argmax(-1)] == ref_tokens
+    assert torch.equal(staged, plain)
+    # 7 one-token steps, each guessing for every MoE layer after its first: some right, all counted as copied
+    assert 0 < io["vram_prefetch_hits"] <= io["vram_prefetches"] and io["vram_fills"] == 0
+    assert io["blocks"]["vram"] == io["vram_prefetch_hits"]
+
+    real = direct_mod.stage_copy
+    monkeypatch.setattr(direct_mod, "stage_copy", lambda bank, ids, src, dst0, bb: real(bank, ids, src.roll(1), dst0, bb))
+    with sluice.load(stores[variant], device=DEVICE, schedule=on, vram_slots=24) as engine:
+        wrong = greedy_logits(engine, PROMPT, 8)
+    assert (wrong - plain).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_next"])
+def test_shared_term_runs_early_or_late_with_the_same_logits(variant, stores, refs, tmp_path):
+    """The shared expert (MoEBlock.shared) run early (route: while the host waits for the ids; direct: on a side stream
+    of its own in one-token steps, graphs included on a GPU) or late (after the routed sum): the same logits bit for
+    bit, and the reference's greedy tokens. Leaving the shared term out changes them."""
+    import yaml
+
+    backend = "triton" if DEVICE == "cuda" else "torch"  # on a CPU the one-token side stream does not exist
+    ref_tokens = refs.greedy(variant, PROMPT, 8)
+
+    def overlap(shared):
+        doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+        doc["stages"]["route"] = {"shared": shared}
+        doc["stages"]["compute"] = {"backend": backend}
+        path = tmp_path / f"overlap-{shared}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return str(path)
+
+    runs = {}
+    for name, schedule in [("route early", overlap("early")), ("route late", overlap("late")),
+                           ("direct side", direct_schedule(tmp_path, "side", backend=backend, shared="side")),
+                           ("direct late", direct_schedule(tmp_path, "late", backend=backend, shared="late"))]:
+        with sluice.load(stores[variant], device=DEVICE, schedule=schedule, vram_slots=6) as engine:
+            assert all(l.moe.shared is not None for l in engine.model.layers if l.moe is not None)
+            runs[name] = greedy_logits(engine, PROMPT, 8)
+            if name == "direct late":
+                for layer in engine.model.layers:
+                    if layer.moe is not None:
+                        object.__setattr__(layer.moe, "shared", torch.zeros_like)  # a frozen dataclass: a fault injected
+                engine.coordinator.stages[0][1]._steppers.clear()
+                without = greedy_logits(engine, PROMPT, 8)
+    first = runs["route early"]
+    assert [int(t) for t in first.argmax(-1)] == ref_tokens
+    for name, logits in runs.items():
+        assert torch.equal(logits, first), f"{variant}: {name} differs from route early"
+    assert (without - first).abs().max().item() > 1e-3
+
+
 def test_prompt_fills_free_vram_slots(stores, tmp_path):
     """A prompt copies its RAM blocks into the VRAM tier's free slots (as many as are free) instead of the staging
     bank, and they stay: the next prompt reads them from VRAM. The logits are those of prompts through the staging

@@ -52,6 +52,8 @@ def test_serial_waits_and_overlap_streams():
         (with_stage("h2d", {"cpu_share": 1.5}), "'cpu_share' must be between 0 and 1, got 1.5"),
         (with_stage("h2d", {"cpu_prefill": -2}), "'cpu_prefill' must be -1 \\(where cheaper\\), 0 \\(never\\) or a token count"),
         (with_stage("compute", {"cpu_threads": -1}), "stage 'compute': 'cpu_threads' must be >= 0, got -1"),
+        (with_stage("route", {"shared": "never"}), "stage 'route': 'shared' must be early or late, got 'never'"),
+        ({"name": "t", "stages": {"direct": {"shared": "early"}}}, "stage 'direct': 'shared' must be side or late, got 'early'"),
         (with_stage("compute", {"after": ["shuffle"]}), "runs after 'shuffle', which is not in the schedule"),
         (with_stage("route", {"after": ["combine"]}), "cycle in the stage graph: route -> combine -> .* -> route"),
         (with_stage("combine", {"after": ["fetch"]}), "streaming stage whose output it does not consume"),
