@@ -14,6 +14,7 @@ same run (the time a perfect pipeline would need for the expert I/O alone).
 
 from __future__ import annotations
 
+from pathlib import Path
 import time
 
 import torch
@@ -225,7 +226,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
         rates.append(f"pinned host-to-device {min(h2d):.1f}-{max(h2d):.1f} GB/s")
     cpu = [(n, r["cpu_gbps"]) for n, r in results if r.get("cpu_gbps")]
     rates += [f"{n}: CPU experts {g:.2f} GB/s" for n, g in cpu]
-    lines.append(f"prefill tok/s: a prompt on an empty VRAM tier / the next prompt (other ids) on the tier it left")
+    lines.append("prefill tok/s: a prompt on an empty VRAM tier / the next prompt (other ids) on the tier it left")
     lines.append(f"measured in this run: {', '.join(rates)}; block {block_bytes:,} bytes")
     return "\n".join(lines)
 
@@ -322,7 +323,7 @@ def available_gib() -> int:
     return max(1, available_ram() // 2**30 - 4)
 
 
-def radio_h_checkpoint() -> "Path":
+def radio_h_checkpoint() -> Path:
     """A vision-language checkpoint with a real-shaped image encoder (transformers' default RADIO-H tower:
     1280 wide, 32 layers; projector 4096) in front of a tiny NemotronH LM, random weights, made once under
     SLUICE_HOME: what `sluice bench images` times when no model is given."""
