@@ -14,8 +14,8 @@ same run (the time a perfect pipeline would need for the expert I/O alone).
 
 from __future__ import annotations
 
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 
