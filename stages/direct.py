@@ -37,10 +37,15 @@ Needs every block in RAM (`--ram-cache` at least the store's expert bytes) and k
 GPU, so it does not record routing traces; the trace shows one `direct` span per MoE layer.
 
 `hold: false` (schedules/direct-stream.yaml) is for stores larger than RAM: the RAM tier is an LRU cache of at least
-one layer's experts, and every step, one-token steps too, takes the prompts' path: the routed ids come to the host,
-the blocks a layer routes to that neither VRAM nor RAM holds are read from disk (demand reads, no guesses), and the
-layer's blocks stay pinned in RAM until its kernels and copies are queued (their slots then wait for that GPU work
-before a new block is read in). The VRAM tier's refreshes and a prompt's copies ahead take only blocks in RAM.
+one layer's experts, and every step brings the routed ids to the host (one wait per MoE layer); the blocks a layer
+routes to that neither VRAM nor RAM holds are read from disk (demand reads), and the layer's blocks stay pinned in
+RAM until its kernels and copies are queued (their slots then wait for that GPU work before a new block is read in).
+Prompts then take the prompts' path. A one-token step of a block with pure functions (`graph_safe`) brings the next
+MoE layer's guesses (its router on this input) with its ids, reads those neither tier holds as guesses (`prefetch`:
+on the reader's guess queue, behind every demand read), points the table at its own blocks' RAM slots and runs the
+step `hold: true` runs (its router again, on the GPU; no staging lookahead: a guess's block may not be in RAM); other
+blocks' one-token steps take the prompts' path. The VRAM tier's refreshes and a prompt's copies ahead take only
+blocks in RAM.
 
 `routed: false` skips the routed experts (their kernels, and loading their blocks at open): each MoE layer still
 routes and runs its shared expert and its own projections, with a zero routed sum. The outputs are not the
@@ -87,6 +92,8 @@ class DirectKnobs:
     fp4_matvec: str = "auto"  # one-token NVFP4 / FP8 formulation: f16x2 | words | auto (stages/compute.py fp4_formulation)
     routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
     hold: bool = True  # every block read into pinned RAM at open and held; false: RAM is an LRU cache filled from disk
+    prefetch: bool = True  # hold: false: one-token steps also read the next MoE layer's guessed blocks (its router on
+    # this layer's input) that neither tier holds from disk, as guesses (only while no demand read is queued or running)
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
     # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
     # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
@@ -149,7 +156,8 @@ class Direct(Stage):
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
         self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
         self.token_blocks = 0  # one-token steps' routed blocks (host count)
-        self._seen = (0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks) already added to the I/O counters
+        self.token_disk = 0  # ... read from disk (stream_ram)
+        self._seen = (0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk) already counted
         self._score = torch.zeros(len(self.layers), E, dtype=torch.float64)
         self._last_uses = torch.zeros(len(self.layers), E, dtype=torch.int64)
         self._slot_of: dict[tuple[int, int], int] = {}  # VRAM tier: (MoE index, expert) -> slot
@@ -173,6 +181,7 @@ class Direct(Stage):
 
             self._graphs = FnGraphs()
         self._steppers = {}
+        self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
         # one-token steps: the stream of the shared term and the next layer's guess, forked from the stage's and joined
         # before the layer's output; and the staging copies' stream
         cuda = dev.type == "cuda"
@@ -218,8 +227,10 @@ class Direct(Stage):
         token = T == 1 and self.backend == "triton"
         if token and not self.stream_ram:
             return LayerOutput(self._token(block, li.next_block, None, li.x, li.residual))
-        if token and i == 0:  # stream_ram: a one-token step takes the prompts' path
+        if token and i == 0:
             self._between_tokens()
+        if token and block.graph_safe:  # stream_ram: the routed ids to the host, misses read, then the same step
+            return LayerOutput(await self._token_streamed(li, i))
         if self._landing is not None:  # a prompt reads the slots the host believes in: wait for their copies
             self.rt.streams.wait(self.stream, self._landing[0])
             self._point(self._landing[1], vram=True)
@@ -269,11 +280,13 @@ class Direct(Stage):
             h = li.residual + block.output(routed, li.x, shared).view_as(li.residual)
         return LayerOutput(h)
 
-    async def _ensure_ram(self, layer: int, i: int, experts: list[int]) -> None:
+    async def _ensure_ram(self, layer: int, i: int, experts: list[int], guesses: tuple[int, list[int]] | None = None) -> None:
         """stream_ram: the blocks of `experts` in RAM, pinned for this layer's step: cache hits, else demand reads from
-        disk (awaited; a failed read raises, naming layer and expert). Their RAM offsets are noted for the step."""
+        disk (awaited; a failed read raises, naming layer and expert), a guess still queued read at once. Their RAM
+        offsets are noted for the step. `guesses` (MoE layer, experts): read from disk as guesses, after the demands."""
         rt, pending = self.rt, []
         self._disk = set()
+        rt.cancel_guesses(layer, keep=set(experts))  # this layer's guesses still queued that it did not route to
         for e in experts:
             key = (layer, e)
             entry = rt.ram.lookup(key)
@@ -285,15 +298,40 @@ class Direct(Stage):
                 self._disk.add(e)
             else:
                 rt.ram.pin(entry)
+                if entry.loading and entry.prefetched and rt.reader.promote(entry.job):  # a guess not started: a demand
+                    self._disk.add(e)
+                    rt.stats.prefetch_reads -= 1  # counted once, as a disk block
+                elif entry.prefetched:
+                    rt.stats.prefetch_hits += 1  # a guess read (or being read) that this layer routed to
+                entry.prefetched = False
             self._pinned.append(entry)
             if entry.loading:
                 pending.append(entry.ready)
             self.ram_entries[key] = entry
             self._ram_off[i][e] = entry.buf.data_ptr() - self.base.data_ptr()
+        if guesses is not None:
+            self._read_guesses(*guesses)
         if pending:
             t = time.perf_counter()
             await asyncio.gather(*pending)
             rt.stats.stall_s += time.perf_counter() - t
+
+    def _read_guesses(self, layer: int, experts: list[int]) -> None:
+        """The blocks of `experts` (MoE layer `layer`'s guesses) that neither tier holds, read into RAM as guesses: the
+        reader takes them only while no demand read is queued or running."""
+        rt = self.rt
+        for e in experts:
+            key = (layer, e)
+            if key in rt.ram or (self.index[layer], e) in self._slot_of:
+                continue
+            entry = rt.ram.try_reserve(key, use=False)
+            if entry is None:
+                return
+            entry.prefetched = True
+            entry.ready = rt.read(layer, e, entry, guess=True)
+            entry.ready.add_done_callback(lambda f, en=entry: rt.settle_prefetch(en, f))
+            rt.guessed.setdefault(layer, []).append(entry)
+            rt.stats.prefetch_reads += 1
 
     def _release_ram(self) -> None:
         """stream_ram: unpin the step's RAM blocks; their slots wait for the GPU work queued so far before reuse."""
@@ -457,9 +495,43 @@ class Direct(Stage):
         with self.rt.tracer.span(self.name, layer=block.layer, stream=self.stream):
             return self._token(block, next_block, layer, h)
 
-    def _token(self, block, next_block, layer, *args) -> torch.Tensor:
+    async def _token_streamed(self, li: LayerInput, i: int) -> torch.Tensor:
+        """stream_ram, a one-token step: the router's ids come to the host (the one wait), the routed blocks the VRAM
+        tier does not serve are brought into RAM (demand reads from disk for the misses) and pinned, their table entries
+        pointed at their RAM slots; then the layer's step runs as `direct`'s does (its router again, on the GPU)."""
+        block, nxt = li.block, li.next_block if self.knobs.prefetch else None
+        with self.rt.streams.use(self.stream):
+            ids = self._router(block)(li.x)[1]
+            both = torch.cat((ids, self._router(nxt)(li.x)[1].to(ids.dtype)), dim=1) if nxt is not None else ids
+        host, arrived = self.rt.streams.to_host(self.stream, both)
+        await self.rt.streams.arrived(arrived)
+        routed, guessed = host[0, : block.top_k].tolist(), host[0, block.top_k:].tolist()
+        landing = {(m[0], m[1]) for m in self._landing[1]} if self._landing is not None else set()
+        # blocks the table does not point at in VRAM: not in the tier, or their copy into it not yet landed
+        need = sorted({e for e in routed if (i, e) not in self._slot_of or (i, e) in landing})
+        try:
+            await self._ensure_ram(block.layer, i, need, (nxt.layer, guessed) if nxt is not None else None)
+            self.token_disk += len(self._disk)
+            if need:
+                e = torch.tensor(need)
+                off = torch.tensor([self._ram_off[i][x] for x in need], dtype=torch.int64)
+                with self.rt.streams.use(self.stream):
+                    self.table[i].index_put_((e.to(self.table.device),), off.to(self.table.device))
+            return self._token(block, li.next_block, None, li.x, li.residual, between=False)
+        finally:
+            self._release_ram()
+
+    def _router(self, block):
+        """`block`'s router, replayed as a CUDA graph where graphs are on (stream_ram's ids for the host)."""
+        router = self._routers.get(block.layer)
+        if router is None:
+            router = self._routers[block.layer] = \
+                self._graphs.wrap(block.router, f"router:{block.layer}") if self._graphs is not None else block.router
+        return router
+
+    def _token(self, block, next_block, layer, *args, between: bool = True) -> torch.Tensor:
         i = self.index[block.layer]
-        if i == 0:
+        if i == 0 and between:
             self._between_tokens()
         for h in (i % 2, (i + 1) % 2):  # the staging half this layer reads; the one its guesses go to (copies left unread)
             copied, self._copied[h] = self._copied[h], None
@@ -686,11 +758,12 @@ class Direct(Stage):
 
     def _flush_counts(self) -> None:
         """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""
-        now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks)
-        dv, ds, dc, db = (a - b for a, b in zip(now, self._seen))
+        now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks, self.token_disk)
+        dv, ds, dc, db, dd = (a - b for a, b in zip(now, self._seen))
         stats = self.rt.stats
         stats.blocks["vram"] += dv + ds  # a staged block is read from VRAM; its copy is counted as a guess copied ahead
-        stats.blocks["ram"] += db - dv - ds
+        stats.blocks["disk"] += dd
+        stats.blocks["ram"] += db - dv - ds - dd
         stats.vram_prefetches += dc
         stats.vram_prefetch_hits += ds
         self._seen = now

@@ -328,8 +328,9 @@ def test_resident_alone_skips_only_the_routed_experts(variant, backend, stores, 
     pytest.param("qwen3_moe", "triton", 6, marks=pytest.mark.slow), pytest.param("nemotron_h_latent", "triton", 0, marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "auto", 0, marks=pytest.mark.slow)])
 def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backend, vram_slots, stores, tmp_path):
-    """`hold: false`: a RAM cache of one layer's experts and two more, blocks read from disk as layers route to them,
-    every step through the prompts' path (the VRAM tier refreshed every 2 steps where there is one). The logits are
+    """`hold: false`: a RAM cache of one layer's experts and two more, blocks read from disk as layers route to them:
+    prompts through the prompts' path, one-token steps (Triton) through direct's step once their ids have come to the
+    host and their misses have been read (the VRAM tier refreshed every 2 steps where there is one). The logits are
     direct's bit for bit (the same kernels on the same bytes, the same sum); blocks come from disk, and nothing stays
     pinned. Less RAM than one layer's experts is refused."""
     from sluice.errors import ConfigError
@@ -345,6 +346,10 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
     with sluice.load(stores[variant], device=DEVICE, schedule=streamed, ram_cache=(E + 2) * bb, **kw) as engine:
         got = greedy_logits(engine, PROMPT, 10)
         io = engine.rt.stats.snapshot()
+        stage = engine.coordinator.stages[0][1]
+        # one-token steps of pure MoE functions (Triton) read blocks from disk themselves; others take the prompts' path
+        own = stage.backend == "triton" and engine.model.moe_blocks[0].graph_safe
+        assert (stage.token_disk > 0) == own and (io["prefetch_reads"] > 0) == own  # ... and the next layer's guesses
         assert engine.rt.ram.capacity == E + 2 < store.total_blocks
         assert all(e.pins == 0 and not e.loading for e in engine.rt.ram.entries())
     assert torch.equal(got, want)

@@ -313,6 +313,13 @@ def test_resident_roofline_adds_the_resident_part_to_the_pcie_time():
     line = resident_roofline(cold, 2.24, "alone")
     assert abs(cold["disk_plus_resident_alone_ms_per_token"] - 7.80) < 1e-9
     assert "= 7.80 ms/token; median step 1.14 x, mean step 2.62 x" in line
+    assert "never" not in line  # no guess went unused
+    # guesses that no step used, copied (PCIe) or read (disk), leave the stricter roofline: 7.80 - 0.3 - 1.5 = 6.00
+    strict = {**cold, "unread_guesses_ms_per_token": 0.3, "unread_guess_reads_ms_per_token": 1.5}
+    line = resident_roofline(strict, 2.24, "alone")
+    assert "never read (0.30 ms): 2.96 ms/token, 3.00 x" in line
+    assert "never used (1.80 ms): 6.00 ms/token; median step 1.48 x, mean step 3.41 x" in line
+    assert abs(strict["used_disk_plus_resident_alone_ms_per_token"] - 6.0) < 1e-9
 
 
 def test_predict_depth_guesses_later_layers_without_changing_logits(stores, tmp_path, monkeypatch):
