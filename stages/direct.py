@@ -20,12 +20,8 @@ That layer waits for the copies, then resolves each routed id to the tier's slot
 block, else its RAM slot. Blocks are bytes that never change, so a slot is read only once its copy has landed and the
 result is the same wherever a block is read from.
 
-VRAM tier (`vram`): the routed experts are counted on the GPU; every `refresh` one-token steps the
-host reads the counts (decayed by `decay` each time), and the most used blocks that the tier lacks
-are copied into its slots on the copy stream, in place of the least used. The table only points at
-a slot in stream order: a leaving block's entry goes back to its RAM slot before the slot is
-overwritten, and a new block's entry switches to the slot once its copy has landed (checked at each
-step, so compute never waits for the copies).
+VRAM tier (`vram`): the most routed blocks are kept in VRAM slots, chosen anew every `refresh` one-token steps from
+use counts made on the GPU (stages/direct_tier.py, which also keeps the device table).
 
 Prompts (T > 1): the ids come to the host (one wait per layer); the grouped GEMM reads the blocks in VRAM
 from their slots, and the rest after the copy stream has brought them, `prompt_group` at a time, into a
@@ -68,6 +64,7 @@ from sluice.kernels.ahead import resolve, select, stage_copy
 from sluice.log import get_logger
 from sluice.stages.base import Stage, StageIO
 from sluice.stages.compute import check_fp4_matvec, expert_backend, torch_expert, triton_experts
+from sluice.stages.direct_tier import Tier
 from sluice.stages.route import group_by_expert
 from sluice.stages.types import LayerInput, LayerOutput
 
@@ -144,36 +141,25 @@ class Direct(Stage):
         self.ram_entries = self._load_all() if knobs.routed and knobs.hold else {}
         self._disk: set[int] = set()  # stream_ram: the current layer's experts read from disk
         self._pinned: list = []  # stream_ram: the RAM entries the current layer pinned
-        self.vram = rt.vram if knobs.vram and knobs.routed and rt.vram is not None and rt.vram.capacity else None
-        base = (self.vram.arena if self.vram is not None else rt.ram.arena).data
-        self.base = base
+        vram = rt.vram if knobs.vram and knobs.routed and rt.vram is not None and rt.vram.capacity else None
+        base = self.base = (vram.arena if vram is not None else rt.ram.arena).data
         self._ram_off = [[self.ram_entries[(layer, e)].buf.data_ptr() - base.data_ptr() if self.ram_entries else 0 for e in range(E)]
                          for layer in self.layers]  # stream_ram: set when a step pins the block
-        self.table = torch.tensor(self._ram_off, dtype=torch.int64, device=dev)  # [n_moe, E] byte offsets from base
-        self.in_vram = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # 1 where the table points at VRAM
-        self.uses = torch.zeros(len(self.layers), E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
+        triton = backend == "triton" and knobs.routed
+        self.tier = Tier(knobs, rt, self.layers, vram, self._ram_off, self._resident, stream, banks=triton,
+                         staging=triton and not self.stream_ram, stream_ram=self.stream_ram)
         self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
         self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
         self.token_blocks = 0  # one-token steps' routed blocks (host count)
         self.token_disk = 0  # ... read from disk (stream_ram)
         self._seen = (0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk) already counted
-        self._score = torch.zeros(len(self.layers), E, dtype=torch.float64)
-        self._last_uses = torch.zeros(len(self.layers), E, dtype=torch.int64)
-        self._slot_of: dict[tuple[int, int], int] = {}  # VRAM tier: (MoE index, expert) -> slot
-        self._ahead_bank = self._bank_slots()  # prompts' lookahead: [2][prompt_ahead] tier slots, by the layer's parity
-        self._stage0 = self._staging_slots()  # one-token lookahead: the first of 2 x S staging slots (S = self._S)
-        self._free = self._tier_slots()
-        S = self._S
+        S = self.tier.S  # one-token lookahead: blocks a staging half holds
         self._guess_ids = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # by the guessed layer's parity: global ids
         self._guess_src = torch.zeros(2, S, dtype=torch.int64, device=dev)  # ... and their RAM offsets
         self._held = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # what each staging half holds (copies landed)
         self._copied: list = [None, None]  # per half: the event after its copies, for the compute stream to wait on
         self._ahead: tuple | None = None  # (MoE index, {expert: offset}, copy event, [(i, e, slot)] tier slots it filled)
-        self._ahead_read: list = [None, None]  # per bank half: the event after the compute that last read it
-        self._bank_lent = False  # between prompts the bank's slots serve the tier too (`_lend_bank`, `_reclaim_bank`)
-        self._landing: tuple[object, list[tuple[int, int, int]]] | None = None  # (copy event, [(i, e, slot)])
-        self._steps = 0
         self._kernels = {}
         self._graphs = None
         if knobs.graphs and backend == "triton" and dev.type == "cuda":
@@ -231,19 +217,16 @@ class Direct(Stage):
             self._between_tokens()
         if token and block.graph_safe:  # stream_ram: the routed ids to the host, misses read, then the same step
             return LayerOutput(await self._token_streamed(li, i))
-        if self._landing is not None:  # a prompt reads the slots the host believes in: wait for their copies
-            self.rt.streams.wait(self.stream, self._landing[0])
-            self._point(self._landing[1], vram=True)
-            self._landing = None
+        self.tier.land(wait=True)  # a prompt reads the slots the host believes in: wait for their copies
         if not token:
-            self._reclaim_bank()
+            self.tier.reclaim_bank()
         # prompts' lookahead: the next MoE layer's router on this layer's input, its ids brought back with these
         ahead = self.knobs.prompt_ahead and self.knobs.routed and self.backend == "triton" and li.next_block is not None \
-            and self.vram is not None and not token
+            and self.tier.vram is not None and not token
         with self.rt.streams.use(self.stream):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
-            self.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+            self.tier.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
             both = torch.cat((ids, li.next_block.router(li.x)[1].to(ids.dtype)), dim=1) if ahead else ids
         host, arrived = self.rt.streams.to_host(self.stream, both)
         shared = None
@@ -256,7 +239,7 @@ class Direct(Stage):
         experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
         try:
             if self.stream_ram:
-                need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self._slot_of]
+                need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self.tier.slot_of]
                 await self._ensure_ram(block.layer, i, need)
             return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared)
         finally:
@@ -274,7 +257,7 @@ class Direct(Stage):
                     self._look_ahead(self.index[li.next_block.layer], guess.flatten().long())
             else:
                 for e in experts:
-                    self.rt.stats.tier("vram" if (i, e) in self._slot_of else "disk" if e in self._disk else "ram")
+                    self.rt.stats.tier("vram" if (i, e) in self.tier.slot_of else "disk" if e in self._disk else "ram")
                 self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
             routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
             h = li.residual + block.output(routed, li.x, shared).view_as(li.residual)
@@ -322,7 +305,7 @@ class Direct(Stage):
         rt = self.rt
         for e in experts:
             key = (layer, e)
-            if key in rt.ram or (self.index[layer], e) in self._slot_of:
+            if key in rt.ram or (self.index[layer], e) in self.tier.slot_of:
                 continue
             entry = rt.ram.try_reserve(key, use=False)
             if entry is None:
@@ -357,13 +340,14 @@ class Direct(Stage):
         work per layer is one sort of the (token, k) positions into the groups' order, so that each group's rows are one
         slice, and one copy of every group's block offsets."""
         kern, K, bb, streams = self._kernel(block), block.top_k, self.rt.store.block_bytes, self.rt.streams
-        G, E = self.knobs.prompt_group, self.table.shape[1]
+        tier = self.tier
+        G, E = self.knobs.prompt_group, tier.table.shape[1]
         if self._ahead is not None and self._ahead[0] != i:  # copied for a step that did not come (an error): keep the slots
             self._settle_ahead()
         early = self._ahead[1] if self._ahead is not None else {}  # expert -> offset of its copy ahead
-        in_vram = [e for e in experts if (i, e) in self._slot_of and e not in early]
+        in_vram = [e for e in experts if (i, e) in tier.slot_of and e not in early]
         ahead = [e for e in experts if e in early]
-        in_ram = [e for e in experts if (i, e) not in self._slot_of and e not in early]
+        in_ram = [e for e in experts if (i, e) not in tier.slot_of and e not in early]
         for e in experts:
             self.rt.stats.tier("vram" if e in in_vram else "disk" if e in self._disk else "ram")
         self.rt.stats.vram_prefetch_hits += len(ahead)
@@ -374,7 +358,7 @@ class Direct(Stage):
         counts = torch.bincount(flat, minlength=E).tolist()
         if G and in_ram and self._staging is None:
             self._staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
-        offsets = [self._offset(i, e) for e in in_vram] + [early[e] for e in ahead]
+        offsets = [tier.offset(i, e) for e in in_vram] + [early[e] for e in ahead]
         copies, filled = [], []  # per RAM group [(expert, destination)]; (i, e, slot) copied into free VRAM tier slots
         for g, group in enumerate(ram_groups):
             dsts = []
@@ -382,10 +366,10 @@ class Direct(Stage):
                 if not G:
                     offsets.append(self._ram_off[i][e])
                     continue
-                if self.knobs.prompt_fill and self._free:  # a free slot is read by no kernel: the copy needs no wait
-                    slot = self._slot_of[(i, e)] = self._free.pop()
+                if self.knobs.prompt_fill and tier.free:  # a free slot is read by no kernel: the copy needs no wait
+                    slot = tier.slot_of[(i, e)] = tier.free.pop()
                     filled.append((i, e, slot))
-                    dst = self.vram.arena.slot(slot)
+                    dst = tier.vram.arena.slot(slot)
                 else:
                     dst = self._staging[((g % 2) * G + j) * bb : ((g % 2) * G + j + 1) * bb]
                 dsts.append((e, dst))
@@ -422,28 +406,29 @@ class Direct(Stage):
                     compute(group)
                     self._staged[half] = streams.record(self.stream)
             if early:
-                self._ahead_read[i % 2] = streams.record(self.stream)  # the lookahead bank's half for this layer is read
+                tier.ahead_read[i % 2] = streams.record(self.stream)  # the lookahead bank's half for this layer is read
         except BaseException:  # tier slots planned for copies that may not have been queued: free again, unread
             self._unfill(filled)
             raise
         self.rt.stats.vram_fills += len(filled)
-        self._point(filled, vram=True)  # after the waits above: the table points at the slots once their copies have landed
+        tier.point(filled, vram=True)  # after the waits above: the table points at the slots once their copies have landed
 
     def _look_ahead(self, i: int, guess: torch.Tensor) -> None:
         """Copy MoE layer i's blocks that its router, run on the previous layer's input, chose for the prompt's tokens
         (`guess`, flat ids, CPU; most chosen first), behind the copies already queued: into free VRAM tier slots, else
         into the lookahead bank's half for i's parity (once the compute that last read it is done). Layer i reads them
         from there, once they land; a guess it did not route to was a wasted copy."""
-        counts = torch.bincount(guess, minlength=self.table.shape[1])
+        tier = self.tier
+        counts = torch.bincount(guess, minlength=tier.table.shape[1])
         order = torch.argsort(counts, descending=True, stable=True)[: int((counts > 0).sum())].tolist()
-        bank = iter(self._ahead_bank[i % 2])
+        bank = iter(tier.ahead_bank[i % 2])
         early, filled, moves = {}, [], []
         layer = self.layers[i]
         for e in order:
-            if (i, e) in self._slot_of or (src := self._resident(layer, e)) is None:
+            if (i, e) in tier.slot_of or (src := self._resident(layer, e)) is None:
                 continue
-            if self.knobs.prompt_fill and self._free:
-                slot = self._slot_of[(i, e)] = self._free.pop()
+            if self.knobs.prompt_fill and tier.free:
+                slot = tier.slot_of[(i, e)] = tier.free.pop()
                 filled.append((i, e, slot))
             else:
                 slot = next(bank, None)
@@ -456,13 +441,11 @@ class Direct(Stage):
         streams = self.rt.streams
         try:
             with streams.use("copy"):
-                streams.wait("copy", self._ahead_read[i % 2])
+                streams.wait("copy", tier.ahead_read[i % 2])
                 for e, slot, src in moves:
-                    self.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
+                    tier.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
                 landed = streams.record("copy")
-            if self.stream_ram:  # the RAM slots are read by these copies: a new block waits for them
-                for _, _, src in moves:
-                    src.busy = landed
+            tier.read_by([src for _, _, src in moves], landed)
         except BaseException:
             self._unfill(filled)
             raise
@@ -472,9 +455,9 @@ class Direct(Stage):
     def _unfill(self, filled: list[tuple[int, int, int]]) -> None:
         """Give back free tier slots a step planned to fill (it failed before it pointed the table at them)."""
         for i, e, slot in filled:
-            if self._slot_of.get((i, e)) == slot:
-                del self._slot_of[(i, e)]
-                self._free.append(slot)
+            if self.tier.slot_of.get((i, e)) == slot:
+                del self.tier.slot_of[(i, e)]
+                self.tier.free.append(slot)
 
     def _settle_ahead(self) -> None:
         """The compute stream waits for the copies ahead (`_look_ahead`); tier slots they filled are pointed at."""
@@ -483,7 +466,7 @@ class Direct(Stage):
         _, _, landed, filled = self._ahead
         self._ahead = None
         self.rt.streams.wait(self.stream, landed)
-        self._point(filled, vram=True)
+        self.tier.point(filled, vram=True)
 
     def token(self, layer, h: torch.Tensor, next_block=None) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole, from its input h [1, 1, D] (the norm before the experts included,
@@ -496,9 +479,10 @@ class Direct(Stage):
             return self._token(block, next_block, layer, h)
 
     async def _token_streamed(self, li: LayerInput, i: int) -> torch.Tensor:
-        """stream_ram, a one-token step: the router's ids come to the host (the one wait), the routed blocks the VRAM
-        tier does not serve are brought into RAM (demand reads from disk for the misses) and pinned, their table entries
-        pointed at their RAM slots; then the layer's step runs as `direct`'s does (its router again, on the GPU)."""
+        """stream_ram, a one-token step: the router's ids come to the host (the one wait; with `prefetch`, the next MoE
+        layer's guesses with them, read behind the demands), the routed blocks the VRAM tier does not serve are brought
+        into RAM (demand reads from disk for the misses) and pinned, their table entries pointed at their RAM slots;
+        then the layer's step runs as `direct`'s does (its router again, on the GPU)."""
         block, nxt = li.block, li.next_block if self.knobs.prefetch else None
         with self.rt.streams.use(self.stream):
             ids = self._router(block)(li.x)[1]
@@ -506,17 +490,14 @@ class Direct(Stage):
         host, arrived = self.rt.streams.to_host(self.stream, both)
         await self.rt.streams.arrived(arrived)
         routed, guessed = host[0, : block.top_k].tolist(), host[0, block.top_k:].tolist()
-        landing = {(m[0], m[1]) for m in self._landing[1]} if self._landing is not None else set()
+        tier = self.tier
+        landing = {(m[0], m[1]) for m in tier.landing[1]} if tier.landing is not None else set()
         # blocks the table does not point at in VRAM: not in the tier, or their copy into it not yet landed
-        need = sorted({e for e in routed if (i, e) not in self._slot_of or (i, e) in landing})
+        need = sorted({e for e in routed if (i, e) not in tier.slot_of or (i, e) in landing})
         try:
             await self._ensure_ram(block.layer, i, need, (nxt.layer, guessed) if nxt is not None else None)
             self.token_disk += len(self._disk)
-            if need:
-                e = torch.tensor(need)
-                off = torch.tensor([self._ram_off[i][x] for x in need], dtype=torch.int64)
-                with self.rt.streams.use(self.stream):
-                    self.table[i].index_put_((e.to(self.table.device),), off.to(self.table.device))
+            tier.point([(i, e, None) for e in need], vram=False)  # at the RAM slots they were found or read into
             return self._token(block, li.next_block, None, li.x, li.residual, between=False)
         finally:
             self._release_ram()
@@ -538,7 +519,7 @@ class Direct(Stage):
             self.rt.streams.wait(self.stream, copied)
         with self.rt.streams.use(self.stream):
             h = self._stepper(block, next_block, layer)(*args)
-        if self._S and next_block is not None:
+        if self.tier.S and next_block is not None:
             self._stage(i + 1)
         if self.knobs.routed:
             self.token_blocks += block.top_k
@@ -553,18 +534,19 @@ class Direct(Stage):
             kern, i, K, E = self._kernel(block), self.index[block.layer], block.top_k, self.rt.store.manifest.num_experts
             zero_skip, base, skip, bb = self.knobs.zero_skip, self.base, not self.knobs.routed, self.rt.store.block_bytes
             # with a VRAM tier the bank is VRAM and the blocks outside it are read from pinned RAM over PCIe
-            host = True if self.knobs.host_hint and self.vram is not None else None
+            tier = self.tier
+            host = True if self.knobs.host_hint and tier.vram is not None else None
             j = i + 1  # the next MoE layer (next_block), whose guesses this step makes when the staging bank is on
-            nxt = next_block if self._S else None
+            nxt = next_block if tier.S else None
             shared = block.shared if self.knobs.shared == "side" else None
             side = self._side if shared is not None or nxt is not None else None
-            stage0 = (self._stage0 + (i % 2) * self._S) * bb
+            stage0 = tier.staging_offset(i % 2)
 
             def routed_sum(x, weights, ids, xe):
                 if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width
                     return torch.zeros_like(xe)
-                offs = resolve(ids[0], self.table[i], self.in_vram[i], self._held[i % 2], stage0, bb, i * E,
-                               torch.empty(K, dtype=torch.int64, device=x.device), self.uses[i], self.vram_served,
+                offs = resolve(ids[0], tier.table[i], tier.in_vram[i], self._held[i % 2], stage0, bb, i * E,
+                               torch.empty(K, dtype=torch.int64, device=x.device), tier.uses[i], self.vram_served,
                                self.staged_served)
                 y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip, host)  # [K, Dx], row k
                 return y.view(1, K, -1).sum(dim=1).to(x.dtype)
@@ -572,7 +554,7 @@ class Direct(Stage):
             def beside(x):
                 """The next layer's guesses that VRAM lacks, then the shared term (None without)."""
                 if nxt is not None:
-                    select(nxt.router(x)[1][0], self.in_vram[j], self.table[j], j * E, self._guess_ids[j % 2],
+                    select(nxt.router(x)[1][0], tier.in_vram[j], tier.table[j], j * E, self._guess_ids[j % 2],
                            self._guess_src[j % 2], self.staged_copies)
                 return shared(x) if shared is not None else None
 
@@ -608,7 +590,7 @@ class Direct(Stage):
         if stream is not None:
             stream.wait_event(self.rt.streams.record(self.stream))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            stage_copy(self.base, self._guess_ids[h], self._guess_src[h], (self._stage0 + h * self._S) * bb, bb)
+            stage_copy(self.base, self._guess_ids[h], self._guess_src[h], self.tier.staging_offset(h), bb)
             self._held[h].copy_(self._guess_ids[h])
         if stream is not None:
             self._copied[h] = torch.cuda.Event()
@@ -622,139 +604,19 @@ class Direct(Stage):
         for e in experts:
             torch_expert(self.rt.store, block, self.rt.store.logical(self.ram_entries[(block.layer, e)].buf), rows[e], xe, w, y)
 
-    def _offset(self, i: int, e: int) -> int:
-        slot = self._slot_of.get((i, e))
-        return self._ram_off[i][e] if slot is None else slot * self.rt.store.block_bytes
-
-    # -- the VRAM tier ----------------------------------------------------------------------------
+    # -- the VRAM tier (stages/direct_tier.py) ---------------------------------------------------
 
     def empty_vram(self) -> None:
         """Point every table entry back at its RAM slot and free the VRAM tier's slots (the host has synchronized:
         no copy is in flight); `sluice bench model` times a prompt on an empty tier with it."""
-        if self.vram is None:
-            return
-        self._landing = self._ahead = None  # their moves are in _slot_of: pointed back below with the rest
-        self._point([(i, e, slot) for (i, e), slot in self._slot_of.items()], vram=False)
-        self._slot_of.clear()
-        self._free = self._tier_slots()
-        self._bank_lent = False
-
-    def _lend_bank(self) -> None:
-        """One-token steps: the lookahead bank's slots join the tier's free slots (taken after the others)."""
-        bank = self._ahead_bank[0] + self._ahead_bank[1]
-        if bank and not self._bank_lent:
-            self._free[:0] = bank[::-1]
-            self._bank_lent = True
-
-    def _reclaim_bank(self) -> None:
-        """A prompt's step: the bank's slots leave the tier, the blocks in them pointed back at RAM; the bank's copies
-        wait for the compute queued so far (the one-token steps that read those slots)."""
-        if not self._bank_lent:
-            return
-        bank = set(self._ahead_bank[0] + self._ahead_bank[1])
-        self._free = [s for s in self._free if s not in bank]
-        leave = [(i, e, slot) for (i, e), slot in self._slot_of.items() if slot in bank]
-        for i, e, _ in leave:
-            del self._slot_of[(i, e)]
-        self._point(leave, vram=False)
-        self._ahead_read = [self.rt.streams.record(self.stream)] * 2
-        self._bank_lent = False
-
-    def _staging_slots(self) -> int:
-        """The one-token staging bank (`token_ahead`): 2 x S tier slots before the prompts' bank, at most a quarter of
-        the rest of the tier. Sets S; returns the first slot."""
-        rest = self.vram.capacity - 2 * len(self._ahead_bank[0]) if self.vram is not None else 0
-        on = self.backend == "triton" and self.knobs.routed and not self.stream_ram
-        self._S = min(self.knobs.token_ahead, rest // 8) if on else 0
-        return rest - 2 * self._S
-
-    def _bank_slots(self) -> list[list[int]]:
-        """The lookahead bank (`prompt_ahead`): two halves of the tier's last slots, at most half the tier."""
-        if self.vram is None or self.backend != "triton" or not self.knobs.routed:
-            return [[], []]
-        cap = self.vram.capacity
-        a = min(self.knobs.prompt_ahead, cap // 4)
-        return [list(range(cap - 2 * a, cap - a)), list(range(cap - a, cap))]
-
-    def _tier_slots(self) -> list[int]:
-        """The VRAM tier's slots but the lookahead and staging banks', the lowest popped first."""
-        return list(range(self._stage0 - 1, -1, -1)) if self.vram is not None else []
+        if self.tier.vram is not None:
+            self._ahead = None  # its moves are in the tier's slot_of: pointed back with the rest
+            self.tier.empty()
 
     def _between_tokens(self) -> None:
-        """At a one-token step's first MoE layer: switch the table to blocks whose copies have landed, and every
-        `refresh` steps choose the tier's blocks anew."""
+        """At a one-token step's first MoE layer: the tier's turn (stages/direct_tier.py Tier.between_tokens)."""
         self._settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
-        self._lend_bank()
-        if self._landing is not None and (self._landing[0] is None or self._landing[0].query()):
-            self._point(self._landing[1], vram=True)
-            self._landing = None
-        self._steps += 1
-        if self.vram is not None and self._landing is None and self._steps % self.knobs.refresh == 0:
-            self._refresh()
-
-    def _refresh(self) -> None:
-        """Choose the VRAM tier's blocks anew from the decayed use counts: free slots take the most used blocks
-        outside the tier, and a block outside replaces the least used inside only while it beats it by `margin`
-        routed uses (the cost of its copy; scores from a few tokens tie often, and a plain top-k swapped tied
-        blocks back and forth at every refresh, each swap a block over PCIe)."""
-        uses = self.uses.to("cpu", copy=True)  # the one host wait in `refresh` steps (a copy on a CPU too: kept as the last counts)
-        self._score = self._score * self.knobs.decay + (uses - self._last_uses).double()
-        self._last_uses = uses
-        E = self.table.shape[1]
-        flat = self._score.flatten()
-        score = flat.tolist()
-        inside = torch.zeros(flat.numel(), dtype=torch.bool)
-        if self._slot_of:
-            inside[torch.tensor([i * E + e for i, e in self._slot_of])] = True
-        order = torch.argsort(flat, descending=True, stable=True)
-        outside = order[~inside[order] & (flat[order] > 0)].tolist()  # candidates, most used first
-        if self.stream_ram:  # only blocks in RAM can be copied in
-            outside = [j for j in outside if self._resident(self.layers[j // E], j % E) is not None]
-        come = [divmod(j, E) for j in outside[: len(self._free)]]
-        incumbents = order[inside[order]].flip(0).tolist()  # least used first
-        leave = []
-        for j, k in zip(outside[len(come):], incumbents):
-            if score[j] - score[k] <= self.knobs.margin:
-                break
-            come.append(divmod(j, E))
-            leave.append(divmod(k, E))
-        if not come:
-            return
-        streams = self.rt.streams
-        if leave:
-            self._point([(i, e, self._slot_of[(i, e)]) for i, e in leave], vram=False)
-            for k in leave:
-                self._free.append(self._slot_of.pop(k))
-        pointed = streams.record(self.stream)
-        moves = []
-        with streams.use("copy"):
-            streams.wait("copy", pointed)  # the kernels that still read a leaving block's slot come first
-            sources = []
-            for i, e in come:
-                slot = self._free.pop()
-                sources.append(src := self._resident(self.layers[i], e))
-                self.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
-                self._slot_of[(i, e)] = slot
-                moves.append((i, e, slot))
-            landed = streams.record("copy")
-        if self.stream_ram:  # the RAM slots are read by these copies: a new block waits for them
-            for src in sources:
-                src.busy = landed
-        self.rt.stats.vram_fills += len(moves)
-        self._landing = (landed, moves)
-
-    def _point(self, moves: list[tuple[int, int, int]], vram: bool) -> None:
-        """Table entries (i, e) -> VRAM slot (vram) or back to their RAM slot, in stream order on the compute stream."""
-        if not moves:
-            return
-        i = torch.tensor([m[0] for m in moves])
-        e = torch.tensor([m[1] for m in moves])
-        off = torch.tensor([m[2] * self.rt.store.block_bytes if vram else self._ram_off[m[0]][m[1]] for m in moves], dtype=torch.int64)
-        dev = self.table.device
-        with self.rt.streams.use(self.stream):
-            i, e = i.to(dev, non_blocking=True), e.to(dev, non_blocking=True)
-            self.table.index_put_((i, e), off.to(dev, non_blocking=True))
-            self.in_vram.index_put_((i, e), torch.full_like(i, int(vram)))
+        self.tier.between_tokens()
 
     def _flush_counts(self) -> None:
         """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""

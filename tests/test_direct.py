@@ -55,11 +55,11 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
         io = engine.rt.stats.snapshot()
         stage = engine.coordinator.stages[0][1]
         assert 0 < io["blocks"]["vram"] and 0 < io["blocks"]["ram"]
-        assert int(stage.in_vram.sum()) == len(stage._slot_of) > 0
-        assert len(stage._slot_of) <= io["vram_fills"] <= 6 * (11 // 2)  # every block in a slot was copied in, 6 per refresh at most
+        assert int(stage.tier.in_vram.sum()) == len(stage.tier.slot_of) > 0
+        assert len(stage.tier.slot_of) <= io["vram_fills"] <= 6 * (11 // 2)  # every block in a slot was copied in, 6 per refresh at most
         # a wrong table: expert 0's entry of the first MoE layer pointing at expert 1's block
-        stage.table[:, 0] = stage.table[:, 1]
-        stage.vram, stage._landing = None, None  # no tier update puts it right
+        stage.tier.table[:, 0] = stage.tier.table[:, 1]
+        stage.tier.vram, stage.tier.landing = None, None  # no tier update puts it right
         wrong = decode(engine)
     assert [int(t) for t in direct.argmax(-1)] == ref_tokens
     assert torch.equal(direct, streamed)
@@ -82,7 +82,7 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     with sluice.load(stores[variant], device=DEVICE, schedule=on, vram_slots=24) as engine:
         staged = greedy_logits(engine, PROMPT, 8)
         io = engine.rt.stats.snapshot()
-        assert engine.coordinator.stages[0][1]._S == 3
+        assert engine.coordinator.stages[0][1].tier.S == 3
     assert [int(t) for t in staged.argmax(-1)] == ref_tokens
     assert torch.equal(staged, plain)
     # 7 one-token steps, each guessing for every MoE layer after its first: some right, all counted as copied
@@ -152,17 +152,17 @@ def test_prompt_fills_free_vram_slots(stores, tmp_path):
         stage = engine.coordinator.stages[0][1]
         first = engine.forward(PROMPT)
         io = engine.rt.stats.snapshot()
-        assert io["vram_fills"] == len(stage._slot_of) == 5 and not stage._free  # more RAM blocks than slots
+        assert io["vram_fills"] == len(stage.tier.slot_of) == 5 and not stage.tier.free  # more RAM blocks than slots
         assert io["blocks"]["vram"] == 0
-        assert int(stage.in_vram.sum()) == 5
-        slots = [stage.table[i, e].item() for (i, e) in stage._slot_of]
+        assert int(stage.tier.in_vram.sum()) == 5
+        slots = [stage.tier.table[i, e].item() for (i, e) in stage.tier.slot_of]
         assert sorted(slots) == [s * engine.store.block_bytes for s in range(5)]
         second = engine.forward(other)
         io2 = engine.rt.stats.since(io)
         assert io2["vram_fills"] == 0 and io2["blocks"]["vram"] > 0  # no free slot left; the filled ones read in place
         engine.empty_vram()
-        assert not stage._slot_of and len(stage._free) == 5 and int(stage.in_vram.sum()) == 0
-        assert stage.table.tolist() == stage._ram_off
+        assert not stage.tier.slot_of and len(stage.tier.free) == 5 and int(stage.tier.in_vram.sum()) == 0
+        assert stage.tier.table.tolist() == stage._ram_off
         again = engine.forward(other)
         assert engine.rt.stats.since(io)["vram_fills"] == 5
     assert torch.equal(first, ref[0]) and torch.equal(second, ref[1]) and torch.equal(again, ref[1])
@@ -181,22 +181,22 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
         ref = [engine.forward(PROMPT), engine.forward(other)]
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=ahead, vram_slots=9) as engine:
         stage = engine.coordinator.stages[0][1]
-        assert stage._ahead_bank == [[5, 6], [7, 8]] and stage._free == [4, 3, 2, 1, 0]
+        assert stage.tier.ahead_bank == [[5, 6], [7, 8]] and stage.tier.free == [4, 3, 2, 1, 0]
         first = engine.forward(PROMPT)
         io = engine.rt.stats.snapshot()
-        assert sorted(stage._slot_of.values()) == [0, 1, 2, 3, 4] and stage._ahead is None
+        assert sorted(stage.tier.slot_of.values()) == [0, 1, 2, 3, 4] and stage._ahead is None
         second = engine.forward(other)  # a full tier: the guesses go to the bank
         io2 = engine.rt.stats.since(io)
         assert 0 < io2["vram_prefetch_hits"] <= io2["vram_prefetches"] <= 2 * (len(engine.store.moe_layers) - 1)
-        assert io2["vram_fills"] == 0 and sorted(stage._slot_of.values()) == [0, 1, 2, 3, 4]
+        assert io2["vram_fills"] == 0 and sorted(stage.tier.slot_of.values()) == [0, 1, 2, 3, 4]
         engine.generate(PROMPT, 6)  # one-token steps: the tier's refreshes fill the lent bank
-        assert stage._bank_lent and {5, 6, 7, 8} & set(stage._slot_of.values())
+        assert stage.tier.bank_lent and {5, 6, 7, 8} & set(stage.tier.slot_of.values())
         third = engine.forward(other)
-        assert not stage._bank_lent and max(stage._slot_of.values()) < 5 and stage._free == []
-        assert all(stage.table[i, e].item() == stage._ram_off[i][e] for i in range(len(stage.layers))
-                   for e in range(engine.store.manifest.num_experts) if (i, e) not in stage._slot_of)
+        assert not stage.tier.bank_lent and max(stage.tier.slot_of.values()) < 5 and stage.tier.free == []
+        assert all(stage.tier.table[i, e].item() == stage._ram_off[i][e] for i in range(len(stage.layers))
+                   for e in range(engine.store.manifest.num_experts) if (i, e) not in stage.tier.slot_of)
         engine.empty_vram()
-        assert stage._free == [4, 3, 2, 1, 0] and not stage._slot_of
+        assert stage.tier.free == [4, 3, 2, 1, 0] and not stage.tier.slot_of
         again = engine.forward(other)
         real = stage.ram_entries
 
@@ -222,8 +222,8 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
         roomy = engine.forward(PROMPT)
         io = engine.rt.stats.snapshot()
         assert io["vram_prefetches"] > 0 and io["vram_prefetch_hits"] > 0
-        # copies ahead went to tier slots while there were free ones (the bank is the last 4, never in _slot_of)
-        assert max(stage._slot_of.values()) < room - 4 and len(stage._slot_of) > io["vram_fills"]
+        # copies ahead went to tier slots while there were free ones (the bank is the last 4, never in slot_of)
+        assert max(stage.tier.slot_of.values()) < room - 4 and len(stage.tier.slot_of) > io["vram_fills"]
     assert torch.equal(first, ref[0]) and torch.equal(roomy, ref[0]) and all(torch.equal(t, ref[1]) for t in (second, third, again))
     assert (bad - ref[1]).abs().max().item() > 1e-3
 
@@ -233,27 +233,25 @@ def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
     decayed count beats that one's by more than `margin` (ties and near-ties cost no copies)."""
     schedule = direct_schedule(tmp_path, backend="triton", margin=1.0, decay=0.5)
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, vram_slots=2) as engine:
-        stage = engine.coordinator.stages[0][1]
-        stage.uses.zero_()
-        stage._score.zero_()
-        stage._last_uses.zero_()
+        tier = engine.coordinator.stages[0][1].tier
+        tier.uses.zero_()
+        tier._score.zero_()
+        tier._last_uses.zero_()
         fills = engine.rt.stats.vram_fills
 
         def refresh(counts):  # cumulative routed uses of layer 0's experts -> the tier after the refresh lands
             for e, n in counts.items():
-                stage.uses[0, e] += n
-            stage._refresh()
-            if stage._landing is not None:
-                stage._point(stage._landing[1], vram=True)
-                stage._landing = None
-            return sorted(e for i, e in stage._slot_of)
+                tier.uses[0, e] += n
+            tier.refresh()
+            tier.land(wait=True)
+            return sorted(e for i, e in tier.slot_of)
 
         assert refresh({0: 3, 1: 3, 2: 3}) == [0, 1]  # a three-way tie for two free slots: the first two
         assert refresh({2: 1}) == [0, 1]  # 2.5 against 1.5: not more than the margin
         assert engine.rt.stats.vram_fills - fills == 2
         assert refresh({2: 2}) == [0, 2]  # 1.25 + 2 = 3.25 against 0.75: swapped in
         assert engine.rt.stats.vram_fills - fills == 3
-        assert int(stage.in_vram[0].sum()) == 2 and int(stage.in_vram[0, 1]) == 0
+        assert int(tier.in_vram[0].sum()) == 2 and int(tier.in_vram[0, 1]) == 0
 
 
 def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):

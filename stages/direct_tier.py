@@ -1,0 +1,187 @@
+"""The direct stage's device table and VRAM tier: where each routed block is read from.
+
+The table gives each (MoE index, expert) its block's byte offset from one base (the tier's arena, else the RAM
+arena): a VRAM slot for the blocks the tier holds, else the block's pinned RAM slot, which the expert kernels read
+over PCIe themselves. `in_vram` marks the entries that point at VRAM and `uses` counts routed (token, k) per block,
+both on the GPU, where one-token steps update them without the host.
+
+The tier's slots, in order: the hot set's own; the one-token staging bank (2 x S, `token_ahead`); the prompts'
+lookahead bank (2 x A, `prompt_ahead`), lent to the hot set between prompts.
+
+Every `refresh` one-token steps the host reads the counts (decayed by `decay` each time), and the most used blocks
+that the hot set lacks are copied into its slots on the copy stream, in place of the least used. The table only
+points at a slot in stream order: a leaving block's entry goes back to its RAM slot before the slot is overwritten,
+and a new block's entry switches to the slot once its copy has landed (checked at each one-token step's first MoE
+layer, so compute never waits for the copies).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class Tier:
+    def __init__(self, knobs, rt, layers: list[int], vram, ram_off: list[list[int]], resident: Callable, stream: str,
+                 banks: bool, staging: bool, stream_ram: bool):
+        """vram: the VRAM cache whose slots the tier uses, or None (no tier: the table points at RAM only). ram_off
+        [n_moe][E]: each block's RAM offset from the base (kept current by the stage under stream_ram). resident(layer,
+        e): a loaded RAM entry to copy from, or None. banks: the prompts' lookahead bank; staging: the one-token staging
+        bank."""
+        self.knobs, self.rt, self.layers, self.vram, self.stream = knobs, rt, layers, vram, stream
+        self.ram_off, self.resident, self.stream_ram = ram_off, resident, stream_ram
+        self.block_bytes = rt.store.block_bytes
+        n, E, dev = len(layers), rt.store.manifest.num_experts, rt.device
+        self.table = torch.tensor(ram_off, dtype=torch.int64, device=dev)  # [n_moe, E] byte offsets from base
+        self.in_vram = torch.zeros(n, E, dtype=torch.int64, device=dev)  # 1 where the table points at VRAM
+        self.uses = torch.zeros(n, E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
+        self.slot_of: dict[tuple[int, int], int] = {}  # (MoE index, expert) -> slot
+        self.landing: tuple[object, list[tuple[int, int, int]]] | None = None  # (copy event, [(i, e, slot)])
+        self._score = torch.zeros(n, E, dtype=torch.float64)
+        self._last_uses = torch.zeros(n, E, dtype=torch.int64)
+        self._steps = 0
+        cap = vram.capacity if vram is not None else 0
+        a = min(knobs.prompt_ahead, cap // 4) if banks else 0
+        self.ahead_bank = [list(range(cap - 2 * a, cap - a)), list(range(cap - a, cap))]  # prompts', by the layer's parity
+        self.ahead_read: list = [None, None]  # per bank half: the event after the compute that last read it
+        self.bank_lent = False  # between prompts the bank's slots serve the hot set too (`lend_bank`, `reclaim_bank`)
+        rest = cap - 2 * a
+        self.S = min(knobs.token_ahead, rest // 8) if staging else 0  # one-token staging: 2 x S slots before the bank
+        self.stage0 = rest - 2 * self.S  # the first staging slot
+        self.free = self._own_slots()
+
+    def _own_slots(self) -> list[int]:
+        """The hot set's slots (all but the banks'), the lowest popped first."""
+        return list(range(self.stage0 - 1, -1, -1)) if self.vram is not None else []
+
+    def offset(self, i: int, e: int) -> int:
+        slot = self.slot_of.get((i, e))
+        return self.ram_off[i][e] if slot is None else slot * self.block_bytes
+
+    def staging_offset(self, half: int) -> int:
+        """The byte offset of staging half `half`'s first slot."""
+        return (self.stage0 + half * self.S) * self.block_bytes
+
+    def point(self, moves: list[tuple[int, int, int | None]], vram: bool) -> None:
+        """Table entries (i, e) -> VRAM slot (vram) or their RAM slot (`ram_off`; the slot ignored), in stream order on the
+        stage's stream."""
+        if not moves:
+            return
+        i = torch.tensor([m[0] for m in moves])
+        e = torch.tensor([m[1] for m in moves])
+        off = torch.tensor([m[2] * self.block_bytes if vram else self.ram_off[m[0]][m[1]] for m in moves], dtype=torch.int64)
+        dev = self.table.device
+        with self.rt.streams.use(self.stream):
+            i, e = i.to(dev, non_blocking=True), e.to(dev, non_blocking=True)
+            self.table.index_put_((i, e), off.to(dev, non_blocking=True))
+            self.in_vram.index_put_((i, e), torch.full_like(i, int(vram)))
+
+    def read_by(self, sources, landed) -> None:
+        """stream_ram: RAM entries that copies on the copy stream read: a new block waits for `landed` there."""
+        if self.stream_ram:
+            for src in sources:
+                src.busy = landed
+
+    def empty(self) -> None:
+        """Point every table entry back at its RAM slot and free every slot (the host has synchronized: no copy is in
+        flight)."""
+        if self.vram is None:
+            return
+        self.landing = None  # its moves are in slot_of: pointed back below with the rest
+        self.point([(i, e, slot) for (i, e), slot in self.slot_of.items()], vram=False)
+        self.slot_of.clear()
+        self.free = self._own_slots()
+        self.bank_lent = False
+
+    def lend_bank(self) -> None:
+        """One-token steps: the lookahead bank's slots join the free slots (taken after the others)."""
+        bank = self.ahead_bank[0] + self.ahead_bank[1]
+        if bank and not self.bank_lent:
+            self.free[:0] = bank[::-1]
+            self.bank_lent = True
+
+    def reclaim_bank(self) -> None:
+        """A prompt's step: the bank's slots leave the hot set, the blocks in them pointed back at RAM; the bank's copies
+        wait for the compute queued so far (the one-token steps that read those slots)."""
+        if not self.bank_lent:
+            return
+        bank = set(self.ahead_bank[0] + self.ahead_bank[1])
+        self.free = [s for s in self.free if s not in bank]
+        leave = [(i, e, slot) for (i, e), slot in self.slot_of.items() if slot in bank]
+        for i, e, _ in leave:
+            del self.slot_of[(i, e)]
+        self.point(leave, vram=False)
+        self.ahead_read = [self.rt.streams.record(self.stream)] * 2
+        self.bank_lent = False
+
+    def land(self, wait: bool = False) -> None:
+        """Point the table at the slots of the last refresh's copies once they have landed (`wait`: the stage's stream
+        waits for them now: a prompt reads the slots the host believes in)."""
+        if self.landing is None:
+            return
+        event, moves = self.landing
+        if wait:
+            self.rt.streams.wait(self.stream, event)
+        elif event is not None and not event.query():
+            return
+        self.point(moves, vram=True)
+        self.landing = None
+
+    def between_tokens(self) -> None:
+        """At a one-token step's first MoE layer: lend the bank, switch the table to blocks whose copies have landed, and
+        every `refresh` steps choose the hot set anew."""
+        self.lend_bank()
+        self.land()
+        self._steps += 1
+        if self.vram is not None and self.landing is None and self._steps % self.knobs.refresh == 0:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Choose the hot set anew from the decayed use counts: free slots take the most used blocks outside it, and a
+        block outside replaces the least used inside only while it beats it by `margin` routed uses (the cost of its
+        copy; scores from a few tokens tie often, and a plain top-k swapped tied blocks back and forth at every
+        refresh, each swap a block over PCIe)."""
+        uses = self.uses.to("cpu", copy=True)  # the one host wait in `refresh` steps (a copy on a CPU too: kept as the last counts)
+        self._score = self._score * self.knobs.decay + (uses - self._last_uses).double()
+        self._last_uses = uses
+        E = self.table.shape[1]
+        flat = self._score.flatten()
+        score = flat.tolist()
+        inside = torch.zeros(flat.numel(), dtype=torch.bool)
+        if self.slot_of:
+            inside[torch.tensor([i * E + e for i, e in self.slot_of])] = True
+        order = torch.argsort(flat, descending=True, stable=True)
+        outside = order[~inside[order] & (flat[order] > 0)].tolist()  # candidates, most used first
+        if self.stream_ram:  # only blocks in RAM can be copied in
+            outside = [j for j in outside if self.resident(self.layers[j // E], j % E) is not None]
+        come = [divmod(j, E) for j in outside[: len(self.free)]]
+        incumbents = order[inside[order]].flip(0).tolist()  # least used first
+        leave = []
+        for j, k in zip(outside[len(come):], incumbents):
+            if score[j] - score[k] <= self.knobs.margin:
+                break
+            come.append(divmod(j, E))
+            leave.append(divmod(k, E))
+        if not come:
+            return
+        streams = self.rt.streams
+        if leave:
+            self.point([(i, e, self.slot_of[(i, e)]) for i, e in leave], vram=False)
+            for k in leave:
+                self.free.append(self.slot_of.pop(k))
+        pointed = streams.record(self.stream)
+        moves = []
+        with streams.use("copy"):
+            streams.wait("copy", pointed)  # the kernels that still read a leaving block's slot come first
+            sources = []
+            for i, e in come:
+                slot = self.free.pop()
+                sources.append(src := self.resident(self.layers[i], e))
+                self.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
+                self.slot_of[(i, e)] = slot
+                moves.append((i, e, slot))
+            landed = streams.record("copy")
+        self.read_by(sources, landed)
+        self.rt.stats.vram_fills += len(moves)
+        self.landing = (landed, moves)
