@@ -47,7 +47,7 @@ def _copy_kernel(bank, ids, src, DST0, NW, CHUNK, TILE: tl.constexpr):
     if tl.load(ids + s) >= 0:
         words = bank.to(tl.pointer_type(tl.int32))
         so = tl.multiple_of(tl.load(src + s) // 4, 4)  # blocks start 4 KiB-aligned: 16-byte loads
-        do = tl.multiple_of(DST0 + s * NW, 4)
+        do = tl.multiple_of(DST0.to(tl.int64) + s.to(tl.int64) * NW, 4)  # in 64 bits: a bank past 8 GiB wraps 32
         start = tl.program_id(1) * CHUNK
         for w0 in range(start, start + CHUNK, TILE):
             w = w0 + tl.arange(0, TILE)

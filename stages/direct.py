@@ -275,8 +275,9 @@ class Direct(Stage):
             entry = rt.ram.lookup(key)
             if entry is None:
                 entry = rt.ram.try_reserve(key)
-                if entry is None:  # at least E slots (checked at open) and only this layer pins: cannot happen
-                    raise RuntimeError(f"direct: no free RAM slot for layer {layer}, expert {e}")
+                if entry is None:  # guesses hold the other slots (at least E, checked at open): they give way
+                    rt.cancel_guesses()
+                    entry = await rt.ram.reserve(key)
                 entry.ready = rt.read(layer, e, entry)
                 self._disk.add(e)
             else:
@@ -482,10 +483,10 @@ class Direct(Stage):
         """stream_ram, a one-token step: the router's ids come to the host (the one wait; with `prefetch`, the next MoE
         layer's guesses with them, read behind the demands), the routed blocks the VRAM tier does not serve are brought
         into RAM (demand reads from disk for the misses) and pinned, their table entries pointed at their RAM slots;
-        then the layer's step runs as `direct`'s does (its router again, on the GPU)."""
+        then the layer's step runs as `direct`'s does, on these ids (the blocks checked are the blocks read)."""
         block, nxt = li.block, li.next_block if self.knobs.prefetch else None
         with self.rt.streams.use(self.stream):
-            ids = self._router(block)(li.x)[1]
+            weights, ids = self._router(block)(li.x)
             both = torch.cat((ids, self._router(nxt)(li.x)[1].to(ids.dtype)), dim=1) if nxt is not None else ids
         host, arrived = self.rt.streams.to_host(self.stream, both)
         await self.rt.streams.arrived(arrived)
@@ -498,7 +499,7 @@ class Direct(Stage):
             await self._ensure_ram(block.layer, i, need, (nxt.layer, guessed) if nxt is not None else None)
             self.token_disk += len(self._disk)
             tier.point([(i, e, None) for e in need], vram=False)  # at the RAM slots they were found or read into
-            return self._token(block, li.next_block, None, li.x, li.residual, between=False)
+            return self._token(block, li.next_block, None, li.x, li.residual, routing=(weights, ids), between=False)
         finally:
             self._release_ram()
 
@@ -510,7 +511,9 @@ class Direct(Stage):
                 self._graphs.wrap(block.router, f"router:{block.layer}") if self._graphs is not None else block.router
         return router
 
-    def _token(self, block, next_block, layer, *args, between: bool = True) -> torch.Tensor:
+    def _token(self, block, next_block, layer, *args, routing: tuple | None = None, between: bool = True) -> torch.Tensor:
+        """A one-token step of `block`'s layer on args (h, or x and residual: `_stepper`); `routing`: its (weights, ids),
+        routed already (stream_ram), else routed in the step."""
         i = self.index[block.layer]
         if i == 0 and between:
             self._between_tokens()
@@ -518,7 +521,7 @@ class Direct(Stage):
             copied, self._copied[h] = self._copied[h], None
             self.rt.streams.wait(self.stream, copied)
         with self.rt.streams.use(self.stream):
-            h = self._stepper(block, next_block, layer)(*args)
+            h = self._stepper(block, next_block, layer, routing is not None)(*args, *(routing or ()))
         if self.tier.S and next_block is not None:
             self._stage(i + 1)
         if self.knobs.routed:
@@ -526,10 +529,11 @@ class Direct(Stage):
             self._kernel(block).count_groups(block.top_k)
         return h
 
-    def _stepper(self, block, next_block, layer=None):
+    def _stepper(self, block, next_block, layer=None, routed: bool = False):
         """The one-token step of `block`'s layer: h [1, 1, D] -> h with `layer` (its MoE input included), else
-        (x [1, D], residual) -> h; replayed as a CUDA graph with `graphs`."""
-        fn = self._steppers.get((block.layer, layer is None))
+        (x [1, D], residual) -> h, or with `routed` (x, residual, weights, ids) -> h; replayed as a CUDA graph with
+        `graphs`."""
+        fn = self._steppers.get((block.layer, layer is None, routed))
         if fn is None:
             kern, i, K, E = self._kernel(block), self.index[block.layer], block.top_k, self.rt.store.manifest.num_experts
             zero_skip, base, skip, bb = self.knobs.zero_skip, self.base, not self.knobs.routed, self.rt.store.block_bytes
@@ -558,28 +562,28 @@ class Direct(Stage):
                            self._guess_src[j % 2], self.staged_copies)
                 return shared(x) if shared is not None else None
 
-            def experts(x, residual):
+            def experts(x, residual, *routing):
                 if side is None:  # a CPU: in line
                     s = beside(x)
-                    weights, ids = block.router(x)
+                    weights, ids = routing or block.router(x)
                     return residual + block.output(routed_sum(x, weights, ids, block.expert_input(x)), x, s).view_as(residual)
                 main = torch.cuda.current_stream()
                 side.wait_stream(main)  # beside the router and the routed experts
                 with torch.cuda.stream(side):
                     s = beside(x)
-                weights, ids = block.router(x)
-                routed = routed_sum(x, weights, ids, block.expert_input(x))
+                weights, ids = routing or block.router(x)
+                routed_out = routed_sum(x, weights, ids, block.expert_input(x))
                 main.wait_stream(side)
                 if s is not None and not torch.cuda.is_current_stream_capturing():  # eager: not reused before main reads it
                     s.record_stream(main)
-                return residual + block.output(routed, x, s).view_as(residual)
+                return residual + block.output(routed_out, x, s).view_as(residual)
 
             step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
-            name = f"direct{'' if layer is None else '+input'}:{block.layer}"
+            name = f"direct{'' if layer is None else '+input'}{'+ids' if routed else ''}:{block.layer}"
             # a graph only where the model says its router, expert input and finish are pure (MoEBlock.graph_safe); the
             # others run the same step eagerly, still without a host wait
             graphed = self._graphs is not None and block.graph_safe
-            fn = self._steppers[(block.layer, layer is None)] = self._graphs.wrap(step, name) if graphed else step
+            fn = self._steppers[(block.layer, layer is None, routed)] = self._graphs.wrap(step, name) if graphed else step
         return fn
 
     def _stage(self, j: int) -> None:

@@ -70,7 +70,7 @@ class Fetch(Stage):
                 rt.ram.pin(entry)
                 # a guess still queued is read now, as a demand: a miss, not a hit on a prefetch
                 queued = entry.loading and entry.prefetched and rt.reader.promote(entry.job)
-                rt.stats.prefetch_reads -= queued  # read as a demand now: counted once, as a disk block
+                rt.stats.prefetch_reads -= queued and v is None  # read as a demand now: counted once, as a disk block
                 tier = "disk" if queued else "ram"
                 if v is None:
                     rt.stats.tier(tier, prefetched=entry.prefetched and not queued)

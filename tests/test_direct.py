@@ -96,6 +96,26 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     assert (wrong - plain).abs().max().item() > 1e-3
 
 
+def test_staging_beside_tier_refreshes_and_prompt_lookahead(stores, refs, tmp_path):
+    """Staging with the rest of the tier at work: refreshes every 2 steps, prompt fills, the prompts' lookahead bank
+    lent to the tier between prompts. Logits are those without staging bit for bit, for a second prompt and its
+    decode too."""
+    variant = "nemotron_h_latent"
+    ref_tokens = refs.greedy(variant, PROMPT, 10)
+    knobs = dict(backend="triton", refresh=2, prompt_group=2, prompt_ahead=2)
+    off = direct_schedule(tmp_path, "off", token_ahead=0, **knobs)
+    on = direct_schedule(tmp_path, "on", token_ahead=2, **knobs)
+    with sluice.load(stores[variant], device=DEVICE, schedule=off, vram_slots=20) as engine:
+        plain = greedy_logits(engine, PROMPT, 10)
+    with sluice.load(stores[variant], device=DEVICE, schedule=on, vram_slots=20) as engine:
+        staged, again = greedy_logits(engine, PROMPT, 10), greedy_logits(engine, PROMPT, 10)
+        stage = engine.coordinator.stages[0][1]
+        assert stage.tier.S == 2 and int(stage.staged_served) > 0  # staged blocks were read
+        assert engine.rt.stats.snapshot()["vram_fills"] > 0  # and the tier refreshed
+    assert [int(t) for t in staged.argmax(-1)] == ref_tokens
+    assert torch.equal(staged, plain) and torch.equal(again, plain)
+
+
 @pytest.mark.parametrize("variant", ["nemotron_h_latent", "qwen3_next"])
 def test_shared_term_runs_early_or_late_with_the_same_logits(variant, stores, refs, tmp_path):
     """The shared expert (MoEBlock.shared) run early (route: while the host waits for the ids; direct: on a side stream
