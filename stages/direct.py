@@ -39,7 +39,7 @@ RAM until its kernels and copies are queued (their slots then wait for that GPU 
 Prompts then take the prompts' path. A one-token step of a block with pure functions (`graph_safe`) brings the next
 MoE layer's guesses (its router on this input) with its ids, reads those neither tier holds as guesses (`prefetch`:
 on the reader's guess queue, behind every demand read), points the table at its own blocks' RAM slots and runs the
-step `hold: true` runs (its router again, on the GPU; no staging lookahead: a guess's block may not be in RAM); other
+step `hold: true` runs, on those ids (no staging lookahead: a guess's block may not be in RAM); other
 blocks' one-token steps take the prompts' path. The VRAM tier's refreshes and a prompt's copies ahead take only
 blocks in RAM.
 
