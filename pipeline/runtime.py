@@ -139,6 +139,19 @@ class Runtime:
             self.tracer.read_started(layer, expert, fut)
         return asyncio.wrap_future(fut)
 
+    def read_guess(self, layer: int, expert: int) -> bool:
+        """Read block (layer, expert) into a free or evictable RAM slot as a guess (the reader takes it only while no
+        demand read is queued or running); False when no slot can be had."""
+        entry = self.ram.try_reserve((layer, expert), use=False)
+        if entry is None:
+            return False
+        entry.prefetched = True
+        entry.ready = self.read(layer, expert, entry, guess=True)
+        entry.ready.add_done_callback(lambda f, e=entry: self.settle_prefetch(e, f))
+        self.guessed.setdefault(layer, []).append(entry)
+        self.stats.prefetch_reads += 1
+        return True
+
     def settle_prefetch(self, entry: CacheEntry, fut: asyncio.Future) -> None:
         """A prefetch read finished: keep the block, or drop it if the read failed or was cancelled (a demand will
         retry and report)."""

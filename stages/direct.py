@@ -303,19 +303,11 @@ class Direct(Stage):
     def _read_guesses(self, layer: int, experts: list[int]) -> None:
         """The blocks of `experts` (MoE layer `layer`'s guesses) that neither tier holds, read into RAM as guesses: the
         reader takes them only while no demand read is queued or running."""
-        rt = self.rt
         for e in experts:
-            key = (layer, e)
-            if key in rt.ram or (self.index[layer], e) in self.tier.slot_of:
+            if (layer, e) in self.rt.ram or (self.index[layer], e) in self.tier.slot_of:
                 continue
-            entry = rt.ram.try_reserve(key, use=False)
-            if entry is None:
+            if not self.rt.read_guess(layer, e):
                 return
-            entry.prefetched = True
-            entry.ready = rt.read(layer, e, entry, guess=True)
-            entry.ready.add_done_callback(lambda f, en=entry: rt.settle_prefetch(en, f))
-            rt.guessed.setdefault(layer, []).append(entry)
-            rt.stats.prefetch_reads += 1
 
     def _release_ram(self) -> None:
         """stream_ram: unpin the step's RAM blocks; their slots wait for the GPU work queued so far before reuse."""

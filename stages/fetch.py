@@ -120,11 +120,5 @@ class Fetch(Stage):
                 key = (layer, expert)
                 if key in rt.ram or (rt.vram is not None and key in rt.vram):
                     continue
-                entry = rt.ram.try_reserve(key)
-                if entry is None:
+                if not rt.read_guess(layer, expert):
                     return
-                entry.prefetched = True
-                entry.ready = rt.read(layer, expert, entry, guess=True)
-                entry.ready.add_done_callback(lambda f, e=entry: rt.settle_prefetch(e, f))
-                rt.guessed.setdefault(layer, []).append(entry)
-                rt.stats.prefetch_reads += 1
