@@ -101,6 +101,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "hit_rate": 1 - io["blocks"]["disk"] / total if total else None,
         "prefetch_recall": io["predicted_right"] / io["routed_predicted"] if io["routed_predicted"] else None,
         "stall_ms_per_token": 1000 * io["stall_s"] / n,
+        "ids_wait_ms_per_token": 1000 * io["ids_wait_s"] / n,
         "cpu_blocks_per_token": io["cpu_blocks"] / n,
         "vram_prefetches_per_token": io["vram_prefetches"] / n,  # copied on a guess (right or wrong): PCIe bytes too
         "vram_prefetch_hits_per_token": io["vram_prefetch_hits"] / n,
@@ -144,7 +145,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
     lines.append("  blocks/token " + ", ".join(f"{t} {v:.2f} ({v * block_bytes / 1e6:.1f} MB)" for t, v in d["blocks_per_token"].items()))
     hit = f"{d['hit_rate']:.1%}" if d["hit_rate"] is not None else "n/a"
     rec = f"{d['prefetch_recall']:.1%}" if d["prefetch_recall"] is not None else "n/a"
-    lines.append(f"  hit rate {hit}, prefetch recall {rec}, fetch stall {d['stall_ms_per_token']:.2f} ms/token")
+    lines.append(f"  hit rate {hit}, prefetch recall {rec}, fetch stall {d['stall_ms_per_token']:.2f} ms/token, "
+                 f"waiting for routed ids {d['ids_wait_ms_per_token']:.2f} ms/token")
     if d["vram_prefetches_per_token"]:
         lines.append(f"  VRAM prefetch: {d['vram_prefetches_per_token']:.2f} blocks/token copied ahead on a guess, "
                      f"{d['vram_prefetch_hits_per_token']:.2f} of them then routed (VRAM hits)")
@@ -216,7 +218,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
     lengths = list(results[0][1]["prefill"])
     head = (f"{'schedule':14} {'median ms':>9} {'mean ms':>8} {'1st ms':>7} {'rest ms':>7} {'tok/s':>7} {'x roofline':>10} "
             + " ".join(f"{'prefill ' + str(n):>15}" for n in lengths)
-            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'to VRAM':>7} {'hit':>6} {'stall ms':>8}")
+            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'to VRAM':>7} {'hit':>6} {'stall ms':>8} {'ids ms':>7}")
     lines = [head]
     for name, r in results:
         d = r["decode"]
@@ -227,7 +229,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
         lines.append(f"{name:14} {d['ms_per_token_median']:9.2f} {d['ms_per_token_mean']:8.2f} {d['ms_first_token']:7.1f} "
                      f"{d['ms_per_token_mean_after_first']:7.2f} {d['tok_s']:7.1f} {roof:>10} "
                      + " ".join(f"{r['prefill'][n]['tok_s']:>7.0f}/{r['prefill'][n]['next']['tok_s']:<7.0f}" for n in lengths)
-                     + f" {tiers:>36} {d['vram_prefetches_per_token'] + d['vram_fills_per_token']:7.2f} {hit:>6} {d['stall_ms_per_token']:8.2f}")
+                     + f" {tiers:>36} {d['vram_prefetches_per_token'] + d['vram_fills_per_token']:7.2f} {hit:>6} {d['stall_ms_per_token']:8.2f} {d['ids_wait_ms_per_token']:7.2f}")
     rates = [f"host RAM read {ram_read / 1e9:.1f} GB/s"]
     h2d = [r["decode"]["h2d_gbps"] for _, r in results if "h2d_gbps" in r["decode"]]
     if h2d:

@@ -8,6 +8,7 @@ LRU (pinned when CUDA) -> disk. All bookkeeping happens on the event-loop thread
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class IOStats:
     predicted_right: int = 0  # guesses the layer then routed to
     routed_predicted: int = 0  # experts routed in layers that had a prediction
     stall_s: float = 0.0  # time fetch waited for reads to land
+    ids_wait_s: float = 0.0  # time the host waited for routed ids to arrive from the GPU (the GPU's queued work before them)
     cpu_blocks: int = 0  # blocks the hybrid path computed on the CPU instead of copying them
     steps: int = 0
     tokens: int = 0
@@ -129,6 +131,13 @@ class Runtime:
 
     def logical(self, buf: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         return self.store.logical(buf)
+
+    async def ids_arrived(self, event) -> None:
+        """Wait for routed ids on their way to the host (`Streams.to_host`'s event), timed as `ids_wait_s`: the GPU
+        work queued before them that the host could not run ahead of."""
+        t = time.perf_counter()
+        await self.streams.arrived(event)
+        self.stats.ids_wait_s += time.perf_counter() - t
 
     def read(self, layer: int, expert: int, entry: CacheEntry, guess: bool = False) -> asyncio.Future:
         """Start reading block (layer, expert) into entry's slot (a `guess` after demand reads); the future

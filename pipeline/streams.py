@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ class Streams:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self._local = threading.local()  # .current: the named stream `use` made current in this thread
         if self.cuda:
             self._streams = {"compute": torch.cuda.current_stream(device), "copy": torch.cuda.Stream(device)}
         else:
@@ -31,9 +33,25 @@ class Streams:
         return self._streams.get(name)
 
     def use(self, name: str):
-        """Context that makes `name` the current stream (no-op on CPU)."""
+        """Context that makes `name` the current stream (no-op on CPU, and where `name` is current already).
+
+        Which named stream is current is kept here, per thread, from these contexts alone: entering
+        torch.cuda.stream(...) costs tens of microseconds of host time, and a one-token step enters
+        several per layer. So code inside a raw `torch.cuda.stream` block must not call `use`."""
         s = self._streams.get(name)
-        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+        if s is None or getattr(self._local, "current", "compute") == name:
+            return contextlib.nullcontext()
+        return self._switch(name, s)
+
+    @contextlib.contextmanager
+    def _switch(self, name: str, s):
+        before = getattr(self._local, "current", "compute")
+        with torch.cuda.stream(s):
+            self._local.current = name
+            try:
+                yield
+            finally:
+                self._local.current = before
 
     def record(self, name: str, timing: bool = False) -> Any:
         """An event recorded now on stream `name`; None on CPU. `timing` for trace events."""
@@ -48,13 +66,14 @@ class Streams:
         if event is not None and self.cuda:
             self._streams[name].wait_event(event)
 
-    def to_host(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Start copying device tensor t to pinned host memory on stream `name`; (host tensor, event after the
-        copy). The host tensor is valid once `arrived(event)` has returned. On a CPU: (t, None)."""
+    def to_host(self, name: str, t: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """Start copying device tensor t to pinned host memory on stream `name` (into `out`, a pinned tensor of t's
+        shape and dtype that the caller owns and does not touch before the event, else a new one); (host tensor, event
+        after the copy). The host tensor is valid once `arrived(event)` has returned. On a CPU: (t, None)."""
         if not self.cuda:
             return t, None
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        with torch.cuda.stream(self._streams[name]):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if out is None else out
+        with self.use(name):
             host.copy_(t, non_blocking=True)
         return host, self.record(name)
 

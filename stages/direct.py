@@ -38,8 +38,8 @@ routes to that neither VRAM nor RAM holds are read from disk (demand reads), and
 RAM until its kernels and copies are queued (their slots then wait for that GPU work before a new block is read in).
 Prompts then take the prompts' path. A one-token step of a block with pure functions (`graph_safe`) brings the next
 MoE layer's guesses (its router on this input) with its ids, reads those neither tier holds as guesses (`prefetch`:
-on the reader's guess queue, behind every demand read), points the table at its own blocks' RAM slots and runs the
-step `hold: true` runs, on those ids (no staging lookahead: a guess's block may not be in RAM); other
+on the reader's guess queue, behind every demand read), sends the step the offsets it found its blocks at (VRAM
+or RAM slots; one copy) and runs the step `hold: true` runs, on those ids and offsets (no staging lookahead: a guess's block may not be in RAM); other
 blocks' one-token steps take the prompts' path. The VRAM tier's refreshes and a prompt's copies ahead take only
 blocks in RAM.
 
@@ -153,7 +153,8 @@ class Direct(Stage):
         self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
         self.token_blocks = 0  # one-token steps' routed blocks (host count)
         self.token_disk = 0  # ... read from disk (stream_ram)
-        self._seen = (0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk) already counted
+        self.token_vram = 0  # ... read from VRAM (stream_ram: the host resolves them)
+        self._seen = (0, 0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk, token_vram) counted
         S = self.tier.S  # one-token lookahead: blocks a staging half holds
         self._guess_ids = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # by the guessed layer's parity: global ids
         self._guess_src = torch.zeros(2, S, dtype=torch.int64, device=dev)  # ... and their RAM offsets
@@ -168,6 +169,8 @@ class Direct(Stage):
             self._graphs = FnGraphs()
         self._steppers = {}
         self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
+        self._host: dict[int, tuple] = {}  # stream_ram: per MoE index, its one-token steps' buffers (`_host_bufs`)
+        self._landing_of: tuple | None = None  # stream_ram: (tier.landing, its (i, e) as a set), made once per refresh
         # one-token steps: the stream of the shared term and the next layer's guess, forked from the stage's and joined
         # before the layer's output; and the staging copies' stream
         cuda = dev.type == "cuda"
@@ -233,7 +236,7 @@ class Direct(Stage):
         if block.shared is not None and self.knobs.shared == "side":  # the GPU runs it while the host waits for the ids
             with self.rt.streams.use(self.stream):
                 shared = block.shared(li.x)
-        await self.rt.streams.arrived(arrived)
+        await self.rt.ids_arrived(arrived)
         ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
         flat = ids_cpu.flatten().long()
         experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
@@ -474,38 +477,70 @@ class Direct(Stage):
     async def _token_streamed(self, li: LayerInput, i: int) -> torch.Tensor:
         """stream_ram, a one-token step: the router's ids come to the host (the one wait; with `prefetch`, the next MoE
         layer's guesses with them, read behind the demands), the routed blocks the VRAM tier does not serve are brought
-        into RAM (demand reads from disk for the misses) and pinned, their table entries pointed at their RAM slots;
-        then the layer's step runs as `direct`'s does, on these ids (the blocks checked are the blocks read)."""
+        into RAM (demand reads from disk for the misses) and pinned; then the layer's step runs as `direct`'s does, on
+        these ids and on the offsets the host found them at (the blocks checked are the blocks read), sent with one
+        copy instead of pointing the table at them (`Tier.point`: several launches a layer)."""
         block, nxt = li.block, li.next_block if self.knobs.prefetch else None
+        K = block.top_k
         with self.rt.streams.use(self.stream):
-            weights, ids = self._router(block)(li.x)
-            both = torch.cat((ids, self._router(nxt)(li.x)[1].to(ids.dtype)), dim=1) if nxt is not None else ids
-        host, arrived = self.rt.streams.to_host(self.stream, both)
-        await self.rt.streams.arrived(arrived)
-        routed, guessed = host[0, : block.top_k].tolist(), host[0, block.top_k:].tolist()
-        tier = self.tier
-        landing = {(m[0], m[1]) for m in tier.landing[1]} if tier.landing is not None else set()
-        # blocks the table does not point at in VRAM: not in the tier, or their copy into it not yet landed
-        need = sorted({e for e in routed if (i, e) not in tier.slot_of or (i, e) in landing})
+            weights, ids, both = self._router(block, nxt)(li.x)
+        # per MoE layer, pinned buffers this step alone uses: the next token's step of this layer writes them only once
+        # its own ids have arrived, which is after every copy queued here (one stream, in order)
+        ids_host, offs_host, offs = self._host_bufs(i, both, K)
+        host, arrived = self.rt.streams.to_host(self.stream, both, ids_host)
+        await self.rt.ids_arrived(arrived)
+        routed, guessed = host[0, :K].tolist(), host[0, K:].tolist()
+        tier, landing = self.tier, self._landing()
+        slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]  # VRAM slots, landed
+        need = sorted({e for e, slot in zip(routed, slots) if slot is None})
         try:
             await self._ensure_ram(block.layer, i, need, (nxt.layer, guessed) if nxt is not None else None)
             self.token_disk += len(self._disk)
-            tier.point([(i, e, None) for e in need], vram=False)  # at the RAM slots they were found or read into
-            return self._token(block, li.next_block, None, li.x, li.residual, routing=(weights, ids), between=False)
+            self.token_vram += K - len(need)
+            bb, ram = self.rt.store.block_bytes, self._ram_off[i]
+            offs_host.numpy()[:] = [ram[e] if slot is None else slot * bb for e, slot in zip(routed, slots)]
+            with self.rt.streams.use(self.stream):
+                offs.copy_(offs_host, non_blocking=True)
+            return self._token(block, li.next_block, None, li.x, li.residual, routing=(weights, ids, offs), between=False)
         finally:
             self._release_ram()
 
-    def _router(self, block):
-        """`block`'s router, replayed as a CUDA graph where graphs are on (stream_ram's ids for the host)."""
-        router = self._routers.get(block.layer)
+    def _router(self, block, nxt=None):
+        """stream_ram: x -> (weights, ids, ids with `nxt`'s guessed ids after them) of `block`'s router (and `nxt`'s),
+        replayed as a CUDA graph where graphs are on."""
+        key = (block.layer, None if nxt is None else nxt.layer)
+        router = self._routers.get(key)
         if router is None:
-            router = self._routers[block.layer] = \
-                self._graphs.wrap(block.router, f"router:{block.layer}") if self._graphs is not None else block.router
+            def route(x):
+                weights, ids = block.router(x)
+                return weights, ids, ids if nxt is None else torch.cat((ids, nxt.router(x)[1].to(ids.dtype)), dim=1)
+
+            router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if self._graphs is not None else route
         return router
 
+    def _host_bufs(self, i: int, both: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MoE index i's buffers for its streamed one-token steps: pinned ids from the GPU (both's shape), the pinned
+        byte offsets of its K routed blocks, and the device offsets its step reads."""
+        bufs = self._host.get(i)
+        if bufs is None or bufs[0].shape != both.shape:
+            pin = both.device.type == "cuda"
+            bufs = self._host[i] = (torch.empty(both.shape, dtype=both.dtype, pin_memory=pin),
+                                    torch.empty(K, dtype=torch.int64, pin_memory=pin),
+                                    torch.empty(K, dtype=torch.int64, device=both.device))
+        return bufs
+
+    def _landing(self) -> set:
+        """The (MoE index, expert) of the tier's copies not yet landed: the table does not point at their slots yet."""
+        landing = self.tier.landing
+        if landing is None:
+            return set()
+        if self._landing_of is None or self._landing_of[0] is not landing:
+            self._landing_of = (landing, {(m[0], m[1]) for m in landing[1]})
+        return self._landing_of[1]
+
     def _token(self, block, next_block, layer, *args, routing: tuple | None = None, between: bool = True) -> torch.Tensor:
-        """A one-token step of `block`'s layer on args (h, or x and residual: `_stepper`); `routing`: its (weights, ids),
-        routed already (stream_ram), else routed in the step."""
+        """A one-token step of `block`'s layer on args (h, or x and residual: `_stepper`); `routing`: its (weights, ids,
+        block offsets), routed and resolved on the host already (stream_ram), else routed in the step."""
         i = self.index[block.layer]
         if i == 0 and between:
             self._between_tokens()
@@ -523,8 +558,8 @@ class Direct(Stage):
 
     def _stepper(self, block, next_block, layer=None, routed: bool = False):
         """The one-token step of `block`'s layer: h [1, 1, D] -> h with `layer` (its MoE input included), else
-        (x [1, D], residual) -> h, or with `routed` (x, residual, weights, ids) -> h; replayed as a CUDA graph with
-        `graphs`."""
+        (x [1, D], residual) -> h, or with `routed` (x, residual, weights, ids, offs: the routed blocks' byte offsets,
+        found by the host) -> h; replayed as a CUDA graph with `graphs`."""
         fn = self._steppers.get((block.layer, layer is None, routed))
         if fn is None:
             kern, i, K, E = self._kernel(block), self.index[block.layer], block.top_k, self.rt.store.manifest.num_experts
@@ -538,12 +573,17 @@ class Direct(Stage):
             side = self._side if shared is not None or nxt is not None else None
             stage0 = tier.staging_offset(i % 2)
 
-            def routed_sum(x, weights, ids, xe):
+            ones = torch.ones(K, dtype=torch.int64, device=self.base.device)
+
+            def routed_sum(x, weights, ids, xe, offs=None):
                 if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width
                     return torch.zeros_like(xe)
-                offs = resolve(ids[0], tier.table[i], tier.in_vram[i], self._held[i % 2], stage0, bb, i * E,
-                               torch.empty(K, dtype=torch.int64, device=x.device), tier.uses[i], self.vram_served,
-                               self.staged_served)
+                if offs is not None:  # resolved by the host (stream_ram); the uses that the tier's refreshes rank by
+                    tier.uses[i].index_add_(0, ids[0].long(), ones)
+                else:
+                    offs = resolve(ids[0], tier.table[i], tier.in_vram[i], self._held[i % 2], stage0, bb, i * E,
+                                   torch.empty(K, dtype=torch.int64, device=x.device), tier.uses[i], self.vram_served,
+                                   self.staged_served)
                 y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip, host)  # [K, Dx], row k
                 return y.view(1, K, -1).sum(dim=1).to(x.dtype)
 
@@ -557,14 +597,14 @@ class Direct(Stage):
             def experts(x, residual, *routing):
                 if side is None:  # a CPU: in line
                     s = beside(x)
-                    weights, ids = routing or block.router(x)
-                    return residual + block.output(routed_sum(x, weights, ids, block.expert_input(x)), x, s).view_as(residual)
+                    weights, ids, offs = routing or (*block.router(x), None)
+                    return residual + block.output(routed_sum(x, weights, ids, block.expert_input(x), offs), x, s).view_as(residual)
                 main = torch.cuda.current_stream()
                 side.wait_stream(main)  # beside the router and the routed experts
                 with torch.cuda.stream(side):
                     s = beside(x)
-                weights, ids = routing or block.router(x)
-                routed_out = routed_sum(x, weights, ids, block.expert_input(x))
+                weights, ids, offs = routing or (*block.router(x), None)
+                routed_out = routed_sum(x, weights, ids, block.expert_input(x), offs)
                 main.wait_stream(side)
                 if s is not None and not torch.cuda.is_current_stream_capturing():  # eager: not reused before main reads it
                     s.record_stream(main)
@@ -616,8 +656,10 @@ class Direct(Stage):
 
     def _flush_counts(self) -> None:
         """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""
-        now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks, self.token_disk)
-        dv, ds, dc, db, dd = (a - b for a, b in zip(now, self._seen))
+        now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks, self.token_disk,
+               self.token_vram)
+        dv, ds, dc, db, dd, dh = (a - b for a, b in zip(now, self._seen))
+        dv += dh
         stats = self.rt.stats
         stats.blocks["vram"] += dv + ds  # a staged block is read from VRAM; its copy is counted as a guess copied ahead
         stats.blocks["disk"] += dd

@@ -47,7 +47,7 @@ class Route(Stage):
         if block.shared is not None and self.knobs.shared == "early":
             with streams.use(self.stream):
                 shared = block.shared(li.x)
-        await streams.arrived(arrived)  # the layer's wait for the GPU; predict's transfer shares it
+        await self.rt.ids_arrived(arrived)  # the layer's wait for the GPU; predict's transfer shares it
         ids_cpu = ids_cpu.long()
         experts, rows = group_by_expert(ids_cpu, li.x.device)
         predicted = self.rt.stats.observe_routing(block.layer, experts)

@@ -97,3 +97,42 @@ def test_knob_values_as_written():
     """Whole numbers where a fraction is expected, and -1 where a knob gives it a meaning, are read as meant."""
     h2d = parse_schedule(with_stage("h2d", {"cpu_share": 1, "cpu_prefill": -1}), "test.yaml").stage("h2d").knobs
     assert h2d.cpu_share == 1.0 and isinstance(h2d.cpu_share, float) and h2d.cpu_prefill == -1
+
+
+def test_stream_contexts_switch_only_when_needed(monkeypatch):
+    """`Streams.use` enters torch.cuda.stream only where the named stream is not current already (a one-token step
+    would otherwise pay its host cost several times a layer), and restores what was current after."""
+    from sluice.pipeline.streams import Streams
+
+    entered = []
+
+    class Ctx:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            entered.append(self.s)
+
+        def __exit__(self, *exc):
+            entered.append(f"/{self.s}")
+
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    streams = Streams(torch.device("cpu"))
+    streams._streams = {"compute": "C", "copy": "Y"}  # as on a GPU
+    with streams.use("compute"):  # current from the start: nothing entered
+        with streams.use("copy"):
+            with streams.use("copy"):
+                with streams.use("compute"):
+                    pass
+            with streams.use("copy"):
+                pass
+        with streams.use("compute"):
+            pass
+    assert entered == ["Y", "C", "/C", "/Y"]
+    with pytest.raises(RuntimeError):  # an error inside still restores what was current
+        with streams.use("copy"):
+            raise RuntimeError("inside")
+    entered.clear()
+    with streams.use("copy"):
+        pass
+    assert entered == ["Y", "/Y"]
