@@ -51,25 +51,19 @@ model's; what it is for is the performance issue's roofline term "the resident p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from sluice.errors import ConfigError, ScheduleError
+from sluice.errors import ScheduleError
 from sluice.kernels.ahead import resolve, select, stage_copy
-from sluice.log import get_logger
 from sluice.stages.base import Stage, StageIO
 from sluice.stages.compute import check_fp4_matvec, expert_backend, torch_expert, triton_experts
+from sluice.stages.direct_ram import RamBlocks
 from sluice.stages.direct_tier import Tier
 from sluice.stages.route import group_by_expert
 from sluice.stages.types import LayerInput, LayerOutput
-
-
-LOAD_WINDOW = 64  # block reads in flight while the stage loads the store at open
 
 
 @dataclass(frozen=True)
@@ -133,20 +127,11 @@ class Direct(Stage):
         self.index = {layer: i for i, layer in enumerate(self.layers)}
         E = store.manifest.num_experts
         self.stream_ram = knobs.routed and not knobs.hold  # RAM is a cache: blocks read from disk when routed to
-        if self.stream_ram and rt.ram.capacity < E:
-            need = E * store.block_bytes / 2**30
-            raise ConfigError(f"schedule stage 'direct' with hold: false needs RAM for one layer's experts at least: {E} blocks "
-                              f"({need:.2f} GiB), the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) {need:.2f}GiB or more")
-        # (layer, expert) -> its RAM entry: held for good, or (stream_ram) pinned for a step, then a cache's entry
-        self.ram_entries = self._load_all() if knobs.routed and knobs.hold else {}
-        self._disk: set[int] = set()  # stream_ram: the current layer's experts read from disk
-        self._pinned: list = []  # stream_ram: the RAM entries the current layer pinned
         vram = rt.vram if knobs.vram and knobs.routed and rt.vram is not None and rt.vram.capacity else None
         base = self.base = (vram.arena if vram is not None else rt.ram.arena).data
-        self._ram_off = [[self.ram_entries[(layer, e)].buf.data_ptr() - base.data_ptr() if self.ram_entries else 0 for e in range(E)]
-                         for layer in self.layers]  # stream_ram: set when a step pins the block
+        self.blocks = RamBlocks(rt, self.layers, base, knobs.routed and knobs.hold, self.stream_ram, stream)
         triton = backend == "triton" and knobs.routed
-        self.tier = Tier(knobs, rt, self.layers, vram, self._ram_off, self._resident, stream, banks=triton,
+        self.tier = Tier(knobs, rt, self.layers, vram, self.blocks.off, self.blocks.resident, stream, banks=triton,
                          staging=triton and not self.stream_ram, stream_ram=self.stream_ram)
         self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
@@ -179,33 +164,6 @@ class Direct(Stage):
         self._staging: torch.Tensor | None = None  # prompts: 2 x prompt_group block slots in VRAM
         self._staged: list = [None, None]  # per staging half: the event after the compute that last read it
         rt.stats.sources.append(self._flush_counts)
-
-    def _load_all(self) -> dict:
-        """Read every block into the RAM tier and hold it there (once, at open)."""
-        rt, store = self.rt, self.rt.store
-        n = store.total_blocks
-        if rt.ram.capacity < n:
-            gib = n * store.block_bytes / 2**30
-            raise ConfigError(f"schedule stage 'direct' keeps every expert block in RAM: the store has {n} blocks ({gib:.2f} GiB), "
-                              f"the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) at least {gib:.2f}GiB, or read "
-                              f"blocks from disk as they are routed to (hold: false, schedules/direct-stream.yaml)")
-        t, entries, pending = time.perf_counter(), {}, deque()
-        for layer in store.moe_layers:
-            for e in range(store.manifest.num_experts):
-                entry = entries[(layer, e)] = rt.ram.try_reserve((layer, e))
-                pending.append((entry, rt.reader.submit(layer, e, entry.buf)))
-                if len(pending) >= LOAD_WINDOW:
-                    self._settle(*pending.popleft())
-        while pending:
-            self._settle(*pending.popleft())
-        get_logger().info("direct: every expert block held in RAM", blocks=n, gib=round(n * store.block_bytes / 2**30, 2),
-                          s=round(time.perf_counter() - t, 2))
-        return entries
-
-    def _settle(self, entry, fut) -> None:
-        fut.result()  # a failed read raises, naming layer and expert
-        self.rt.ram.hold(entry)
-        self.rt.ram.unpin(entry)
 
     # -- the layer step --------------------------------------------------------------------------
 
@@ -243,10 +201,10 @@ class Direct(Stage):
         try:
             if self.stream_ram:
                 need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self.tier.slot_of]
-                await self._ensure_ram(block.layer, i, need)
+                await self.blocks.ensure(block.layer, i, need)
             return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared)
         finally:
-            self._release_ram()  # also after a failed read: the engine's recovery then drops every RAM block
+            self.blocks.release()  # also after a failed read: the engine's recovery then drops every RAM block
 
     def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared) -> LayerOutput:
         with self.rt.streams.use(self.stream):
@@ -260,73 +218,11 @@ class Direct(Stage):
                     self._look_ahead(self.index[li.next_block.layer], guess.flatten().long())
             else:
                 for e in experts:
-                    self.rt.stats.tier("vram" if (i, e) in self.tier.slot_of else "disk" if e in self._disk else "ram")
+                    self.rt.stats.tier("vram" if (i, e) in self.tier.slot_of else "disk" if e in self.blocks.disk else "ram")
                 self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
             routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
             h = li.residual + block.output(routed, li.x, shared).view_as(li.residual)
         return LayerOutput(h)
-
-    async def _ensure_ram(self, layer: int, i: int, experts: list[int], guesses: tuple[int, list[int]] | None = None) -> None:
-        """stream_ram: the blocks of `experts` in RAM, pinned for this layer's step: cache hits, else demand reads from
-        disk (awaited; a failed read raises, naming layer and expert), a guess still queued read at once. Their RAM
-        offsets are noted for the step. `guesses` (MoE layer, experts): read from disk as guesses, after the demands."""
-        rt, pending = self.rt, []
-        self._disk = set()
-        rt.cancel_guesses(layer, keep=set(experts))  # this layer's guesses still queued that it did not route to
-        for e in experts:
-            key = (layer, e)
-            entry = rt.ram.lookup(key)
-            if entry is None:
-                entry = rt.ram.try_reserve(key)
-                if entry is None:  # guesses hold the other slots (at least E, checked at open): they give way
-                    rt.cancel_guesses()
-                    entry = await rt.ram.reserve(key)
-                entry.ready = rt.read(layer, e, entry)
-                self._disk.add(e)
-            else:
-                rt.ram.pin(entry)
-                if entry.loading and entry.prefetched and rt.reader.promote(entry.job):  # a guess not started: a demand
-                    self._disk.add(e)
-                    rt.stats.prefetch_reads -= 1  # counted once, as a disk block
-                elif entry.prefetched:
-                    rt.stats.prefetch_hits += 1  # a guess read (or being read) that this layer routed to
-                entry.prefetched = False
-            self._pinned.append(entry)
-            if entry.loading:
-                pending.append(entry.ready)
-            self.ram_entries[key] = entry
-            self._ram_off[i][e] = entry.buf.data_ptr() - self.base.data_ptr()
-        if guesses is not None:
-            self._read_guesses(*guesses)
-        if pending:
-            t = time.perf_counter()
-            await asyncio.gather(*pending)
-            rt.stats.stall_s += time.perf_counter() - t
-
-    def _read_guesses(self, layer: int, experts: list[int]) -> None:
-        """The blocks of `experts` (MoE layer `layer`'s guesses) that neither tier holds, read into RAM as guesses: the
-        reader takes them only while no demand read is queued or running."""
-        for e in experts:
-            if (layer, e) in self.rt.ram or (self.index[layer], e) in self.tier.slot_of:
-                continue
-            if not self.rt.read_guess(layer, e):
-                return
-
-    def _release_ram(self) -> None:
-        """stream_ram: unpin the step's RAM blocks; their slots wait for the GPU work queued so far before reuse."""
-        if not self._pinned:
-            return
-        done = self.rt.streams.record(self.stream)
-        for entry in self._pinned:
-            self.rt.ram.unpin(entry, busy=done)
-        self._pinned = []
-
-    def _resident(self, layer: int, e: int):
-        """A loaded RAM entry for (layer, e), or None: what a copy that is not this layer's may read (stream_ram)."""
-        if not self.stream_ram:
-            return self.ram_entries[(layer, e)]
-        entry = self.rt.ram.peek((layer, e))
-        return entry if entry is not None and not entry.loading else None
 
     def _prompt_experts(self, block, i, flat, experts, xe, w, y) -> None:
         """A prompt's experts (flat: its routed ids [T*K], CPU): those in VRAM from their slots; those the previous layer
@@ -345,7 +241,7 @@ class Direct(Stage):
         ahead = [e for e in experts if e in early]
         in_ram = [e for e in experts if (i, e) not in tier.slot_of and e not in early]
         for e in experts:
-            self.rt.stats.tier("vram" if e in in_vram else "disk" if e in self._disk else "ram")
+            self.rt.stats.tier("vram" if e in in_vram else "disk" if e in self.blocks.disk else "ram")
         self.rt.stats.vram_prefetch_hits += len(ahead)
         ram_groups = [in_ram[s : s + G] for s in range(0, len(in_ram), G)] if G else [in_ram] if in_ram else []
         rank = torch.zeros(E, dtype=torch.int64)
@@ -360,7 +256,7 @@ class Direct(Stage):
             dsts = []
             for j, e in enumerate(group):
                 if not G:
-                    offsets.append(self._ram_off[i][e])
+                    offsets.append(self.blocks.off[i][e])
                     continue
                 if self.knobs.prompt_fill and tier.free:  # a free slot is read by no kernel: the copy needs no wait
                     slot = tier.slot_of[(i, e)] = tier.free.pop()
@@ -396,7 +292,7 @@ class Direct(Stage):
                     with streams.use("copy"):
                         streams.wait("copy", self._staged[half])
                         for e, dst in dsts:
-                            dst.copy_(self.ram_entries[(block.layer, e)].buf, non_blocking=True)
+                            dst.copy_(self.blocks.entries[(block.layer, e)].buf, non_blocking=True)
                         landed = streams.record("copy")
                     streams.wait(self.stream, landed)
                     compute(group)
@@ -421,7 +317,7 @@ class Direct(Stage):
         early, filled, moves = {}, [], []
         layer = self.layers[i]
         for e in order:
-            if (i, e) in tier.slot_of or (src := self._resident(layer, e)) is None:
+            if (i, e) in tier.slot_of or (src := self.blocks.resident(layer, e)) is None:
                 continue
             if self.knobs.prompt_fill and tier.free:
                 slot = tier.slot_of[(i, e)] = tier.free.pop()
@@ -494,16 +390,19 @@ class Direct(Stage):
         slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]  # VRAM slots, landed
         need = sorted({e for e, slot in zip(routed, slots) if slot is None})
         try:
-            await self._ensure_ram(block.layer, i, need, (nxt.layer, guessed) if nxt is not None else None)
-            self.token_disk += len(self._disk)
+            if nxt is not None:  # the guesses VRAM lacks; RAM's are left out by `read_guesses`
+                j = self.index[nxt.layer]
+                guesses = (nxt.layer, [e for e in guessed if (j, e) not in tier.slot_of])
+            await self.blocks.ensure(block.layer, i, need, guesses if nxt is not None else None)
+            self.token_disk += len(self.blocks.disk)
             self.token_vram += K - len(need)
-            bb, ram = self.rt.store.block_bytes, self._ram_off[i]
+            bb, ram = self.rt.store.block_bytes, self.blocks.off[i]
             offs_host.numpy()[:] = [ram[e] if slot is None else slot * bb for e, slot in zip(routed, slots)]
             with self.rt.streams.use(self.stream):
                 offs.copy_(offs_host, non_blocking=True)
             return self._token(block, li.next_block, None, li.x, li.residual, routing=(weights, ids, offs), between=False)
         finally:
-            self._release_ram()
+            self.blocks.release()
 
     def _router(self, block, nxt=None):
         """stream_ram: x -> (weights, ids, ids with `nxt`'s guessed ids after them) of `block`'s router (and `nxt`'s),
@@ -638,7 +537,7 @@ class Direct(Stage):
     def _torch(self, block, experts, rows, xe, w, y) -> None:
         """The plain-torch reference path, each expert from its RAM slot."""
         for e in experts:
-            torch_expert(self.rt.store, block, self.rt.store.logical(self.ram_entries[(block.layer, e)].buf), rows[e], xe, w, y)
+            torch_expert(self.rt.store, block, self.rt.store.logical(self.blocks.entries[(block.layer, e)].buf), rows[e], xe, w, y)
 
     # -- the VRAM tier (stages/direct_tier.py) ---------------------------------------------------
 

@@ -182,7 +182,7 @@ def test_prompt_fills_free_vram_slots(stores, tmp_path):
         assert io2["vram_fills"] == 0 and io2["blocks"]["vram"] > 0  # no free slot left; the filled ones read in place
         engine.empty_vram()
         assert not stage.tier.slot_of and len(stage.tier.free) == 5 and int(stage.tier.in_vram.sum()) == 0
-        assert stage.tier.table.tolist() == stage._ram_off
+        assert stage.tier.table.tolist() == stage.blocks.off
         again = engine.forward(other)
         assert engine.rt.stats.since(io)["vram_fills"] == 5
     assert torch.equal(first, ref[0]) and torch.equal(second, ref[1]) and torch.equal(again, ref[1])
@@ -213,12 +213,12 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
         assert stage.tier.bank_lent and {5, 6, 7, 8} & set(stage.tier.slot_of.values())
         third = engine.forward(other)
         assert not stage.tier.bank_lent and max(stage.tier.slot_of.values()) < 5 and stage.tier.free == []
-        assert all(stage.tier.table[i, e].item() == stage._ram_off[i][e] for i in range(len(stage.layers))
+        assert all(stage.tier.table[i, e].item() == stage.blocks.off[i][e] for i in range(len(stage.layers))
                    for e in range(engine.store.manifest.num_experts) if (i, e) not in stage.tier.slot_of)
         engine.empty_vram()
         assert stage.tier.free == [4, 3, 2, 1, 0] and not stage.tier.slot_of
         again = engine.forward(other)
-        real = stage.ram_entries
+        real = stage.blocks.entries
 
         class Shifted(dict):  # the lookahead copies expert e + 1's block for expert e
             def __getitem__(self, key):
@@ -228,11 +228,11 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
         look = stage._look_ahead
 
         def wrong(i, guess):
-            stage.ram_entries = Shifted(real)
+            stage.blocks.entries = Shifted(real)
             try:
                 look(i, guess)
             finally:
-                stage.ram_entries = real
+                stage.blocks.entries = real
 
         monkeypatch.setattr(stage, "_look_ahead", wrong)
         bad = engine.forward(other)
