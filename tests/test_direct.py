@@ -72,7 +72,7 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     RAM into a staging bank (kernels/ahead.py), from which that layer reads them. The tier stays empty here (no
     refresh, no prompt fill), so every block comes from RAM or staging. Logits are those of the same schedule
     without staging bit for bit, and greedy tokens the reference's; staging filled with the wrong blocks diverges."""
-    import sluice.stages.direct as direct_mod
+    import sluice.stages.direct_token as direct_mod
 
     ref_tokens = refs.greedy(variant, PROMPT, 8)
     knobs = dict(backend="triton", refresh=1000, prompt_fill=False, prompt_ahead=0)
