@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--no-prefetch", action="store_true", help="replay without the recorded guesses' prefetch")
     sm.add_argument("--vram-prefetch", choices=["recorded", "on", "off"], default="recorded",
                     help="copy the guesses in RAM into VRAM ahead, as `h2d: {prefetch: true}` does (default: as recorded)")
+    sm.add_argument("--depth", type=int, help="MoE layers guessed ahead, up to the recorded run's `predict: {depth: N}` "
+                    "(default: as recorded)")
     sm.add_argument("--sweep", type=Path, metavar="PREFIX", help="hit rate vs RAM size: write PREFIX.csv and PREFIX.png")
     sm.set_defaults(func=cmd_simulate)
 
@@ -318,9 +320,13 @@ def cmd_simulate(args) -> int:
     trace = read_trace(args.trace)
     h = trace.header
     block = h["block_bytes"]
-    if h.get("prefetch", False) and h.get("prefetch_depth", 1) > 1:
-        print(f"note: the run guessed {h['prefetch_depth']} MoE layers ahead; the trace holds the next layer's guesses "
-              "only, so the replay prefetches one layer ahead", file=sys.stderr)
+    recorded = h.get("prefetch_depth", 1) if h.get("prefetch", False) else 0
+    if recorded > 1 and not any(r.further for r in trace.records):
+        print(f"note: the run guessed {recorded} MoE layers ahead; this trace (from before the guesses further ahead were "
+              "recorded) holds the next layer's only, so the replay prefetches one layer ahead", file=sys.stderr)
+    if args.depth is not None and not 1 <= args.depth <= max(recorded, 1):
+        raise SluiceError(f"--depth {args.depth}: the trace holds guesses up to {max(recorded, 1)} MoE layer(s) ahead "
+                          f"(the recorded run's `predict: {{depth: N}}`); give 1 to {max(recorded, 1)}")
     ram = parse_size(args.ram_cache, "--ram-cache") // block if args.ram_cache else h["ram_blocks"]
     vram = args.vram_slots if args.vram_slots is not None else h.get("vram_blocks", 0)
     prefetch = False if args.no_prefetch else None
@@ -328,13 +334,13 @@ def cmd_simulate(args) -> int:
     if args.sweep:
         total = h["num_experts"] * len(h["moe_layers"])
         sizes = sorted({max(1, round(total * f)) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)})
-        results = sweep(trace, sizes, vram, args.policy, prefetch, vram_prefetch)
+        results = sweep(trace, sizes, vram, args.policy, prefetch, vram_prefetch, args.depth)
         write_sweep(results, block, args.sweep.with_suffix(".csv"), args.sweep.with_suffix(".png"))
         for r in results:
             print(f"{r.ram_blocks:7d} blocks {format_bytes(r.ram_blocks * block):>12}  hit {r.hit_rate:6.1%}  disk reads/token {r.disk_per_token:7.2f}")
         print(f"wrote {args.sweep.with_suffix('.csv')} and {args.sweep.with_suffix('.png')}")
         return 0
-    r = simulate(trace, ram, vram, args.policy, prefetch, vram_prefetch=vram_prefetch)
+    r = simulate(trace, ram, vram, args.policy, prefetch, vram_prefetch=vram_prefetch, depth=args.depth)
     print(f"{trace.tokens} tokens in {trace.steps} steps; RAM {ram} blocks ({format_bytes(ram * block)}), VRAM {vram} slots, policy {args.policy}")
     for tier, n in r.per_token().items():
         print(f"  {tier:5} {n:8.2f} blocks/token  {n * block / 1e6:9.2f} MB/token")

@@ -9,6 +9,7 @@ server runs it on a worker thread of its own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -194,13 +195,20 @@ class Engine:
         return logits[-1] if last else torch.cat(logits)
 
     def _run(self, seq: Sequence, ids: list[int], images: torch.Tensor | None, head: str) -> torch.Tensor | None:
-        with attention_backends():
+        with self._on_device(), attention_backends():
             return self._loop.run_until_complete(self._guarded_step(seq, ids, images, head))
+
+    def _on_device(self):
+        """The engine's GPU as the calling thread's current device (a server's engine thread starts on device 0): Triton
+        launches, CUDA graphs and `Streams.use`, which does not switch devices, all take the current one."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
         """The image encoder's rows for a prompt's images (models/vision.py); attention without cuDNN, whose plan per
         new length would be built again for every image size (`attention_backends`)."""
-        with attention_backends():
+        with self._on_device(), attention_backends():
             return self.image_encoder.encode(pixel_values, image_grid_hw)
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from typing import Any
 
@@ -24,6 +25,7 @@ class Streams:
         self.device = device
         self.cuda = device.type == "cuda"
         self._local = threading.local()  # .current: the named stream `use` made current in this thread
+        self._check = os.environ.get("SLUICE_CHECK_STREAMS") == "1"
         if self.cuda:
             self._streams = {"compute": torch.cuda.current_stream(device), "copy": torch.cuda.Stream(device)}
         else:
@@ -37,9 +39,16 @@ class Streams:
 
         Which named stream is current is kept here, per thread, from these contexts alone: entering
         torch.cuda.stream(...) costs tens of microseconds of host time, and a one-token step enters
-        several per layer. So code inside a raw `torch.cuda.stream` block must not call `use`."""
+        several per layer. So code inside a raw `torch.cuda.stream` block or a graph capture must not call
+        `use` (or `to_host`), and a `use` block must not span an `await` (another task would see its stream).
+        SLUICE_CHECK_STREAMS=1 (the tests set it) checks each skipped switch against the real current stream."""
         s = self._streams.get(name)
-        if s is None or getattr(self._local, "current", "compute") == name:
+        if s is None:
+            return contextlib.nullcontext()
+        if getattr(self._local, "current", "compute") == name:
+            if self._check and torch.cuda.current_stream(self.device) != s:
+                raise RuntimeError(f"Streams.use({name!r}): another stream is current (a raw torch.cuda.stream block or a "
+                                   "capture around this call)")
             return contextlib.nullcontext()
         return self._switch(name, s)
 

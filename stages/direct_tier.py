@@ -26,9 +26,9 @@ class Tier:
     def __init__(self, knobs, rt, layers: list[int], vram, ram_off: list[list[int]], resident: Callable, stream: str,
                  banks: bool, staging: bool, stream_ram: bool):
         """vram: the VRAM cache whose slots the tier uses, or None (no tier: the table points at RAM only). ram_off
-        [n_moe][E]: each block's RAM offset from the base (kept current by the stage under stream_ram). resident(layer,
-        e): a loaded RAM entry to copy from, or None. banks: the prompts' lookahead bank; staging: the one-token staging
-        bank."""
+        [n_moe][E]: each block's RAM offset from the base (under stream_ram, current only for the blocks a step
+        pinned). resident(layer, e): a loaded RAM entry to copy from, or None. banks: the prompts' lookahead bank;
+        staging: the one-token staging bank."""
         self.knobs, self.rt, self.layers, self.vram, self.stream = knobs, rt, layers, vram, stream
         self.ram_off, self.resident, self.stream_ram = ram_off, resident, stream_ram
         self.block_bytes = rt.store.block_bytes
@@ -65,8 +65,9 @@ class Tier:
 
     def point(self, moves: list[tuple[int, int, int | None]], vram: bool) -> None:
         """Table entries (i, e) -> VRAM slot (vram) or their RAM slot (`ram_off`; the slot ignored), in stream order on the
-        stage's stream."""
-        if not moves:
+        stage's stream. Under stream_ram no step reads the table (the host finds every offset: one-token steps send
+        theirs, prompts theirs), so it is not kept."""
+        if not moves or self.stream_ram:
             return
         i = torch.tensor([m[0] for m in moves])
         e = torch.tensor([m[1] for m in moves])

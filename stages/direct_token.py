@@ -65,13 +65,14 @@ class TokenSteps:
                 j = self.index[nxt.layer]
                 guesses = (nxt.layer, [e for e in guessed if (j, e) not in tier.slot_of])
             await self.blocks.ensure(block.layer, i, need, guesses if nxt is not None else None)
-            self.token_disk += len(self.blocks.disk)
-            self.token_vram += K - len(need)
             bb, ram = self.rt.store.block_bytes, self.blocks.off[i]
             offs_host.numpy()[:] = [ram[e] if slot is None else slot * bb for e, slot in zip(routed, slots)]
             with self.rt.streams.use(self.stream):
                 offs.copy_(offs_host, non_blocking=True)
-            return self._token(block, li.next_block, None, li.x, li.residual, routing=(weights, ids, offs), between=False)
+            h = self._token(block, li.next_block, None, li.x, li.residual, routing=(weights, ids, offs), between=False)
+            self.token_disk += len(self.blocks.disk)  # counted with the step's blocks (`_token`), once it is queued
+            self.token_vram += K - len(need)
+            return h
         finally:
             self.blocks.release()
 
@@ -143,7 +144,7 @@ class TokenSteps:
             side = self._side if shared is not None or nxt is not None else None
             stage0 = tier.staging_offset(i % 2)
 
-            ones = torch.ones(K, dtype=torch.int64, device=self.base.device)
+            ones = torch.ones(K, dtype=torch.int64, device=tier.uses.device)  # base may be the pinned RAM arena
 
             def routed_sum(x, weights, ids, xe, offs=None):
                 if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width

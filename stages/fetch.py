@@ -95,10 +95,12 @@ class Fetch(Stage):
             pending[entry.ready] = HostBlock(expert, "disk", entry, v)
         await self._drain(io, pending)
         io.end_wave()
+        pred = await io.value("prediction") if self.knobs.prefetch and io.has("prediction") else None
         if rt.recorder is not None:
-            rt.recorder.layer(layer, routing.ids.flatten().tolist(), routing.experts, tiers, routing.predicted)
-        if self.knobs.prefetch and io.has("prediction"):
-            self._prefetch(await io.value("prediction"))
+            further = pred.further if pred is not None and pred.layer is not None else ()
+            rt.recorder.layer(layer, routing.ids.flatten().tolist(), routing.experts, tiers, routing.predicted, further)
+        if pred is not None:
+            self._prefetch(pred)
 
     async def _drain(self, io: StageIO, pending: dict[asyncio.Future, HostBlock]) -> None:
         """Emit pending blocks as their reads land; time spent here is stall."""

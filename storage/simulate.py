@@ -13,8 +13,10 @@ tier too, as no use (an `lfu` tier evicts them first), stopping at the first wit
 Checked against live runs (tests/test_plan.py): with the recorded cache size the replay gives the
 live disk reads per token. It models pins only at prefetch time, so a cache smaller than one
 layer's distinct experts (which the engine passes through in waves) is replayed less exactly.
-Traces record the next layer's guesses only: a run that guessed further ahead (`predict: {depth: N}`,
-the header's `prefetch_depth`) is replayed as if it guessed one layer ahead.
+A run that guessed further ahead (`predict: {depth: N}`, the header's `prefetch_depth`) records the guesses for the
+layers after the next one too; they are read after the next layer's, nearest layer first, as fetch does (`depth`
+replays fewer of them: what the run would have read guessing less far ahead). Traces from before those were recorded
+hold the next layer's guesses only.
 """
 
 from __future__ import annotations
@@ -161,9 +163,12 @@ class SimResult:
 
 
 def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None,
-             decode_only: bool = False, vram_prefetch: bool | None = None) -> SimResult:
+             decode_only: bool = False, vram_prefetch: bool | None = None, depth: int | None = None) -> SimResult:
     """Replay `trace` with the given tier sizes (in blocks). decode_only counts only one-token steps. prefetch and
-    vram_prefetch (guesses read into RAM; copied into VRAM) default to what the recorded run did."""
+    vram_prefetch (guesses read into RAM; copied into VRAM) default to what the recorded run did; depth (MoE layers
+    guessed ahead, at most the recorded run's) to all the trace holds."""
+    if depth is not None and depth < 1:
+        raise SluiceError(f"depth must be >= 1 (the next MoE layer), got {depth}")
     prefetch = trace.header.get("prefetch", False) if prefetch is None else prefetch
     vram_prefetch = trace.header.get("vram_prefetch", False) if vram_prefetch is None else vram_prefetch
     guessed: set[Key] = set()  # copied into VRAM on a guess and not yet routed to
@@ -208,12 +213,8 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
         # landed when h2d copies) and still there after them (those reads may evict some)
         copyable = [(nxt.layer, e) for e in nxt.predicted if (nxt.layer, e) in ram] if nxt is not None and nxt.predicted else []
         if prefetch and nxt is not None and nxt.predicted:
-            for e in nxt.predicted:
-                key = (nxt.layer, e)
-                if key not in ram and key not in vram:
-                    if not ram.insert(key, now, held):
-                        break  # like the engine: no free or evictable slot ends the prefetch
-                    res.prefetch_reads += 1
+            further = r.further if depth is None else r.further[: depth - 1]
+            res.prefetch_reads += _prefetch(ram, vram, ((nxt.layer, nxt.predicted), *further), now, held)
         if vram_prefetch and vram_blocks and r.tokens == 1 and copyable:
             for key in copyable:
                 if key in vram or key not in ram:
@@ -225,9 +226,23 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
     return res
 
 
+def _prefetch(ram, vram, guesses, now: int, held: frozenset) -> int:
+    """Read (layer, experts) guesses, nearest layer first, into RAM where neither tier holds them; the reads made. Like
+    the engine, the first guess with no free or evictable slot ends the prefetch."""
+    reads = 0
+    for layer, experts in guesses:
+        for e in experts:
+            key = (layer, e)
+            if key not in ram and key not in vram:
+                if not ram.insert(key, now, held):
+                    return reads
+                reads += 1
+    return reads
+
+
 def sweep(trace: Trace, sizes: list[int], vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None,
-          vram_prefetch: bool | None = None) -> list[SimResult]:
-    return [simulate(trace, n, vram_blocks, policy, prefetch, vram_prefetch=vram_prefetch) for n in sizes]
+          vram_prefetch: bool | None = None, depth: int | None = None) -> list[SimResult]:
+    return [simulate(trace, n, vram_blocks, policy, prefetch, vram_prefetch=vram_prefetch, depth=depth) for n in sizes]
 
 
 def write_sweep(results: list[SimResult], block_bytes: int, csv_path: Path, png_path: Path | None) -> None:

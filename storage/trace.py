@@ -7,7 +7,9 @@ Format: JSON lines (gzip when the name ends in .gz). The first line is a header:
 then one line per (step, MoE layer), in execution order:
     {"s": step, "t": tokens in the step, "l": layer, "ids": [T*K routed ids, token-major],
      "e": [distinct experts, ascending], "tier": "RRDV..." (one letter per entry of e:
-     V vram, R ram, D disk), "p": [guesses made for this layer] or null}
+     V vram, R ram, D disk), "p": [guesses made for this layer] or null,
+     "f": [[layer, [guesses]], ...] (only where made: `predict: {depth: N}`, N > 1, the guesses this layer's input made
+     for the MoE layers after the next one, nearest first)}
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ class RoutingRecorder:
     def end_step(self) -> None:
         self.step += 1
 
-    def layer(self, layer: int, ids: list[int], experts: tuple[int, ...], tiers: list[str], predicted: tuple[int, ...] | None) -> None:
+    def layer(self, layer: int, ids: list[int], experts: tuple[int, ...], tiers: list[str], predicted: tuple[int, ...] | None,
+              further: tuple[tuple[int, tuple[int, ...]], ...] = ()) -> None:
         line = {"s": self.step, "t": self.tokens, "l": layer, "ids": ids, "e": list(experts),
                 "tier": "".join(TIER_CODE[t] for t in tiers), "p": list(predicted) if predicted is not None else None}
+        if further:
+            line["f"] = [[l, list(g)] for l, g in further]
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
@@ -58,6 +63,7 @@ class TraceRecord:
     experts: tuple[int, ...]
     tiers: str
     predicted: tuple[int, ...] | None
+    further: tuple[tuple[int, tuple[int, ...]], ...] = ()  # guesses for the MoE layers after the next, made from this input
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,8 @@ def _records(path: Path, lines: Iterator[str]) -> Iterator[TraceRecord]:
         try:
             d = json.loads(line)
             p = d.get("p")
-            yield TraceRecord(d["s"], d["t"], d["l"], tuple(d["ids"]), tuple(d["e"]), d["tier"], tuple(p) if p is not None else None)
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            further = tuple((int(l), tuple(g)) for l, g in d.get("f", ()))
+            yield TraceRecord(d["s"], d["t"], d["l"], tuple(d["ids"]), tuple(d["e"]), d["tier"], tuple(p) if p is not None else None,
+                              further)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise SluiceError(f"{path}: line {n} is malformed ({e!r})") from None

@@ -8,6 +8,7 @@ import os
 # Triton kernels run on the CPU through the interpreter; it must be chosen before triton is imported.
 if os.environ.get("SLUICE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("SLUICE_CHECK_STREAMS", "1")  # on a GPU: every stream switch `Streams.use` skips is checked
 from pathlib import Path
 
 import pytest

@@ -10,6 +10,7 @@ import sluice
 from sluice.storage.plan import plan
 from sluice.storage.safetensors_io import write_header_only
 from sluice.storage.simulate import simulate, write_sweep
+from sluice.errors import SluiceError
 from sluice.storage.trace import Trace, TraceRecord, read_trace
 from tests.common import DEVICE, PROMPT
 
@@ -88,8 +89,8 @@ def test_plan_reads_gguf_through_the_gguf_package(tmp_path):
     assert p.resident_bytes == 1000 * 256 * 2 and p.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2
 
 
-def rec(step, layer, experts, predicted=None):
-    return TraceRecord(step, 1, layer, tuple(experts), tuple(sorted(set(experts))), "D" * len(set(experts)), predicted)
+def rec(step, layer, experts, predicted=None, further=()):
+    return TraceRecord(step, 1, layer, tuple(experts), tuple(sorted(set(experts))), "D" * len(set(experts)), predicted, further)
 
 
 def test_policies_on_hand_made_traces():
@@ -109,6 +110,15 @@ def test_policies_on_hand_made_traces():
     # prefetch of the recorded guesses turns the next layer's miss into a hit
     t4 = Trace({"prefetch": True}, (rec(0, 0, [1]), rec(0, 1, [5], predicted=(5,))))
     assert simulate(t4, 4).blocks == {"vram": 0, "ram": 1, "disk": 1} and simulate(t4, 4, prefetch=False).blocks["disk"] == 2
+    # guesses further ahead (`predict: {depth: 3}`): layer 0's input guessed layer 2's 7 and layer 3's 8 and 9; read
+    # after layer 1's guesses, nearest layer first; depth 2 leaves layer 3's out, depth 1 layer 2's too
+    t6 = Trace({"prefetch": True, "prefetch_depth": 3},
+               (rec(0, 0, [1], further=((2, (7,)), (3, (8, 9)))), rec(0, 1, [5], predicted=(5,)), rec(0, 2, [7]), rec(0, 3, [8, 9])))
+    assert simulate(t6, 8).blocks == {"vram": 0, "ram": 4, "disk": 1} and simulate(t6, 8).prefetch_reads == 4
+    assert simulate(t6, 8, depth=2).blocks == {"vram": 0, "ram": 2, "disk": 3}
+    assert simulate(t6, 8, depth=1).blocks == {"vram": 0, "ram": 1, "disk": 4}
+    with pytest.raises(SluiceError, match="depth must be >= 1"):
+        simulate(t6, 8, depth=0)
     # a VRAM tier in front of RAM
     t5 = Trace({"prefetch": False}, tuple(rec(s, 0, [e]) for s, e in enumerate([1, 2, 1, 2])))
     assert simulate(t5, 8, vram_blocks=2).blocks == {"vram": 2, "ram": 0, "disk": 2}
@@ -204,3 +214,65 @@ def test_simulated_vram_prefetch_matches_the_live_run(stores, tmp_path):
     assert close(sim.vram_prefetches, live["vram_prefetches"]) and close(sim.vram_prefetch_hits, live["vram_prefetch_hits"])
     assert sim.vram_prefetch_hits > 20
     assert simulate(trace, ram, 12, vram_prefetch=False).blocks["vram"] < sim.blocks["vram"] - 10
+
+
+def test_simulated_guesses_further_ahead_match_the_live_run(stores, tmp_path, capsys):
+    """A run of `predict: {depth: 2}` records the guesses for the layer after the next one with each layer; the
+    replay reads them as fetch does: the live disk reads per token and guess reads, within a few blocks (reads land
+    in a live order, and a live guess still queued when its layer comes is dropped). Replayed at depth 1 it reads
+    fewer guesses; `sluice simulate --depth` beyond the recorded run's is an error naming it."""
+    import yaml
+
+    from sluice import cli
+    from sluice.pipeline.schedule import SCHEDULES_DIR
+    from sluice.storage.store import ExpertStore
+
+    store = stores["nemotron_h_latent"]
+    doc = yaml.safe_load((SCHEDULES_DIR / "overlap.yaml").read_text())
+    doc["stages"]["predict"] = {"depth": 2}
+    schedule = tmp_path / "depth2.yaml"
+    schedule.write_text(yaml.safe_dump(doc))
+    path = tmp_path / "routing.jsonl"
+    n = ExpertStore.open(store).block_bytes
+    with sluice.load(store, device=DEVICE, schedule=str(schedule), ram_cache=24 * n, record_routing=str(path)) as engine:
+        engine.generate(PROMPT, 32)
+        live = engine.rt.stats.snapshot()
+        ram = engine.rt.ram.capacity
+    trace = read_trace(path)
+    assert trace.header["prefetch_depth"] == 2
+    layers = list(ExpertStore.open(store).moe_layers)
+    further = [r for r in trace.records if r.further]
+    assert further and all(r.further[0][0] == layers[layers.index(r.layer) + 2] for r in further)
+    sim, near = simulate(trace, ram), simulate(trace, ram, depth=1)
+    assert abs(sim.disk_per_token - live["blocks"]["disk"] / live["tokens"]) <= 0.5, (sim.blocks, live["blocks"])
+    assert abs(sim.prefetch_reads - live["prefetch_reads"]) <= 0.1 * live["prefetch_reads"] + 3, (sim.prefetch_reads, live)
+    assert near.prefetch_reads < sim.prefetch_reads
+    assert cli.main(["simulate", str(path), "--depth", "1"]) == 0
+    assert f"prefetch reads {near.prefetch_reads}" in capsys.readouterr().out
+    assert cli.main(["simulate", str(path), "--depth", "3"]) == 1
+    assert "--depth 3: the trace holds guesses up to 2 MoE layer(s) ahead" in capsys.readouterr().err
+
+
+def test_bad_routing_traces_are_named(tmp_path):
+    """A trace that is missing, not a trace, or has a malformed line (a key missing, guesses further ahead that are
+    not [layer, [ids]]) is an error naming the file and the line."""
+    head = json.dumps({"sluice_routing_trace": 1, "moe_layers": [1], "num_experts": 4, "top_k": 1, "block_bytes": 4096,
+                       "ram_blocks": 2, "prefetch": True, "prefetch_depth": 2})
+    good = json.dumps({"s": 0, "t": 1, "l": 1, "ids": [2], "e": [2], "tier": "D", "p": None, "f": [[3, [1, 0]]]})
+    path = tmp_path / "run.jsonl"
+    path.write_text(head + "\n" + good + "\n")
+    assert read_trace(path).records[0].further == ((3, (1, 0)),)
+    cases = [
+        ("", "bad first line"),
+        (json.dumps({"moe_layers": [1]}) + "\n", "no 'sluice_routing_trace': 1 header"),
+        (head + "\n" + good + "\n" + json.dumps({"s": 0, "t": 1, "l": 1, "ids": [2]}) + "\n", "line 3 is malformed"),
+        (head + "\n" + good.replace("[[3, [1, 0]]]", "[3, 1]") + "\n", "line 2 is malformed"),
+        (head + "\n{not json\n", "line 2 is malformed"),
+    ]
+    for text, message in cases:
+        path.write_text(text)
+        with pytest.raises(SluiceError, match=message) as e:
+            read_trace(path)
+        assert str(path) in str(e.value)
+    with pytest.raises(SluiceError, match="no such routing trace"):
+        read_trace(tmp_path / "missing.jsonl")

@@ -119,6 +119,7 @@ def test_stream_contexts_switch_only_when_needed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", Ctx)
     streams = Streams(torch.device("cpu"))
     streams._streams = {"compute": "C", "copy": "Y"}  # as on a GPU
+    streams._check = False  # the stand-in streams are not torch's
     with streams.use("compute"):  # current from the start: nothing entered
         with streams.use("copy"):
             with streams.use("copy"):
@@ -136,3 +137,19 @@ def test_stream_contexts_switch_only_when_needed(monkeypatch):
     with streams.use("copy"):
         pass
     assert entered == ["Y", "/Y"]
+
+
+def test_stream_check_catches_a_raw_stream_around_use(monkeypatch):
+    """SLUICE_CHECK_STREAMS=1: a switch `Streams.use` skips, while another stream is in fact current, is an error."""
+    from sluice.pipeline.streams import Streams
+
+    streams = Streams(torch.device("cpu"))
+    streams._streams = {"compute": "C", "copy": "Y"}  # as on a GPU
+    streams._check = True
+    current = ["C"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    with streams.use("compute"):  # the real current stream is compute: fine
+        pass
+    current[0] = "side"  # as inside a raw torch.cuda.stream(side) block
+    with pytest.raises(RuntimeError, match="another stream is current"):
+        streams.use("compute")
