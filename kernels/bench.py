@@ -155,7 +155,8 @@ TIMING = "graph"  # or "launch" (set by `sluice bench kernels --launch-timing`)
 
 
 def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cuda") -> tuple[dict, list[Row]]:
-    from sluice.kernels.decode import down_relaid, h_pairs, matvec
+    from sluice.kernels.decode import matvec
+    from sluice.kernels.down import down_relaid, h_pairs
 
     device = torch.device(device)
     ceil = ceilings(device)
@@ -229,7 +230,8 @@ def bench_mixed(shapes=("super", "nano"), fmt="nvfp4", from_ram=(0, 1, 2, 4), de
     host memory (zero-copy) and the rest from VRAM, through one bank base as the direct schedule has it, with and
     without the down kernel's alignment hint for host rows; against all-VRAM and against the PCIe floor (the R
     blocks' bytes over the pinned host-to-device rate). Lines of a table."""
-    from sluice.kernels.decode import down_relaid, matvec
+    from sluice.kernels.decode import matvec
+    from sluice.kernels.down import down_relaid
 
     device = torch.device(device)
     ceil = ceilings(device)
@@ -280,7 +282,8 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
     """Time each kernel over tile configurations; lines 'kernel shape fmt config us GB/s'. only: just these kernels
     (matvec-up, matvec-up-words-gather, matvec-up-words, matvec-up-f16x2, down-relaid, down-relaid-f16x2, prefill-up)."""
     want = lambda name: not only or name in only  # noqa: E731
-    from sluice.kernels.decode import down_relaid, matvec
+    from sluice.kernels.decode import matvec
+    from sluice.kernels.down import down_relaid
     from sluice.kernels.prefill import grouped_gemm, tile_items
 
     device = torch.device(device)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels.decode import ACTS, F16X2_DOWN, FP4_WORDS, down_relaid, matvec
+from sluice.kernels.decode import ACTS, F16X2_DOWN, FP4_WORDS, matvec
+from sluice.kernels.down import down_relaid
 from sluice.kernels.dequant import FORMAT_CODES, SCALE_GROUPS
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
@@ -110,7 +111,7 @@ class TritonExperts:
     def _decode(self, bank, offs, down_bank, down_offs, x: torch.Tensor, wts: torch.Tensor, y_dtype: torch.dtype,
                 zero_skip: bool, host: bool | None = None) -> torch.Tensor:
         """One token x [Dx] through A experts: weighted outputs [A, Dx] in y_dtype (expert a's in row a). host: some
-        blocks may be in host memory (kernels/decode.py down_relaid)."""
+        blocks may be in host memory (kernels/down.py down_relaid)."""
         L, A, x_dtype = self.layouts, offs.numel(), x.dtype
         h = torch.empty(A, L["up"].n, dtype=x_dtype, device=x.device)
         if self.kind == "relu2":

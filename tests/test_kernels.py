@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.kernels.decode import down_relaid, matvec
+from sluice.kernels.decode import matvec
+from sluice.kernels.down import down_relaid
 from sluice.kernels.formats import mxfp4_dequant_ref, nvfp4_dequant_ref
 from sluice.kernels.layout import proj_layouts
 from tests.common import DEVICE
@@ -431,7 +432,7 @@ def test_up_epilogue_packs_h_as_h_pairs(words, A, Dx, I, fmt):
     """matvec's relu2 epilogue with `pairs` writes h's f16x2 pairs and per-group unscales exactly as h_pairs packs the
     h it stored (down_relaid then reads them without a packing launch); h itself is unchanged; 16-row groups that a
     tile boundary would split are refused (bn raised to 16)."""
-    from sluice.kernels.decode import h_pairs
+    from sluice.kernels.down import h_pairs
 
     bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=A + I)
     bank, offs = _to(bank, offs)
@@ -461,7 +462,7 @@ def test_relaid_down_f16x2(fmt, A, Dx, I, scale):
     within fp16 rounding of the reference for h far outside fp16's range (with an outlier), columns past a tile's end
     masked (1040 outputs: three tiles of 512, the last partial), zero-skip counting as the fp32 path; h pairs
     swapped (each nibble with its neighbour's activation) or two groups' rows exchanged are far off."""
-    from sluice.kernels import decode as dec
+    from sluice.kernels import down as dec
 
     bank, offs, manifest, dense = make_bank("relu2", fmt, A, Dx, I, seed=A + Dx)
     bank, offs = _to(bank, offs)
