@@ -327,6 +327,9 @@ def cmd_simulate(args) -> int:
     if args.depth is not None and not 1 <= args.depth <= max(recorded, 1):
         raise SluiceError(f"--depth {args.depth}: the trace holds guesses up to {max(recorded, 1)} MoE layer(s) ahead "
                           f"(the recorded run's `predict: {{depth: N}}`); give 1 to {max(recorded, 1)}")
+    if h.get("vram_tier") == "recorded" and (args.vram_slots is not None or args.vram_prefetch == "on"):
+        raise SluiceError(f"{args.trace}: a run of {h.get('schedule', 'direct-stream')!r}, whose VRAM tier (a hot set refreshed from "
+                          "use counts) the replay takes as recorded: --vram-slots and --vram-prefetch on cannot change it")
     ram = parse_size(args.ram_cache, "--ram-cache") // block if args.ram_cache else h["ram_blocks"]
     vram = args.vram_slots if args.vram_slots is not None else h.get("vram_blocks", 0)
     prefetch = False if args.no_prefetch else None
@@ -341,7 +344,8 @@ def cmd_simulate(args) -> int:
         print(f"wrote {args.sweep.with_suffix('.csv')} and {args.sweep.with_suffix('.png')}")
         return 0
     r = simulate(trace, ram, vram, args.policy, prefetch, vram_prefetch=vram_prefetch, depth=args.depth)
-    print(f"{trace.tokens} tokens in {trace.steps} steps; RAM {ram} blocks ({format_bytes(ram * block)}), VRAM {vram} slots, policy {args.policy}")
+    tier = "VRAM as recorded" if h.get("vram_tier") == "recorded" else f"VRAM {vram} slots"
+    print(f"{trace.tokens} tokens in {trace.steps} steps; RAM {ram} blocks ({format_bytes(ram * block)}), {tier}, policy {args.policy}")
     for tier, n in r.per_token().items():
         print(f"  {tier:5} {n:8.2f} blocks/token  {n * block / 1e6:9.2f} MB/token")
     print(f"  hit rate {r.hit_rate:.1%}; disk reads per token {r.disk_per_token:.2f}; prefetch reads {r.prefetch_reads}")

@@ -34,7 +34,7 @@ from sluice.stages.fetch import FetchKnobs
 from sluice.stages.h2d import H2DKnobs
 from sluice.stages.types import LayerInput
 from sluice.storage.store import ExpertStore
-from sluice.storage.trace import RoutingRecorder
+from sluice.storage.trace import RoutingRecorder, trace_header
 
 log = get_logger()
 
@@ -126,16 +126,8 @@ class Engine:
             # the GPU's tier code (copies are memcpy), for tests and for sizing experiments
             default = 4 * store.manifest.top_k if device.type == "cuda" else 0
             vram_blocks = min(store.total_blocks, config.vram_slots or default)
-        recorder = None
-        if config.record_routing:
-            m = store.manifest
-            recorder = RoutingRecorder(config.record_routing, {
-                "architecture": m.architecture, "moe_layers": list(store.moe_layers), "num_experts": m.num_experts,
-                "top_k": m.top_k, "block_bytes": m.block_bytes, "ram_blocks": ram_blocks,
-                "vram_blocks": vram_blocks, "prefetch": bool(fetch) and fetch.knobs.prefetch and schedule.stage("predict") is not None,
-                "vram_prefetch": h2d.prefetch and schedule.stage("predict") is not None,
-                "prefetch_depth": schedule.stage("predict").knobs.depth if schedule.stage("predict") else 0,
-                "schedule": schedule.name})
+        recorder = RoutingRecorder(config.record_routing, trace_header(store, schedule, ram_blocks, vram_blocks)) \
+            if config.record_routing else None
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
                      down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy,
                      guess_reads=fetch.knobs.guess_reads if fetch else FetchKnobs.guess_reads)

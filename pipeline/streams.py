@@ -26,6 +26,7 @@ class Streams:
         self.cuda = device.type == "cuda"
         self._local = threading.local()  # .current: the named stream `use` made current in this thread
         self._check = os.environ.get("SLUICE_CHECK_STREAMS") == "1"
+        self._host: dict[Any, torch.Tensor] = {}  # `host_buffer`'s tensors
         if self.cuda:
             self._streams = {"compute": torch.cuda.current_stream(device), "copy": torch.cuda.Stream(device)}
         else:
@@ -74,6 +75,17 @@ class Streams:
         """Make stream `name` wait for `event` (GPU-side; the host does not block)."""
         if event is not None and self.cuda:
             self._streams[name].wait_event(event)
+
+    def host_buffer(self, key: Any, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor kept for `key` (pinned on CUDA), for values a one-token step sends or brings back (`to_host`'s
+        `out`): allocating pinned memory costs host time each step. The same tensor is handed out again at the next
+        call with this key, so its user must be done with it by then; the users key theirs by MoE layer, and a layer's
+        one-token step reads what came back before it returns, and is queued only after the previous token's step
+        of that layer, whose copies, in stream order, came before."""
+        t = self._host.get(key)
+        if t is None or t.shape != shape or t.dtype != dtype:
+            t = self._host[key] = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+        return t
 
     def to_host(self, name: str, t: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """Start copying device tensor t to pinned host memory on stream `name` (into `out`, a pinned tensor of t's

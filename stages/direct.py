@@ -17,8 +17,8 @@ The stage in five files:
 - direct_ram.py: the RAM side: every block held (`hold: true`, the default: `--ram-cache` at least the store's expert
   bytes), or an LRU cache filled from disk (`hold: false`).
 
-The default keeps routed ids on the GPU, so it does not record routing traces; the trace shows one `direct` span per
-MoE layer.
+The default keeps routed ids on the GPU, so it records no routing traces (`hold: false` does: `_record`); the trace
+shows one `direct` span per MoE layer.
 
 `hold: false` (schedules/direct-stream.yaml) is for stores larger than RAM: the RAM tier is an LRU cache of at least
 one layer's experts, and every step brings the routed ids to the host (one wait per MoE layer); the blocks a layer
@@ -105,9 +105,9 @@ class Direct(TokenSteps, PromptSteps, Stage):
             raise ScheduleError(f"stage 'direct': 'prompt_ahead' must be >= 0, got {knobs.prompt_ahead!r}")
         if knobs.refresh < 1:
             raise ScheduleError(f"stage 'direct': 'refresh' must be >= 1, got {knobs.refresh!r}")
-        if rt.recorder is not None:
-            raise ScheduleError("stage 'direct' keeps routed ids on the GPU and records no routing trace: "
-                                "record with a streaming schedule (e.g. overlap)")
+        if rt.recorder is not None and (knobs.hold or not knobs.routed):
+            raise ScheduleError("stage 'direct' with hold: true keeps routed ids on the GPU and records no routing trace: "
+                                "record with hold: false (schedules/direct-stream.yaml) or a streaming schedule (e.g. overlap)")
         self.backend = backend
         store, dev = rt.store, rt.device
         self.layers = list(store.moe_layers)  # MoE index -> model layer
@@ -140,7 +140,8 @@ class Direct(TokenSteps, PromptSteps, Stage):
             self._graphs = FnGraphs()
         self._steppers = {}
         self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
-        self._host: dict[int, tuple] = {}  # stream_ram: per MoE index, its one-token steps' buffers (`_host_bufs`)
+        self._guessed: dict[int, tuple[int, ...]] = {}  # stream_ram, recording: MoE layer -> the guesses made for it
+        self._offs: dict[int, torch.Tensor] = {}  # stream_ram: per MoE index, the device offsets its one-token steps read
         self._landing_of: tuple | None = None  # stream_ram: (tier.landing, its (i, e) as a set), made once per refresh
         # one-token steps: the stream of the shared term and the next layer's guess, forked from the stage's and joined
         # before the layer's output; and the staging copies' stream
@@ -188,9 +189,20 @@ class Direct(TokenSteps, PromptSteps, Stage):
             if self.stream_ram:
                 need = experts if self.backend != "triton" else [e for e in experts if (i, e) not in self.tier.slot_of]
                 await self.blocks.ensure(block.layer, i, need)
+                if self.rt.recorder is not None:
+                    self._record(block.layer, i, flat.tolist(), experts, set(experts) - set(need))
             return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared)
         finally:
             self.blocks.release()  # also after a failed read: the engine's recovery then drops every RAM block
+
+    def _record(self, layer: int, i: int, ids: list[int], experts: list[int], vram: set[int]) -> None:
+        """stream_ram with --record-routing: the layer's routing as fetch records it (a tier per expert: the blocks the
+        step reads from VRAM, those `blocks.ensure` read from disk, the rest from RAM), with the guesses the step of
+        the MoE layer before made for it (those the VRAM tier lacked: what it offered the reader)."""
+        if i == 0:
+            self._guessed.clear()  # a step that ended early (an error) left its guesses for layers it did not reach
+        tiers = ["vram" if e in vram else "disk" if e in self.blocks.disk else "ram" for e in experts]
+        self.rt.recorder.layer(layer, ids, tuple(experts), tiers, self._guessed.pop(layer, None))
 
     def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared) -> LayerOutput:
         with self.rt.streams.use(self.stream):

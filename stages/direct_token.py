@@ -52,7 +52,7 @@ class TokenSteps:
         with self.rt.streams.use(self.stream):
             weights, ids, both = self._router(block, nxt)(li.x)
         # per MoE layer, pinned buffers this step alone uses: the next token's step of this layer writes them only once
-        # its own ids have arrived, which is after every copy queued here (one stream, in order)
+        # its own ids have arrived, which is after every copy queued here (one stream, in order; Streams.host_buffer)
         ids_host, offs_host, offs = self._host_bufs(i, both, K)
         host, arrived = self.rt.streams.to_host(self.stream, both, ids_host)
         await self.rt.ids_arrived(arrived)
@@ -61,10 +61,15 @@ class TokenSteps:
         slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]  # VRAM slots, landed
         need = sorted({e for e, slot in zip(routed, slots) if slot is None})
         try:
+            guesses = None
             if nxt is not None:  # the guesses VRAM lacks; RAM's are left out by `read_guesses`
                 j = self.index[nxt.layer]
                 guesses = (nxt.layer, [e for e in guessed if (j, e) not in tier.slot_of])
-            await self.blocks.ensure(block.layer, i, need, guesses if nxt is not None else None)
+            await self.blocks.ensure(block.layer, i, need, guesses)
+            if self.rt.recorder is not None:
+                self._record(block.layer, i, routed, sorted(set(routed)), set(routed) - set(need))
+                if guesses is not None:
+                    self._guessed[guesses[0]] = tuple(guesses[1])
             bb, ram = self.rt.store.block_bytes, self.blocks.off[i]
             offs_host.numpy()[:] = [ram[e] if slot is None else slot * bb for e, slot in zip(routed, slots)]
             with self.rt.streams.use(self.stream):
@@ -78,7 +83,8 @@ class TokenSteps:
 
     def _router(self, block, nxt=None):
         """stream_ram: x -> (weights, ids, ids with `nxt`'s guessed ids after them) of `block`'s router (and `nxt`'s),
-        replayed as a CUDA graph where graphs are on."""
+        replayed as a CUDA graph where graphs are on (and `nxt`'s router is pure too: a guess from a stale capture would
+        only read the wrong blocks, but reads are what a cold step waits for)."""
         key = (block.layer, None if nxt is None else nxt.layer)
         router = self._routers.get(key)
         if router is None:
@@ -86,19 +92,19 @@ class TokenSteps:
                 weights, ids = block.router(x)
                 return weights, ids, ids if nxt is None else torch.cat((ids, nxt.router(x)[1].to(ids.dtype)), dim=1)
 
-            router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if self._graphs is not None else route
+            graphed = self._graphs is not None and (nxt is None or nxt.graph_safe)
+            router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if graphed else route
         return router
 
     def _host_bufs(self, i: int, both: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """MoE index i's buffers for its streamed one-token steps: pinned ids from the GPU (both's shape), the pinned
-        byte offsets of its K routed blocks, and the device offsets its step reads."""
-        bufs = self._host.get(i)
-        if bufs is None or bufs[0].shape != both.shape:
-            pin = both.device.type == "cuda"
-            bufs = self._host[i] = (torch.empty(both.shape, dtype=both.dtype, pin_memory=pin),
-                                    torch.empty(K, dtype=torch.int64, pin_memory=pin),
-                                    torch.empty(K, dtype=torch.int64, device=both.device))
-        return bufs
+        """MoE index i's buffers for its streamed one-token steps: host ids from the GPU (both's shape), the host byte
+        offsets of its K routed blocks (`Streams.host_buffer`: pinned, reused), and the device offsets its step reads."""
+        streams = self.rt.streams
+        offs = self._offs.get(i)
+        if offs is None or offs.shape[0] != K:
+            offs = self._offs[i] = torch.empty(K, dtype=torch.int64, device=both.device)
+        return (streams.host_buffer(("direct ids", i), both.shape, both.dtype),
+                streams.host_buffer(("direct offsets", i), torch.Size([K]), torch.int64), offs)
 
     def _landing(self) -> set:
         """The (MoE index, expert) of the tier's copies not yet landed: the table does not point at their slots yet."""

@@ -166,9 +166,14 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
              decode_only: bool = False, vram_prefetch: bool | None = None, depth: int | None = None) -> SimResult:
     """Replay `trace` with the given tier sizes (in blocks). decode_only counts only one-token steps. prefetch and
     vram_prefetch (guesses read into RAM; copied into VRAM) default to what the recorded run did; depth (MoE layers
-    guessed ahead, at most the recorded run's) to all the trace holds."""
+    guessed ahead, at most the recorded run's) to all the trace holds. A trace of direct-stream ("vram_tier":
+    "recorded") keeps its VRAM tier as recorded: `vram_blocks` is ignored, and the blocks the run read from VRAM are
+    VRAM hits that leave RAM untouched."""
     if depth is not None and depth < 1:
         raise SluiceError(f"depth must be >= 1 (the next MoE layer), got {depth}")
+    recorded = trace.header.get("vram_tier") == "recorded"
+    if recorded:
+        vram_blocks, vram_prefetch = 0, False
     prefetch = trace.header.get("prefetch", False) if prefetch is None else prefetch
     vram_prefetch = trace.header.get("vram_prefetch", False) if vram_prefetch is None else vram_prefetch
     guessed: set[Key] = set()  # copied into VRAM on a guess and not yet routed to
@@ -176,8 +181,9 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
     uses: dict[Key, list[int]] = defaultdict(list)
     t = 0
     for r in records:
-        for e in r.experts:
-            uses[(r.layer, e)].append(t)
+        for j, e in enumerate(r.experts):
+            if not (recorded and r.tiers[j] == "V"):  # a recorded VRAM hit is no use of RAM
+                uses[(r.layer, e)].append(t)
             t += 1
     ram, vram = _make(policy, ram_blocks, uses), _make(policy, vram_blocks, uses)
     res = SimResult(ram_blocks, vram_blocks, policy, 0)
@@ -189,11 +195,13 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
             counted_steps.add(r.step)
             res.tokens += r.tokens
         # as fetch and h2d do: every VRAM lookup first, then the misses take slots (the layer's blocks held)
-        hits = [vram_blocks > 0 and (r.layer, e) in vram for e in r.experts]
+        hits = [r.tiers[j] == "V" for j in range(len(r.experts))] if recorded else \
+            [vram_blocks > 0 and (r.layer, e) in vram for e in r.experts]
         for j, e in enumerate(r.experts):
             key = (r.layer, e)
             if hits[j]:
-                vram.touch(key, now + j)
+                if not recorded:
+                    vram.touch(key, now + j)
                 tier = "vram"
                 if key in guessed and count:
                     res.vram_prefetch_hits += 1
@@ -202,7 +210,8 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
             guessed.discard(key)
             if count:
                 res.blocks[tier] += 1
-        held = frozenset((r.layer, e) for e in r.experts)  # pinned by the layer's copies and compute
+        # pinned by the layer's copies and compute (direct-stream pins only the blocks it reads from RAM)
+        held = frozenset((r.layer, e) for j, e in enumerate(r.experts) if not (recorded and hits[j]))
         if vram_blocks:
             for j, e in enumerate(r.experts):
                 if not hits[j]:

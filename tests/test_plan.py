@@ -276,3 +276,39 @@ def test_bad_routing_traces_are_named(tmp_path):
         assert str(path) in str(e.value)
     with pytest.raises(SluiceError, match="no such routing trace"):
         read_trace(tmp_path / "missing.jsonl")
+
+
+def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path):
+    """direct-stream (`direct: {hold: false}`) records its routing: per layer the tier each block came from, and the
+    next layer's guesses it read. The replay takes its VRAM tier (a hot set refreshed from use counts) as recorded
+    and gives the live RAM and disk blocks and guess reads, within a few blocks; with no RAM to spare it reads more
+    from disk; a VRAM size cannot be replayed for it, and `direct` that holds every block refuses to record."""
+    from sluice import cli
+    from tests.test_direct import direct_schedule
+
+    store = stores["nemotron_h_latent"]
+    from sluice.storage.store import ExpertStore
+
+    st = ExpertStore.open(store)
+    E, bb = st.manifest.num_experts, st.block_bytes
+    schedule = direct_schedule(tmp_path, "streamed", backend="triton", refresh=2, prompt_group=2, hold=False)
+    path = tmp_path / "direct.jsonl"
+    with sluice.load(store, device=DEVICE, schedule=schedule, ram_cache=(E + 6) * bb, vram_slots=8,
+                     record_routing=str(path)) as engine:
+        engine.generate(PROMPT, 24)
+        live = engine.rt.stats.counters(device=True)
+        ram = engine.rt.ram.capacity
+    trace = read_trace(path)
+    assert trace.header["vram_tier"] == "recorded" and trace.header["prefetch"]
+    assert trace.tokens == live["tokens"] and len(trace.records) == live["steps"] * len(st.moe_layers)
+    assert any(r.predicted for r in trace.records) and {"V", "R", "D"} <= set("".join(r.tiers for r in trace.records))
+    sim = simulate(trace, ram)
+    close = lambda a, b: abs(a - b) <= 3  # noqa: E731  (reads land in a live order)
+    assert sim.blocks["vram"] == live["blocks"]["vram"]
+    assert close(sim.blocks["disk"], live["blocks"]["disk"]) and close(sim.blocks["ram"], live["blocks"]["ram"]), (sim, live)
+    assert close(sim.prefetch_reads, live["prefetch_reads"]), (sim.prefetch_reads, live["prefetch_reads"])
+    assert simulate(trace, E).blocks["disk"] > sim.blocks["disk"]
+    assert cli.main(["simulate", str(path), "--vram-slots", "4"]) == 1
+    held = direct_schedule(tmp_path, "held", backend="triton")
+    with pytest.raises(SluiceError, match="records no routing trace"):
+        sluice.load(store, device=DEVICE, schedule=held, record_routing=str(tmp_path / "no.jsonl"))
