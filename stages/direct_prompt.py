@@ -33,8 +33,8 @@ class PromptSteps:
         in_vram = [e for e in experts if (i, e) in tier.slot_of and e not in early]
         ahead = [e for e in experts if e in early]
         in_ram = [e for e in experts if (i, e) not in tier.slot_of and e not in early]
-        for e in experts:
-            self.rt.stats.tier("vram" if e in in_vram else "disk" if e in self.blocks.disk else "ram")
+        for e in experts:  # a block copied ahead is read from VRAM (its copy is counted as a guess copied, once)
+            self.rt.stats.tier("vram" if e in in_vram or e in early else "disk" if e in self.blocks.disk else "ram")
         self.rt.stats.vram_prefetch_hits += len(ahead)
         ram_groups = [in_ram[s : s + G] for s in range(0, len(in_ram), G)] if G else [in_ram] if in_ram else []
         rank = torch.zeros(E, dtype=torch.int64)

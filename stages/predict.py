@@ -51,7 +51,8 @@ class Predict(Stage):
         with streams.use(self.stream):
             parts = [torch.stack((w.float(), i.float())) for w, i in (b.router(li.x) for b in blocks)]
             both = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # one transfer (ids < 2**24 are exact)
-        out = streams.host_buffer(("predict", li.block.layer), both.shape, both.dtype) if li.x.shape[0] == 1 else None
+        one = li.x.shape[0] == 1 and streams.cuda  # a one-token step: the guesses into this layer's pinned buffer
+        out = streams.host_buffer(("predict", li.block.layer), both.shape, both.dtype) if one else None
         host, arrived = streams.to_host(self.stream, both, out)
         await streams.arrived(arrived)
         guesses, at = [], 0

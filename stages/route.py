@@ -42,7 +42,8 @@ class Route(Stage):
         with streams.use(self.stream):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
-        out = streams.host_buffer(("route", block.layer), ids.shape, ids.dtype) if ids.shape[0] == 1 else None
+        one = ids.shape[0] == 1 and streams.cuda  # a one-token step: its ids into this layer's pinned buffer
+        out = streams.host_buffer(("route", block.layer), ids.shape, ids.dtype) if one else None
         ids_cpu, arrived = streams.to_host(self.stream, ids, out)
         shared = None
         if block.shared is not None and self.knobs.shared == "early":

@@ -33,7 +33,9 @@ class Routing:
     """route -> fetch, compute, combine."""
 
     weights: torch.Tensor  # [T, K] routing weights in the dtype the router makes them, device, compute stream
-    ids: torch.Tensor  # [T, K] int64 expert ids, CPU (what the layer waits for the GPU to give)
+    ids: torch.Tensor  # [T, K] int64 expert ids, CPU (what the layer waits for the GPU to give); in a one-token step on
+    # CUDA a pinned buffer the route stage reuses at the next token's step of this layer (Streams.host_buffer): read it
+    # within the layer, copy it to keep it
     xe: torch.Tensor  # [T, Dx] expert input, model dtype, device, compute stream
     experts: tuple[int, ...]  # distinct experts used, ascending
     rows: Mapping[int, torch.Tensor]  # expert -> flat (token * K + k) positions it serves, int64, device (route.OneTokenRows

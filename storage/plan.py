@@ -126,7 +126,7 @@ def plan(path: str | Path, vram: int, ram: int, pcie_gbps: float = 28.0, disk_gb
     if trace is not None:
         from sluice.storage.simulate import simulate
 
-        p.ram_hit_rate = simulate(trace, p.ram_blocks, decode_only=True).hit_rate
+        p.ram_hit_rate = simulate(trace, p.ram_blocks, decode_only=True, vram_as_recorded=False).hit_rate  # RAM alone
         p.hit_source = "simulated from the routing trace"
     else:
         p.ram_hit_rate = min(1.0, p.ram_blocks * block_bytes / total) if total else 1.0

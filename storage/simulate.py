@@ -12,7 +12,9 @@ tier too, as no use (an `lfu` tier evicts them first), stopping at the first wit
 
 Checked against live runs (tests/test_plan.py): with the recorded cache size the replay gives the
 live disk reads per token. It models pins only at prefetch time, so a cache smaller than one
-layer's distinct experts (which the engine passes through in waves) is replayed less exactly.
+layer's distinct experts (which the engine passes through in waves) is replayed less exactly. Reads take no time
+here: every guess is read, where a live run drops a guess still queued when its layer comes without routing to it
+(on a slow drive, with guesses several layers ahead, the replay reads more guesses than the run did).
 A run that guessed further ahead (`predict: {depth: N}`, the header's `prefetch_depth`) records the guesses for the
 layers after the next one too; they are read after the next layer's, nearest layer first, as fetch does (`depth`
 replays fewer of them: what the run would have read guessing less far ahead). Traces from before those were recorded
@@ -163,15 +165,17 @@ class SimResult:
 
 
 def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None,
-             decode_only: bool = False, vram_prefetch: bool | None = None, depth: int | None = None) -> SimResult:
+             decode_only: bool = False, vram_prefetch: bool | None = None, depth: int | None = None,
+             vram_as_recorded: bool | None = None) -> SimResult:
     """Replay `trace` with the given tier sizes (in blocks). decode_only counts only one-token steps. prefetch and
     vram_prefetch (guesses read into RAM; copied into VRAM) default to what the recorded run did; depth (MoE layers
     guessed ahead, at most the recorded run's) to all the trace holds. A trace of direct-stream ("vram_tier":
     "recorded") keeps its VRAM tier as recorded: `vram_blocks` is ignored, and the blocks the run read from VRAM are
-    VRAM hits that leave RAM untouched."""
+    VRAM hits that leave RAM untouched; `vram_as_recorded=False` replays them as any other block (`sluice plan`: a RAM
+    cache alone, or a VRAM tier of `vram_blocks` slots)."""
     if depth is not None and depth < 1:
         raise SluiceError(f"depth must be >= 1 (the next MoE layer), got {depth}")
-    recorded = trace.header.get("vram_tier") == "recorded"
+    recorded = trace.header.get("vram_tier") == "recorded" if vram_as_recorded is None else vram_as_recorded
     if recorded:
         vram_blocks, vram_prefetch = 0, False
     prefetch = trace.header.get("prefetch", False) if prefetch is None else prefetch
@@ -221,9 +225,9 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
         # guesses that can be copied into VRAM: in RAM before this layer's prefetch reads (which will not have
         # landed when h2d copies) and still there after them (those reads may evict some)
         copyable = [(nxt.layer, e) for e in nxt.predicted if (nxt.layer, e) in ram] if nxt is not None and nxt.predicted else []
-        if prefetch and nxt is not None and nxt.predicted:
+        if prefetch and nxt is not None and (nxt.predicted or r.further):
             further = r.further if depth is None else r.further[: depth - 1]
-            res.prefetch_reads += _prefetch(ram, vram, ((nxt.layer, nxt.predicted), *further), now, held)
+            res.prefetch_reads += _prefetch(ram, vram, ((nxt.layer, nxt.predicted or ()), *further), now, held)
         if vram_prefetch and vram_blocks and r.tokens == 1 and copyable:
             for key in copyable:
                 if key in vram or key not in ram:
@@ -243,7 +247,7 @@ def _prefetch(ram, vram, guesses, now: int, held: frozenset) -> int:
         for e in experts:
             key = (layer, e)
             if key not in ram and key not in vram:
-                if not ram.insert(key, now, held):
+                if not ram.insert(key, now, held, use=False):  # a guess, as `Runtime.read_guess` takes its slot
                     return reads
                 reads += 1
     return reads

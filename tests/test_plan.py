@@ -278,7 +278,8 @@ def test_bad_routing_traces_are_named(tmp_path):
         read_trace(tmp_path / "missing.jsonl")
 
 
-def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path):
+@pytest.mark.parametrize("vram_slots", [8, 24])  # prompts copy the next layer's blocks ahead: into free slots, a bank
+def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slots):
     """direct-stream (`direct: {hold: false}`) records its routing: per layer the tier each block came from, and the
     next layer's guesses it read. The replay takes its VRAM tier (a hot set refreshed from use counts) as recorded
     and gives the live RAM and disk blocks and guess reads, within a few blocks; with no RAM to spare it reads more
@@ -293,13 +294,15 @@ def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path):
     E, bb = st.manifest.num_experts, st.block_bytes
     schedule = direct_schedule(tmp_path, "streamed", backend="triton", refresh=2, prompt_group=2, hold=False)
     path = tmp_path / "direct.jsonl"
-    with sluice.load(store, device=DEVICE, schedule=schedule, ram_cache=(E + 6) * bb, vram_slots=8,
+    with sluice.load(store, device=DEVICE, schedule=schedule, ram_cache=(E + 6) * bb, vram_slots=vram_slots,
                      record_routing=str(path)) as engine:
         engine.generate(PROMPT, 24)
+        engine.generate(PROMPT[3:] + [7, 7, 2], 8)  # a second prompt, on the tier the first one's steps left
+        ahead = engine.rt.stats.counters()["vram_prefetches"]
         live = engine.rt.stats.counters(device=True)
         ram = engine.rt.ram.capacity
     trace = read_trace(path)
-    assert trace.header["vram_tier"] == "recorded" and trace.header["prefetch"]
+    assert trace.header["vram_tier"] == "recorded" and trace.header["prefetch"] and ahead > 0
     assert trace.tokens == live["tokens"] and len(trace.records) == live["steps"] * len(st.moe_layers)
     assert any(r.predicted for r in trace.records) and {"V", "R", "D"} <= set("".join(r.tiers for r in trace.records))
     sim = simulate(trace, ram)
