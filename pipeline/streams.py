@@ -78,7 +78,7 @@ class Streams:
 
     def host_buffer(self, key: Any, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor kept for `key` (pinned on CUDA), for values a one-token step sends or brings back (`to_host`'s
-        `out`): allocating pinned memory costs host time each step. The same tensor is handed out again at the next
+        `reuse`): allocating pinned memory costs host time each step. The same tensor is handed out again at the next
         call with this key, so its user must be done with it by then; the users key theirs by MoE layer, and a layer's
         one-token step reads what came back before it returns, and is queued only after the previous token's step
         of that layer, whose copies, in stream order, came before."""
@@ -87,13 +87,16 @@ class Streams:
             t = self._host[key] = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         return t
 
-    def to_host(self, name: str, t: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
-        """Start copying device tensor t to pinned host memory on stream `name` (into `out`, a pinned tensor of t's
-        shape and dtype that the caller owns and does not touch before the event, else a new one); (host tensor, event
-        after the copy). The host tensor is valid once `arrived(event)` has returned. On a CPU: (t, None)."""
+    def to_host(self, name: str, t: torch.Tensor, reuse: Any = None) -> tuple[torch.Tensor, Any]:
+        """Start copying device tensor t to pinned host memory on stream `name` (into `host_buffer(reuse, ...)` where
+        `reuse` names one, else a new tensor); (host tensor, event after the copy). The host tensor is valid once
+        `arrived(event)` has returned. On a CPU: (t, None)."""
         if not self.cuda:
             return t, None
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if out is None else out
+        if reuse is not None:
+            host = self.host_buffer(reuse, t.shape, t.dtype)
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         with self.use(name):
             host.copy_(t, non_blocking=True)
         return host, self.record(name)

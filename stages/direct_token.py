@@ -53,8 +53,8 @@ class TokenSteps:
             weights, ids, both = self._router(block, nxt)(li.x)
         # per MoE layer, pinned buffers this step alone uses: the next token's step of this layer writes them only once
         # its own ids have arrived, which is after every copy queued here (one stream, in order; Streams.host_buffer)
-        ids_host, offs_host, offs = self._host_bufs(i, both, K)
-        host, arrived = self.rt.streams.to_host(self.stream, both, ids_host)
+        offs_host, offs = self._offsets(i, K)
+        host, arrived = self.rt.streams.to_host(self.stream, both, reuse=("direct ids", i))
         await self.rt.ids_arrived(arrived)
         routed, guessed = host[0, :K].tolist(), host[0, K:].tolist()
         tier, landing = self.tier, self._landing()
@@ -96,15 +96,13 @@ class TokenSteps:
             router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if graphed else route
         return router
 
-    def _host_bufs(self, i: int, both: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """MoE index i's buffers for its streamed one-token steps: host ids from the GPU (both's shape), the host byte
-        offsets of its K routed blocks (`Streams.host_buffer`: pinned, reused), and the device offsets its step reads."""
-        streams = self.rt.streams
+    def _offsets(self, i: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MoE index i's block offsets for its streamed one-token steps: host (`Streams.host_buffer`: pinned, reused)
+        and device (what the step reads)."""
         offs = self._offs.get(i)
         if offs is None or offs.shape[0] != K:
-            offs = self._offs[i] = torch.empty(K, dtype=torch.int64, device=both.device)
-        return (streams.host_buffer(("direct ids", i), both.shape, both.dtype),
-                streams.host_buffer(("direct offsets", i), torch.Size([K]), torch.int64), offs)
+            offs = self._offs[i] = torch.empty(K, dtype=torch.int64, device=self.rt.device)
+        return self.rt.streams.host_buffer(("direct offsets", i), torch.Size([K]), torch.int64), offs
 
     def _landing(self) -> set:
         """The (MoE index, expert) of the tier's copies not yet landed: the table does not point at their slots yet."""

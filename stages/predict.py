@@ -51,9 +51,8 @@ class Predict(Stage):
         with streams.use(self.stream):
             parts = [torch.stack((w.float(), i.float())) for w, i in (b.router(li.x) for b in blocks)]
             both = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # one transfer (ids < 2**24 are exact)
-        one = li.x.shape[0] == 1 and streams.cuda  # a one-token step: the guesses into this layer's pinned buffer
-        out = streams.host_buffer(("predict", li.block.layer), both.shape, both.dtype) if one else None
-        host, arrived = streams.to_host(self.stream, both, out)
+        # a one-token step: the guesses into this layer's pinned buffer (Streams.host_buffer)
+        host, arrived = streams.to_host(self.stream, both, reuse=("predict", li.block.layer) if li.x.shape[0] == 1 else None)
         await streams.arrived(arrived)
         guesses, at = [], 0
         for b, part in zip(blocks, parts):

@@ -42,9 +42,8 @@ class Route(Stage):
         with streams.use(self.stream):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
-        one = ids.shape[0] == 1 and streams.cuda  # a one-token step: its ids into this layer's pinned buffer
-        out = streams.host_buffer(("route", block.layer), ids.shape, ids.dtype) if one else None
-        ids_cpu, arrived = streams.to_host(self.stream, ids, out)
+        # a one-token step: its ids into this layer's pinned buffer (Streams.host_buffer)
+        ids_cpu, arrived = streams.to_host(self.stream, ids, reuse=("route", block.layer) if ids.shape[0] == 1 else None)
         shared = None
         if block.shared is not None and self.knobs.shared == "early":
             with streams.use(self.stream):

@@ -153,3 +153,16 @@ def test_stream_check_catches_a_raw_stream_around_use(monkeypatch):
     current[0] = "side"  # as inside a raw torch.cuda.stream(side) block
     with pytest.raises(RuntimeError, match="another stream is current"):
         streams.use("compute")
+
+
+def test_host_buffers_are_kept_per_key():
+    """`Streams.host_buffer`: the same tensor for a key until its shape or dtype changes; other keys get their own."""
+    from sluice.pipeline.streams import Streams
+
+    streams = Streams(torch.device("cpu"))
+    a = streams.host_buffer(("route", 3), torch.Size([1, 4]), torch.int64)
+    assert streams.host_buffer(("route", 3), torch.Size([1, 4]), torch.int64) is a
+    assert streams.host_buffer(("route", 5), torch.Size([1, 4]), torch.int64) is not a
+    b = streams.host_buffer(("route", 3), torch.Size([1, 6]), torch.int64)
+    assert b is not a and b.shape == (1, 6)
+    assert streams.host_buffer(("route", 3), torch.Size([1, 6]), torch.float32).dtype == torch.float32
