@@ -187,7 +187,7 @@ class Direct(TokenSteps, PromptSteps, Stage):
         experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
         try:
             if self.stream_ram:  # the blocks read from RAM: not those in VRAM, nor those the layer before copied ahead
-                early = self._ahead[1] if self._ahead is not None and self._ahead[0] == i else {}
+                early = self._copied_ahead(i)
                 need = experts if self.backend != "triton" else \
                     [e for e in experts if (i, e) not in self.tier.slot_of and e not in early]
                 await self.blocks.ensure(block.layer, i, need)

@@ -29,7 +29,7 @@ class PromptSteps:
         G, E = self.knobs.prompt_group, tier.table.shape[1]
         if self._ahead is not None and self._ahead[0] != i:  # copied for a step that did not come (an error): keep the slots
             self._settle_ahead()
-        early = self._ahead[1] if self._ahead is not None else {}  # expert -> offset of its copy ahead
+        early = self._copied_ahead(i)
         in_vram = [e for e in experts if (i, e) in tier.slot_of and e not in early]
         ahead = [e for e in experts if e in early]
         in_ram = [e for e in experts if (i, e) not in tier.slot_of and e not in early]
@@ -97,6 +97,10 @@ class PromptSteps:
             raise
         self.rt.stats.vram_fills += len(filled)
         tier.point(filled, vram=True)  # after the waits above: the table points at the slots once their copies have landed
+
+    def _copied_ahead(self, i: int) -> dict[int, int]:
+        """MoE index i's blocks that the layer before copied ahead (`_look_ahead`): expert -> offset of its copy."""
+        return self._ahead[1] if self._ahead is not None and self._ahead[0] == i else {}
 
     def _look_ahead(self, i: int, guess: torch.Tensor) -> None:
         """Copy MoE layer i's blocks that its router, run on the previous layer's input, chose for the prompt's tokens
