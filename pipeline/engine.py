@@ -60,8 +60,9 @@ class Engine:
         self._images = None  # the ImageEncoder, built on first use
         blocks = model.moe_blocks
         self._next: list[MoEBlock | None] = blocks[1:] + [None]
-        predict = coordinator.schedule.stage("predict")
-        depth = predict.knobs.depth if predict is not None else 1  # the predict stage's layers after the next one
+        predict, direct = (coordinator.schedule.stage(n) for n in ("predict", "direct"))
+        # the MoE layers guessed ahead from one input, the next one first: the predict stage's (or direct's) depth
+        depth = predict.knobs.depth if predict is not None else direct.knobs.depth if direct is not None else 1
         self._ahead: list[tuple[MoEBlock, ...]] = [tuple(blocks[i + 2 : i + 1 + depth]) for i in range(len(blocks))]
         # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
         # (the predict stage runs the next block's router under names of its own)
@@ -97,9 +98,11 @@ class Engine:
         schedule = load_schedule(config.schedule)
         fetch = schedule.stage("fetch")
         h2d = schedule.stage("h2d").knobs if schedule.stage("h2d") else H2DKnobs()
-        readers = config.readers or (fetch.knobs.readers if fetch else FetchKnobs.readers)
-        # every block held in RAM (by default as much RAM as that takes), unless the stage skips the routed experts
         direct_stage = schedule.stage("direct")
+        # the stage that reads blocks from disk sizes the engine's reader pool: fetch, or direct
+        reads = fetch.knobs if fetch else direct_stage.knobs if direct_stage is not None else FetchKnobs()
+        readers = config.readers or reads.readers
+        # every block held in RAM (by default as much RAM as that takes), unless the stage skips the routed experts
         direct = direct_stage is not None and direct_stage.knobs.routed and direct_stage.knobs.hold
         no_blocks = direct_stage is not None and not direct_stage.knobs.routed  # routed experts skipped: one RAM slot will do
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
@@ -130,7 +133,7 @@ class Engine:
             if config.record_routing else None
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
                      down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy,
-                     guess_reads=fetch.knobs.guess_reads if fetch else FetchKnobs.guess_reads)
+                     guess_reads=reads.guess_reads)
         if h2d.hot_set and rt.vram is not None:
             try:
                 held = rt.load_hot_set(h2d.hot_set, reserve=2 * store.manifest.top_k)

@@ -72,6 +72,10 @@ class DirectKnobs:
     hold: bool = True  # every block read into pinned RAM at open and held; false: RAM is an LRU cache filled from disk
     prefetch: bool = True  # hold: false: one-token steps also read the next MoE layer's guessed blocks (its router on
     # this layer's input) that neither tier holds from disk, as guesses (only while no demand read is queued or running)
+    depth: int = 1  # hold: false, prefetch: MoE layers guessed ahead (their routers on this layer's input): 1 is the next
+    # one; more add the layers after it, read behind the nearer layers' guesses (as predict's knob)
+    readers: int = 8  # reader threads (as fetch's knob: one pool for the engine; hold: true reads every block at open)
+    guess_reads: int = 2  # hold: false: guesses read at once, at most (as fetch's knob: a drive that needs depth wants more)
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
     # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
     # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
@@ -85,6 +89,12 @@ class DirectKnobs:
     def __post_init__(self):
         if self.shared not in ("side", "late"):
             raise ScheduleError(f"stage 'direct': 'shared' must be side or late, got {self.shared!r}")
+        for knob in ("depth", "readers", "guess_reads"):
+            if getattr(self, knob) < 1:
+                raise ScheduleError(f"stage 'direct': {knob!r} must be >= 1, got {getattr(self, knob)!r}")
+        if self.depth > 1 and (self.hold or not self.prefetch):
+            raise ScheduleError(f"stage 'direct': 'depth' {self.depth} guesses layers ahead for reads from disk: it needs "
+                                f"hold: false and prefetch: true")
 
 
 class Direct(TokenSteps, PromptSteps, Stage):
@@ -197,14 +207,15 @@ class Direct(TokenSteps, PromptSteps, Stage):
         finally:
             self.blocks.release()  # also after a failed read: the engine's recovery then drops every RAM block
 
-    def _record(self, layer: int, i: int, ids: list[int], experts: list[int], vram: set[int]) -> None:
+    def _record(self, layer: int, i: int, ids: list[int], experts: list[int], vram: set[int], further=()) -> None:
         """stream_ram with --record-routing: the layer's routing as fetch records it (a tier per expert: the blocks the
         step reads from VRAM, those `blocks.ensure` read from disk, the rest from RAM), with the guesses the step of
-        the MoE layer before made for it (those the VRAM tier lacked: what it offered the reader)."""
+        the MoE layer before made for it (those the VRAM tier lacked: what it offered the reader), and `further`: this
+        step's guesses for the layers after the next one (`depth` > 1), as ((layer, experts), ...)."""
         if i == 0:
             self._guessed.clear()  # a step that ended early (an error) left its guesses for layers it did not reach
         tiers = ["vram" if e in vram else "disk" if e in self.blocks.disk else "ram" for e in experts]
-        self.rt.recorder.layer(layer, ids, tuple(experts), tiers, self._guessed.pop(layer, None))
+        self.rt.recorder.layer(layer, ids, tuple(experts), tiers, self._guessed.pop(layer, None), further)
 
     def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared) -> LayerOutput:
         with self.rt.streams.use(self.stream):

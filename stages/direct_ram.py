@@ -70,11 +70,11 @@ class RamBlocks:
         self.rt.ram.hold(entry)
         self.rt.ram.unpin(entry)
 
-    async def ensure(self, layer: int, i: int, experts: list[int], guesses: tuple[int, list[int]] | None = None) -> None:
+    async def ensure(self, layer: int, i: int, experts: list[int], guesses: list[tuple[int, list[int]]] = ()) -> None:
         """stream_ram: the blocks of `experts` (of MoE layer `layer`, index i) in RAM, pinned for this layer's step: cache
         hits, else demand reads from disk (awaited; a failed read raises, naming layer and expert), a guess still queued
-        read at once. Their offsets are set in `off`; `disk` names those read from disk. `guesses` (MoE layer, experts
-        that the VRAM tier lacks): read from disk as guesses, after the demands."""
+        read at once. Their offsets are set in `off`; `disk` names those read from disk. `guesses` ((MoE layer, experts
+        that the VRAM tier lacks), nearest layer first): read from disk as guesses, after the demands, in that order."""
         rt, pending = self.rt, []
         self.disk = set()
         rt.cancel_guesses(layer, keep=set(experts))  # this layer's guesses still queued that it did not route to
@@ -101,8 +101,8 @@ class RamBlocks:
                 pending.append(entry.ready)
             self.entries[key] = entry
             self.off[i][e] = entry.buf.data_ptr() - self.base.data_ptr()
-        if guesses is not None:
-            self.read_guesses(*guesses)
+        for guess in guesses:
+            self.read_guesses(*guess)
         if pending:
             t = time.perf_counter()
             await asyncio.gather(*pending)

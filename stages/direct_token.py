@@ -43,33 +43,38 @@ class TokenSteps:
 
     async def _token_streamed(self, li: LayerInput, i: int) -> torch.Tensor:
         """stream_ram, a one-token step: the router's ids come to the host (the one wait; with `prefetch`, the next MoE
-        layer's guesses with them, read behind the demands), the routed blocks the VRAM tier does not serve are brought
-        into RAM (demand reads from disk for the misses) and pinned; then the layer's step runs as `direct`'s does, on
-        these ids and on the offsets the host found them at (the blocks checked are the blocks read), sent with one
-        copy instead of pointing the table at them (`Tier.point`: several launches a layer)."""
-        block, nxt = li.block, li.next_block if self.knobs.prefetch else None
-        K = block.top_k
+        layer's guesses with them, and with `depth` > 1 those of the layers after it, read behind the demands, nearest
+        layer first), the routed blocks the VRAM tier does not serve are brought into RAM (demand reads from disk for
+        the misses) and pinned; then the layer's step runs as `direct`'s does, on these ids and on the offsets the host
+        found them at (the blocks checked are the blocks read), sent with one copy instead of pointing the table at them
+        (`Tier.point`: several launches a layer)."""
+        block, K = li.block, li.block.top_k
+        ahead = (li.next_block, *li.ahead) if self.knobs.prefetch and li.next_block is not None else ()  # guessed layers
         with self.rt.streams.use(self.stream):
-            weights, ids, both = self._router(block, nxt)(li.x)
+            weights, ids, both = self._router(block, ahead)(li.x)
         # per MoE layer, pinned buffers this step alone uses: the next token's step of this layer writes them only once
         # its own ids have arrived, which is after every copy queued here (one stream, in order; Streams.host_buffer)
         offs_host, offs = self._offsets(i, K)
         host, arrived = self.rt.streams.to_host(self.stream, both, reuse=("direct ids", i))
         await self.rt.ids_arrived(arrived)
-        routed, guessed = host[0, :K].tolist(), host[0, K:].tolist()
+        row = host[0].tolist()
+        routed, guessed = row[:K], [row[K * (n + 1) : K * (n + 2)] for n in range(len(ahead))]
+        stats = self.rt.stats  # the guesses' recall, as the predict stage counts it: those made for this layer, then its own
+        stats.observe_routing(block.layer, tuple(routed))
+        if ahead:
+            stats.observe_prediction(ahead[0].layer, tuple(guessed[0]))
         tier, landing = self.tier, self._landing()
         slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]  # VRAM slots, landed
         need = sorted({e for e, slot in zip(routed, slots) if slot is None})
+        # the guesses VRAM lacks, nearest layer first; RAM's are left out by `read_guesses`
+        guesses = [(b.layer, [e for e in g if (self.index[b.layer], e) not in tier.slot_of]) for b, g in zip(ahead, guessed)]
         try:
-            guesses = None
-            if nxt is not None:  # the guesses VRAM lacks; RAM's are left out by `read_guesses`
-                j = self.index[nxt.layer]
-                guesses = (nxt.layer, [e for e in guessed if (j, e) not in tier.slot_of])
             await self.blocks.ensure(block.layer, i, need, guesses)
             if self.rt.recorder is not None:
-                self._record(block.layer, i, routed, sorted(set(routed)), set(routed) - set(need))
-                if guesses is not None:
-                    self._guessed[guesses[0]] = tuple(guesses[1])
+                further = tuple((layer, tuple(g)) for layer, g in guesses[1:])
+                self._record(block.layer, i, routed, sorted(set(routed)), set(routed) - set(need), further)
+                if guesses:
+                    self._guessed[guesses[0][0]] = tuple(guesses[0][1])
             bb, ram = self.rt.store.block_bytes, self.blocks.off[i]
             offs_host.numpy()[:] = [ram[e] if slot is None else slot * bb for e, slot in zip(routed, slots)]
             with self.rt.streams.use(self.stream):
@@ -81,18 +86,18 @@ class TokenSteps:
         finally:
             self.blocks.release()
 
-    def _router(self, block, nxt=None):
-        """stream_ram: x -> (weights, ids, ids with `nxt`'s guessed ids after them) of `block`'s router (and `nxt`'s),
-        replayed as a CUDA graph where graphs are on (and `nxt`'s router is pure too: a guess from a stale capture would
-        only read the wrong blocks, but reads are what a cold step waits for)."""
-        key = (block.layer, None if nxt is None else nxt.layer)
+    def _router(self, block, ahead=()):
+        """stream_ram: x -> (weights, ids, ids with the guessed ids of the MoE layers `ahead` after them) of `block`'s
+        router (and theirs, on the same input), replayed as a CUDA graph where graphs are on (and those routers are pure
+        too: a guess from a stale capture would only read the wrong blocks, but reads are what a cold step waits for)."""
+        key = (block.layer, tuple(b.layer for b in ahead))
         router = self._routers.get(key)
         if router is None:
             def route(x):
                 weights, ids = block.router(x)
-                return weights, ids, ids if nxt is None else torch.cat((ids, nxt.router(x)[1].to(ids.dtype)), dim=1)
+                return weights, ids, torch.cat((ids, *(b.router(x)[1].to(ids.dtype) for b in ahead)), dim=1) if ahead else ids
 
-            graphed = self._graphs is not None and (nxt is None or nxt.graph_safe)
+            graphed = self._graphs is not None and all(b.graph_safe for b in ahead)
             router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if graphed else route
         return router
 

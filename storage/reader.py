@@ -91,7 +91,7 @@ class BlockReader:
         self._running = [0, 0]  # demand reads, guesses in progress
         self._closed = False
         self._threads: list[threading.Thread] = []  # started with the first read
-        self._size = max(1, threads)
+        self.threads = max(1, threads)
         self.bytes_read = 0
         self.reads = 0
 
@@ -107,7 +107,7 @@ class BlockReader:
             self._cond.notify()
             if not self._threads:
                 self._threads = [threading.Thread(target=self._work, name=f"sluice-reader-{i}", daemon=True)
-                                 for i in range(self._size)]
+                                 for i in range(self.threads)]
                 for t in self._threads:
                     t.start()
         return job.future

@@ -29,15 +29,16 @@ TIER_CODE = {"vram": "V", "ram": "R", "disk": "D"}
 def trace_header(store, schedule, ram_blocks: int, vram_blocks: int) -> dict:
     """A trace's header for a run of `schedule` on `store` with these tier sizes (blocks): what `sluice simulate`
     replays by default. `direct` (with hold: false; the only direct that records) reads its own guesses for the next
-    MoE layer, and its VRAM tier is a hot set refreshed from use counts, which the replay takes as recorded
-    ("vram_tier": "recorded": the blocks the run read from VRAM are VRAM hits)."""
+    MoE layer (and the `depth` - 1 after it), and its VRAM tier is a hot set refreshed from use counts, which the
+    replay takes as recorded ("vram_tier": "recorded": the blocks the run read from VRAM are VRAM hits)."""
     m = store.manifest
     head = {"architecture": m.architecture, "moe_layers": list(store.moe_layers), "num_experts": m.num_experts, "top_k": m.top_k,
             "block_bytes": m.block_bytes, "ram_blocks": ram_blocks, "vram_blocks": vram_blocks, "schedule": schedule.name}
     fetch, predict, h2d, direct = (schedule.stage(n) for n in ("fetch", "predict", "h2d", "direct"))
     if direct is not None:
         guesses = direct.knobs.prefetch
-        return {**head, "prefetch": guesses, "vram_prefetch": False, "prefetch_depth": int(guesses), "vram_tier": "recorded"}
+        return {**head, "prefetch": guesses, "vram_prefetch": False, "prefetch_depth": direct.knobs.depth if guesses else 0,
+                "vram_tier": "recorded"}
     return {**head, "prefetch": fetch is not None and fetch.knobs.prefetch and predict is not None,
             "vram_prefetch": h2d is not None and h2d.knobs.prefetch and predict is not None,
             "prefetch_depth": predict.knobs.depth if predict is not None else 0}

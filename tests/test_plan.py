@@ -278,12 +278,13 @@ def test_bad_routing_traces_are_named(tmp_path):
         read_trace(tmp_path / "missing.jsonl")
 
 
-@pytest.mark.parametrize("vram_slots", [8, 24])  # prompts copy the next layer's blocks ahead: into free slots, a bank
-def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slots):
+@pytest.mark.parametrize("vram_slots, depth", [(8, 1), (24, 1), (8, 2)])  # prompts copy the next layer's blocks
+def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slots, depth):  # ahead: free slots, a bank
     """direct-stream (`direct: {hold: false}`) records its routing: per layer the tier each block came from, and the
-    next layer's guesses it read. The replay takes its VRAM tier (a hot set refreshed from use counts) as recorded
-    and gives the live RAM and disk blocks and guess reads, within a few blocks; with no RAM to spare it reads more
-    from disk; a VRAM size cannot be replayed for it, and `direct` that holds every block refuses to record."""
+    next layer's guesses it read (with `depth` 2, the guesses for the layer after it too). The replay takes its VRAM
+    tier (a hot set refreshed from use counts) as recorded and gives the live RAM and disk blocks and guess reads,
+    within a few blocks; with no RAM to spare it reads more from disk; a VRAM size cannot be replayed for it, and
+    `direct` that holds every block refuses to record. Guessing further changes what is read, not the tokens."""
     from sluice import cli
     from tests.test_direct import direct_schedule
 
@@ -292,11 +293,11 @@ def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slo
 
     st = ExpertStore.open(store)
     E, bb = st.manifest.num_experts, st.block_bytes
-    schedule = direct_schedule(tmp_path, "streamed", backend="triton", refresh=2, prompt_group=2, hold=False)
+    schedule = direct_schedule(tmp_path, "streamed", backend="triton", refresh=2, prompt_group=2, hold=False, depth=depth)
     path = tmp_path / "direct.jsonl"
     with sluice.load(store, device=DEVICE, schedule=schedule, ram_cache=(E + 6) * bb, vram_slots=vram_slots,
                      record_routing=str(path)) as engine:
-        engine.generate(PROMPT, 24)
+        tokens = engine.generate(PROMPT, 24)
         engine.generate(PROMPT[3:] + [7, 7, 2], 8)  # a second prompt, on the tier the first one's steps left
         ahead = engine.rt.stats.counters()["vram_prefetches"]
         live = engine.rt.stats.counters(device=True)
@@ -311,6 +312,15 @@ def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slo
     assert close(sim.blocks["disk"], live["blocks"]["disk"]) and close(sim.blocks["ram"], live["blocks"]["ram"]), (sim, live)
     assert close(sim.prefetch_reads, live["prefetch_reads"]), (sim.prefetch_reads, live["prefetch_reads"])
     assert simulate(trace, E).blocks["disk"] > sim.blocks["disk"]
+    assert trace.header["prefetch_depth"] == depth
+    if depth > 1:
+        layers = list(st.moe_layers)
+        further = [r for r in trace.records if r.further]
+        assert further and all(r.further[0][0] == layers[layers.index(r.layer) + 2] for r in further)
+        assert simulate(trace, ram, depth=1).prefetch_reads < sim.prefetch_reads
+        near = direct_schedule(tmp_path, "near", backend="triton", refresh=2, prompt_group=2, hold=False)
+        with sluice.load(store, device=DEVICE, schedule=near, ram_cache=(E + 6) * bb, vram_slots=vram_slots) as engine:
+            assert engine.generate(PROMPT, 24) == tokens
     assert cli.main(["simulate", str(path), "--vram-slots", "4"]) == 1
     held = direct_schedule(tmp_path, "held", backend="triton")
     with pytest.raises(SluiceError, match="records no routing trace"):

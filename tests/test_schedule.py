@@ -54,6 +54,8 @@ def test_serial_waits_and_overlap_streams():
         (with_stage("compute", {"cpu_threads": -1}), "stage 'compute': 'cpu_threads' must be >= 0, got -1"),
         (with_stage("route", {"shared": "never"}), "stage 'route': 'shared' must be early or late, got 'never'"),
         ({"name": "t", "stages": {"direct": {"shared": "early"}}}, "stage 'direct': 'shared' must be side or late, got 'early'"),
+        ({"name": "t", "stages": {"direct": {"guess_reads": 0}}}, "stage 'direct': 'guess_reads' must be >= 1, got 0"),
+        ({"name": "t", "stages": {"direct": {"depth": 2}}}, "stage 'direct': 'depth' 2 .* needs hold: false and prefetch: true"),
         (with_stage("compute", {"after": ["shuffle"]}), "runs after 'shuffle', which is not in the schedule"),
         (with_stage("route", {"after": ["combine"]}), "cycle in the stage graph: route -> combine -> .* -> route"),
         (with_stage("combine", {"after": ["fetch"]}), "streaming stage whose output it does not consume"),
