@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--no-prefetch", action="store_true", help="replay without the recorded guesses' prefetch")
     sm.add_argument("--vram-prefetch", choices=["recorded", "on", "off"], default="recorded",
                     help="copy the guesses in RAM into VRAM ahead, as `h2d: {prefetch: true}` does (default: as recorded)")
-    sm.add_argument("--depth", type=int, help="MoE layers guessed ahead, up to the recorded run's `predict: {depth: N}` "
+    sm.add_argument("--depth", type=int, help="MoE layers guessed ahead, up to the recorded run's `depth` (predict's or direct's) "
                     "(default: as recorded)")
     sm.add_argument("--sweep", type=Path, metavar="PREFIX", help="hit rate vs RAM size: write PREFIX.csv and PREFIX.png")
     sm.set_defaults(func=cmd_simulate)
@@ -271,7 +271,7 @@ def cmd_simulate(args) -> int:
               "recorded) holds the next layer's only, so the replay prefetches one layer ahead", file=sys.stderr)
     if args.depth is not None and not 1 <= args.depth <= max(recorded, 1):
         raise SluiceError(f"--depth {args.depth}: the trace holds guesses up to {max(recorded, 1)} MoE layer(s) ahead "
-                          f"(the recorded run's `predict: {{depth: N}}`); give 1 to {max(recorded, 1)}")
+                          f"(the recorded run's `depth`); give 1 to {max(recorded, 1)}")
     if h.get("vram_tier") == "recorded" and (args.vram_slots is not None or args.vram_prefetch == "on"):
         raise SluiceError(f"{args.trace}: a run of {h.get('schedule', 'direct-stream')!r}, whose VRAM tier (a hot set refreshed from "
                           "use counts) the replay takes as recorded: --vram-slots and --vram-prefetch on cannot change it")

@@ -38,9 +38,9 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
 
 def disk_bandwidth(engine, blocks: int = 128) -> float:
     """The drive's expert-block read rate in bytes/s, read as the engine's reader pool reads (its threads, O_DIRECT
-    where the store allows it): `blocks` blocks spread over the store, after one untimed read, into memory faulted in
-    beforehand (as the RAM cache's slots are), and without checksums (the engine's reads verify them: host work, not
-    the drive's). The disk term of a roofline."""
+    where the store allows it): `blocks` blocks spread over the store, after an untimed read per file, into memory
+    faulted in beforehand (as the RAM cache's slots are), and without checksums (the engine's reads verify them: host
+    work, not the drive's). The disk term of a roofline."""
     from sluice.storage.reader import BlockReader, HostArena
 
     store, pool = engine.store, engine.rt.reader
@@ -51,7 +51,8 @@ def disk_bandwidth(engine, blocks: int = 128) -> float:
     picks = [(layers[(i * 7) % len(layers)], (i * 37) % E) for i in range(n)]
     reader = BlockReader(store, threads=pool.threads, direct=pool.direct, verify=False)
     try:
-        reader.submit(*picks[-1], arena.slot(n - 1)).result()  # starts the threads, opens the files
+        for layer in layers:  # starts the threads, opens each layer's file
+            reader.submit(layer, 0, arena.slot(0)).result()
         t = time.perf_counter()
         futures = [reader.submit(l, e, arena.slot(i)) for i, (l, e) in enumerate(picks)]
         for f in futures:

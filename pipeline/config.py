@@ -58,7 +58,7 @@ class EngineConfig:
     vram_slots: int | None = None  # expert slots on the GPU; None = 4 x top-k, or what vram_budget leaves
     vram_budget: int | None = None  # bytes of GPU memory the engine may use (emulates a smaller card)
     schedule: str = "overlap"  # schedule name (schedules/NAME.yaml) or path
-    readers: int | None = None  # reader threads; None = the schedule's fetch.readers
+    readers: int | None = None  # reader threads; None = the schedule's (fetch's or direct's `readers`)
     verify_checksums: bool = True
     direct_io: bool = True
     trace: str | None = None  # path for Chrome trace JSON (+ .jsonl stage lines)

@@ -75,7 +75,8 @@ class DirectKnobs:
     depth: int = 1  # hold: false, prefetch: MoE layers guessed ahead (their routers on this layer's input): 1 is the next
     # one; more add the layers after it, read behind the nearer layers' guesses (as predict's knob)
     readers: int = 8  # reader threads (as fetch's knob: one pool for the engine; hold: true reads every block at open)
-    guess_reads: int = 2  # hold: false: guesses read at once, at most (as fetch's knob: a drive that needs depth wants more)
+    guess_reads: int = 2  # hold: false: guesses read at once, at most (as fetch's knob: a drive that needs depth wants
+    # more; fewer than `readers`, so that a demand read finds a thread)
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
     # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
     # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'

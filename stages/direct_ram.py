@@ -4,8 +4,8 @@ there from disk when a layer routes to it.
 `hold: true`: every block is read into the RAM cache once, at open, and held there for good. `hold: false`
 (stream_ram): the RAM cache is an LRU cache of at least one layer's experts. A layer's step pins the blocks it routes
 to (`ensure`: cache hits, else demand reads from disk, awaited), reads the next layer's guesses behind those demands
-(`read_guesses`), and once its kernels and copies are queued unpins them (`release`): a slot then waits for that GPU
-work before a new block is read into it.
+(`read_guesses`; with `depth` > 1, those of the layers after it next, nearest first), and once its kernels and copies
+are queued unpins them (`release`): a slot then waits for that GPU work before a new block is read into it.
 
 `off[i][e]` is block (MoE index i, expert e)'s byte offset from the stage's base (the VRAM tier's arena, else the RAM
 arena): kernels add it to the base and read host memory over PCIe. Under stream_ram it is current only for the blocks
@@ -102,20 +102,23 @@ class RamBlocks:
             self.entries[key] = entry
             self.off[i][e] = entry.buf.data_ptr() - self.base.data_ptr()
         for guess in guesses:
-            self.read_guesses(*guess)
+            if not self.read_guesses(*guess):
+                break
         if pending:
             t = time.perf_counter()
             await asyncio.gather(*pending)
             rt.stats.stall_s += time.perf_counter() - t
 
-    def read_guesses(self, layer: int, experts: list[int]) -> None:
+    def read_guesses(self, layer: int, experts: list[int]) -> bool:
         """The blocks of `experts` (MoE layer `layer`'s guesses, those the VRAM tier lacks) that RAM lacks too, read into
-        RAM as guesses: the reader takes them only while no demand read is queued or running."""
+        RAM as guesses: the reader takes them only while no demand read is queued or running. False once RAM has no
+        slot to spare for one."""
         for e in experts:
             if (layer, e) in self.rt.ram:
                 continue
             if not self.rt.read_guess(layer, e):
-                return
+                return False
+        return True
 
     def release(self) -> None:
         """stream_ram: unpin the step's RAM blocks; their slots wait for the GPU work queued so far before reuse."""

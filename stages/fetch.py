@@ -30,7 +30,8 @@ from sluice.stages.types import HostBlock, Prediction, Routing
 class FetchKnobs:
     prefetch: bool = False  # read the predicted experts of the next layer after demand reads
     readers: int = 8  # reader threads (one pool for the engine; the schedule's value sizes it)
-    guess_reads: int = 2  # prefetch reads in flight at most (a drive that needs depth to reach its rate wants more)
+    guess_reads: int = 2  # prefetch reads in flight at most (a drive that needs depth to reach its rate wants more;
+    # the reader keeps one of two or more threads for demand reads)
 
 
 class Fetch(Stage):

@@ -25,7 +25,7 @@ class LayerInput:
     next_block: MoEBlock | None  # the next MoE layer (the predict stage's target), None for the last
     x: torch.Tensor  # [T, D] MoE input (normalised), model dtype, device, compute stream
     residual: torch.Tensor  # [1, T, D] added after the experts, device, compute stream
-    ahead: tuple[MoEBlock, ...] = ()  # the MoE layers after next_block that the predict stage also guesses (its depth)
+    ahead: tuple[MoEBlock, ...] = ()  # the MoE layers after next_block also guessed (predict's or direct's depth)
 
 
 @dataclass(frozen=True)

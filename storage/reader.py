@@ -7,8 +7,8 @@ falls back to buffered reads for that file and logs one warning. Checksums (xxh6
 block) are verified after each read unless switched off.
 
 Two queues: demand reads (a layer is waiting for them) and guesses (prefetches). A reader takes a guess only
-while no demand read is queued or running, and at most `guesses` of them run at once, so a demand read
-never queues behind a guess and shares the drive with at most that many. A queued guess can be promoted to
+while no demand read is queued or running, and at most `guesses` of them run at once (fewer than the threads, where
+there are two or more), so a demand read never queues behind a guess and shares the drive with at most that many. A queued guess can be promoted to
 a demand (the layer it was for routed to it) or cancelled (it did not).
 """
 
@@ -79,7 +79,7 @@ class BlockReader:
         self.store = store
         self.verify = verify
         self.direct = direct
-        self.guesses = max(1, guesses)  # guesses read at once, at most
+        self.guesses = max(1, min(guesses, threads - 1))  # guesses read at once, at most: a thread stays for demands
         self._fds: dict[int, int] = {}
         self._direct: set[int] = set()  # fds opened with O_DIRECT
         self._warned = False

@@ -15,7 +15,7 @@ live disk reads per token. It models pins only at prefetch time, so a cache smal
 layer's distinct experts (which the engine passes through in waves) is replayed less exactly. Reads take no time
 here: every guess is read, where a live run drops a guess still queued when its layer comes without routing to it
 (on a slow drive, with guesses several layers ahead, the replay reads more guesses than the run did).
-A run that guessed further ahead (`predict: {depth: N}`, the header's `prefetch_depth`) records the guesses for the
+A run that guessed further ahead (`predict: {depth: N}` or direct's `depth`, the header's `prefetch_depth`) records the guesses for the
 layers after the next one too; they are read after the next layer's, nearest layer first, as fetch does (`depth`
 replays fewer of them: what the run would have read guessing less far ahead). Traces from before those were recorded
 hold the next layer's guesses only.

@@ -9,7 +9,7 @@ then one line per (step, MoE layer), in execution order:
     {"s": step, "t": tokens in the step, "l": layer, "ids": [T*K routed ids, token-major],
      "e": [distinct experts, ascending], "tier": "RRDV..." (one letter per entry of e:
      V vram, R ram, D disk), "p": [guesses made for this layer] or null,
-     "f": [[layer, [guesses]], ...] (only where made: `predict: {depth: N}`, N > 1, the guesses this layer's input made
+     "f": [[layer, [guesses]], ...] (only where made: `predict: {depth: N}` or `direct: {depth: N}`, N > 1, the guesses this layer's input made
      for the MoE layers after the next one, nearest first)}
 """
 
