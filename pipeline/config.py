@@ -69,7 +69,7 @@ class EngineConfig:
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048
     mixer_chunk: int | None = None  # longest run of a piece a Mamba-2 mixer prefills at once (its scratch grows with it);
     # None: 512, or with a VRAM budget the largest power of two <= 512 whose scratch fits what the expert slots leave
-    # (engine.py `plan_budget`)
+    # (budget.py `plan_budget`)
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

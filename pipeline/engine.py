@@ -23,6 +23,7 @@ from sluice.kernels import triton_runs_on
 from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import MoEBlock, ResidentModel
+from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size, sluice_home
 from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.graphs import DecodeGraphs, FnGraphs
@@ -215,7 +216,7 @@ class Engine:
 
             free = None
             if self.device.type == "cuda":
-                index = _cuda_index(self.device)
+                index = cuda_index(self.device)
                 limit = self.config.vram_budget or torch.cuda.get_device_properties(index).total_memory
                 free = limit - torch.cuda.memory_reserved(index)
             self._images = ImageEncoder(self.store.path, self.store.manifest.encoder, self.device, self.model.dtype,
@@ -277,7 +278,7 @@ class Engine:
         self.rt.close()
         self._loop.close()
         if self.config.vram_budget is not None and self.device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, _cuda_index(self.device))
+            torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(self.device))
 
     def __enter__(self) -> "Engine":
         return self
@@ -356,55 +357,7 @@ def split_image_rows(part: list[int], rows: torch.Tensor | None, token: int | No
     return rows[:k], rows[k:]
 
 
-VRAM_RESERVE = 2 << 30  # at least this much of a VRAM budget stays free for activations and the KV cache
-SCRATCH_MARGIN = 512 << 20  # beside twice a prefill chunk's largest temporary (the allocator's fragmentation)
 MAX_PREFILL_CHUNK = 2048  # the default prompt piece of one step
-MAX_MIXER_CHUNK = 512  # the default (and the automatic piece's largest) run of a Mamba-2 prefill
-
-
-def reserve_bytes(budget: int, scratch: int) -> int:
-    """What a VRAM budget keeps free of expert slots: 2 GiB, a quarter of the budget, or twice the largest
-    temporary of a prefill chunk and a margin (an 8 GiB run of a full Nemotron-3-Nano with a 2 GiB
-    reserve failed a 1 GiB allocation with 1 GiB free but fragmented: H200, BENCHMARKS.md)."""
-    return max(VRAM_RESERVE, budget // 4, 2 * scratch + SCRATCH_MARGIN)
-
-
-def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scratch, chunk: int | None = None) -> tuple[int, int, int]:
-    """(expert slots, Mamba-2 prefill run in tokens, reserve in bytes) for a VRAM budget with `used` bytes already
-    resident; scratch(tokens) is the largest temporary of a mixer's run of that many tokens. An automatic run
-    (chunk None) is the largest power of two <= 512 whose scratch fits what the slots leave: the base reserve
-    (2 GiB or a quarter), or more where every block fits with room to spare. A Nemotron-3-Nano layer's
-    PyTorch Mamba-2 prefill needs 0.5 GiB per 128 tokens: 128 tokens for the full model at 8 GiB. A run asked
-    for grows the reserve, and the slots give way."""
-    fit = lambda reserve: min(total_blocks, (budget - used - reserve) // block_bytes)  # noqa: E731
-    if chunk is None:
-        spare = budget - used - max(fit(max(VRAM_RESERVE, budget // 4)), 0) * block_bytes
-        chunk = MAX_MIXER_CHUNK
-        while chunk > 16 and 2 * scratch(chunk) + SCRATCH_MARGIN > spare:
-            chunk //= 2
-    reserve = reserve_bytes(budget, scratch(chunk))
-    return int(fit(reserve)), chunk, reserve
-
-
-def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=lambda tokens: 0,
-                 chunk: int | None = None) -> tuple[int, int]:
-    """(expert slots, Mamba-2 prefill run) a VRAM budget leaves after the resident part (already on the device) and
-    a reserve for activations, KV and a Mamba-2 prefill run's scratch (`plan_budget`); caps the process at the
-    budget so the run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone
-    needs ~1.5 GiB for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
-    used = torch.cuda.memory_allocated(device)
-    slots, chunk, reserve = plan_budget(budget, used, store.total_blocks, store.block_bytes, scratch, chunk)
-    need = store.manifest.top_k
-    if slots < need:
-        raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)} and {format_bytes(reserve)} "
-                          f"stays free for activations and a {chunk}-token Mamba-2 prefill run, leaving room for {max(slots, 0)} expert "
-                          f"slots; a MoE layer needs {need}")
-    index = _cuda_index(device)
-    total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
-    get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), reserve=format_bytes(reserve),
-                      expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes), mixer_chunk=chunk)
-    return slots, chunk
 
 
 def attention_backends():
@@ -415,11 +368,6 @@ def attention_backends():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def _cuda_index(device: torch.device) -> int:
-    """The CUDA device's index ('cuda' alone means the current device)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _check_ids(ids: list[int]) -> None:

@@ -170,7 +170,7 @@ def test_vram_budget_sizes_the_slot_bank(stores):
     for one MoE layer's experts is refused, naming the sizes."""
     import torch
 
-    from sluice.pipeline.engine import VRAM_RESERVE
+    from sluice.pipeline.budget import VRAM_RESERVE
 
     base = torch.cuda.memory_allocated()  # what earlier tests in this process still hold
     try:
@@ -262,7 +262,7 @@ def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
     reserve and prefills 128 tokens a piece; a 4-MoE-layer slice, whose blocks all fit with room to spare, 256;
     24 GiB, 512; a piece asked for grows the reserve at the slots' expense; no Mamba layer, no limit."""
     from sluice.models import get_architecture
-    from sluice.pipeline.engine import VRAM_RESERVE, plan_budget
+    from sluice.pipeline.budget import VRAM_RESERVE, plan_budget
     from sluice.storage.synth import _config
 
     GiB, block = 1 << 30, 5615616  # an NVFP4 Nano expert block
