@@ -117,7 +117,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
-    p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path")
+    p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
+                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:direct.depth=2")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")

@@ -57,7 +57,10 @@ class Schedule:
 
 
 def load_schedule(ref: str | Path) -> Schedule:
-    """A schedule by name (schedules/NAME.yaml) or by path."""
+    """A schedule by name (schedules/NAME.yaml) or by path, with knob edits after it: `NAME:STAGE.KNOB=VALUE[:...]`
+    (`direct-stream:direct.depth=2`; VALUE read as YAML), applied before validation, so an experiment needs no file.
+    The edits join the schedule's name (what traces and `bench` report)."""
+    ref, *edits = str(ref).split(":")
     path = Path(ref)
     if not path.suffix:
         path = SCHEDULES_DIR / f"{ref}.yaml"
@@ -70,7 +73,27 @@ def load_schedule(ref: str | Path) -> Schedule:
         doc = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ScheduleError(f"{path}: not valid YAML: {e}") from None
-    return parse_schedule(doc, str(path))
+    for edit in edits:
+        _edit(doc, edit, str(path))
+    return parse_schedule(doc, ":".join((str(path), *edits)))
+
+
+def _edit(doc: Any, edit: str, source: str) -> None:
+    """Apply one `STAGE.KNOB=VALUE` edit to a schedule document (a stage it has; the knob is checked with the rest)."""
+    key, eq, value = edit.partition("=")
+    stage, dot, knob = key.partition(".")
+    if not (eq and dot and stage and knob):
+        raise ScheduleError(f"schedule edit {edit!r}: write STAGE.KNOB=VALUE (e.g. direct.depth=2)")
+    stages = doc.get("stages") if isinstance(doc, dict) else None
+    if not isinstance(stages, dict) or stage not in stages:
+        have = ", ".join(stages) if isinstance(stages, dict) else "none"
+        raise ScheduleError(f"schedule edit {edit!r}: {source} has no stage {stage!r} (its stages: {have})")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ScheduleError(f"schedule edit {edit!r}: the value is not valid YAML: {e}") from None
+    stages[stage] = {**(stages[stage] or {}), knob: parsed}
+    doc["name"] = f"{doc.get('name', Path(source).stem)}:{edit}"
 
 
 def parse_schedule(doc: Any, source: str = "<schedule>") -> Schedule:

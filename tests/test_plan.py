@@ -293,7 +293,8 @@ def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slo
 
     st = ExpertStore.open(store)
     E, bb = st.manifest.num_experts, st.block_bytes
-    schedule = direct_schedule(tmp_path, "streamed", backend="triton", refresh=2, prompt_group=2, hold=False, depth=depth)
+    near = direct_schedule(tmp_path, "streamed", backend="triton", refresh=2, prompt_group=2, hold=False)
+    schedule = near + (f":direct.depth={depth}" if depth > 1 else "")  # a knob edited after the file's path
     path = tmp_path / "direct.jsonl"
     with sluice.load(store, device=DEVICE, schedule=schedule, ram_cache=(E + 6) * bb, vram_slots=vram_slots,
                      record_routing=str(path)) as engine:
@@ -318,7 +319,6 @@ def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slo
         further = [r for r in trace.records if r.further]
         assert further and all(r.further[0][0] == layers[layers.index(r.layer) + 2] for r in further)
         assert simulate(trace, ram, depth=1).prefetch_reads < sim.prefetch_reads
-        near = direct_schedule(tmp_path, "near", backend="triton", refresh=2, prompt_group=2, hold=False)
         with sluice.load(store, device=DEVICE, schedule=near, ram_cache=(E + 6) * bb, vram_slots=vram_slots) as engine:
             assert engine.generate(PROMPT, 24) == tokens
     assert cli.main(["simulate", str(path), "--vram-slots", "4"]) == 1

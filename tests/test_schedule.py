@@ -82,6 +82,31 @@ def test_bad_files(tmp_path):
     assert load_schedule(good).name == "t"
 
 
+def test_knob_edits_after_a_schedule_name(tmp_path):
+    """`NAME:STAGE.KNOB=VALUE[:...]` edits a bundled or a file's schedule before validation (values as YAML reads
+    them), and the edits join its name; a bad edit is an error naming it, as a bad knob in the file would be."""
+    s = load_schedule("direct-stream:direct.depth=2:direct.guess_reads=3")
+    knobs = s.stage("direct").knobs
+    assert (knobs.depth, knobs.guess_reads, knobs.hold) == (2, 3, False)
+    assert s.name == "direct-stream:direct.depth=2:direct.guess_reads=3"
+    assert load_schedule("overlap:fetch.prefetch=false").stage("fetch").knobs.prefetch is False
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert load_schedule(f"{path}:predict.width=4").stage("predict").knobs.width == 4
+    assert load_schedule("direct-stream").stage("direct").knobs.depth == 1  # the file itself is not changed
+    for ref, message in [
+        ("direct-stream:direct.depth", "edit 'direct.depth': write STAGE.KNOB=VALUE"),
+        ("direct-stream:depth=2", "edit 'depth=2': write STAGE.KNOB=VALUE"),
+        ("overlap:direct.depth=2", "edit 'direct.depth=2': .*overlap.yaml has no stage 'direct' \\(its stages: route, "),
+        ("direct-stream:direct.dpeth=2", "stage 'direct': unknown key 'dpeth'"),
+        ("direct-stream:direct.depth=0", "stage 'direct': 'depth' must be >= 1, got 0"),
+        ("direct-stream:direct.depth=[1", "edit 'direct.depth=\\[1': the value is not valid YAML"),
+        ("fastest:direct.depth=2", "no schedule named 'fastest'"),
+    ]:
+        with pytest.raises(ScheduleError, match=message):
+            load_schedule(ref)
+
+
 def test_fp4_matvec_auto_takes_f16x2_only_where_it_measured_faster():
     from sluice.stages.compute import fp4_formulation
 
