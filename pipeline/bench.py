@@ -109,6 +109,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "tok_s": n / sum(times), "blocks_per_token": per_tier, "bytes_per_token": {t: v * block for t, v in per_tier.items()},
         "hit_rate": 1 - io["blocks"]["disk"] / total if total else None,
         "prefetch_recall": io["predicted_right"] / io["routed_predicted"] if io["routed_predicted"] else None,
+        # of the guesses made two or more MoE layers ahead (a depth > 1)
+        "prefetch_recall_further": io["further_right"] / io["further_routed"] if io["further_routed"] else None,
         "stall_ms_per_token": 1000 * io["stall_s"] / n,
         "ids_wait_ms_per_token": 1000 * io["ids_wait_s"] / n,
         "cpu_blocks_per_token": io["cpu_blocks"] / n,
@@ -154,6 +156,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
     lines.append("  blocks/token " + ", ".join(f"{t} {v:.2f} ({v * block_bytes / 1e6:.1f} MB)" for t, v in d["blocks_per_token"].items()))
     hit = f"{d['hit_rate']:.1%}" if d["hit_rate"] is not None else "n/a"
     rec = f"{d['prefetch_recall']:.1%}" if d["prefetch_recall"] is not None else "n/a"
+    if d.get("prefetch_recall_further") is not None:
+        rec += f" (guesses 2+ MoE layers ahead: {d['prefetch_recall_further']:.1%})"
     lines.append(f"  hit rate {hit}, prefetch recall {rec}, fetch stall {d['stall_ms_per_token']:.2f} ms/token, "
                  f"waiting for routed ids {d['ids_wait_ms_per_token']:.2f} ms/token")
     if d["vram_prefetches_per_token"]:

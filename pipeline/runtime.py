@@ -38,6 +38,8 @@ class IOStats:
     predicted: int = 0  # guesses made for layers that then ran
     predicted_right: int = 0  # guesses the layer then routed to
     routed_predicted: int = 0  # experts routed in layers that had a prediction
+    further_right: int = 0  # guesses made two or more MoE layers ahead (a depth > 1) that the layer then routed to
+    further_routed: int = 0  # experts routed in layers that had such a guess, once per guess list
     stall_s: float = 0.0  # time fetch waited for reads to land
     ids_wait_s: float = 0.0  # time the host waited for routed ids to arrive from the GPU (the GPU's queued work before them)
     cpu_blocks: int = 0  # blocks the hybrid path computed on the CPU instead of copying them
@@ -45,21 +47,26 @@ class IOStats:
     tokens: int = 0
     kernels: list = field(default_factory=list, repr=False)  # TritonExperts, for live-group counts
     sources: list = field(default_factory=list, repr=False)  # callables adding device-side counts into these (sync)
-    _guesses: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    _guesses: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict, repr=False)  # (layer, ahead) ->
 
     def tier(self, tier: str, prefetched: bool = False) -> None:
         self.blocks[tier] += 1
         self.prefetch_hits += prefetched
 
-    def observe_prediction(self, layer: int, guesses: tuple[int, ...]) -> None:
-        self._guesses[layer] = guesses
+    def observe_prediction(self, layer: int, guesses: tuple[int, ...], ahead: int = 1) -> None:
+        """Guesses for MoE layer `layer`, made `ahead` MoE layers before it (1: by the layer before)."""
+        self._guesses[(layer, ahead)] = guesses
 
     def observe_routing(self, layer: int, experts: tuple[int, ...]) -> tuple[int, ...] | None:
-        """Score the guesses made for this layer against what it routed to; returns them."""
-        guesses = self._guesses.pop(layer, None)
+        """Score the guesses made for this layer against what it routed to; returns those of the layer before."""
+        routed = set(experts)
+        for ahead in [a for (l, a) in self._guesses if l == layer and a > 1]:
+            self.further_right += len(set(self._guesses.pop((layer, ahead))) & routed)
+            self.further_routed += len(routed)
+        guesses = self._guesses.pop((layer, 1), None)
         if guesses is not None:
             self.predicted += len(guesses)
-            self.predicted_right += len(set(guesses) & set(experts))
+            self.predicted_right += len(set(guesses) & routed)
             self.routed_predicted += len(experts)
         return guesses
 

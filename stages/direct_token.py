@@ -61,8 +61,8 @@ class TokenSteps:
         routed, guessed = row[:K], [row[K * (n + 1) : K * (n + 2)] for n in range(len(ahead))]
         stats = self.rt.stats  # the guesses' recall, as the predict stage counts it: those made for this layer, then its own
         stats.observe_routing(block.layer, tuple(routed))
-        if ahead:
-            stats.observe_prediction(ahead[0].layer, tuple(guessed[0]))
+        for n, (b, g) in enumerate(zip(ahead, guessed)):
+            stats.observe_prediction(b.layer, tuple(g), ahead=n + 1)
         tier, landing = self.tier, self._landing()
         slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]  # VRAM slots, landed
         need = sorted({e for e, slot in zip(routed, slots) if slot is None})

@@ -59,7 +59,8 @@ class Predict(Stage):
             k = part.shape[2]
             guesses.append(self._rank(b, host[:, :, at : at + k]))
             at += k
-        self.rt.stats.observe_prediction(nxt.layer, guesses[0])
+        for n, (b, g) in enumerate(zip(blocks, guesses)):
+            self.rt.stats.observe_prediction(b.layer, g, ahead=n + 1)
         return Prediction(nxt.layer, guesses[0], tuple((b.layer, g) for b, g in zip(blocks[1:], guesses[1:])))
 
     def _rank(self, block, host: torch.Tensor) -> tuple[int, ...]:

@@ -348,10 +348,10 @@ def test_resident_alone_skips_only_the_routed_experts(variant, backend, stores, 
 def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backend, vram_slots, stores, tmp_path):
     """`hold: false`: a RAM cache of one layer's experts and two more, blocks read from disk as layers route to them:
     prompts through the prompts' path, one-token steps (Triton) through direct's step once their ids have come to the
-    host and their misses have been read (the VRAM tier refreshed every 2 steps where there is one). The logits are
-    direct's bit for bit (the same kernels on the same bytes, the same sum); blocks come from disk, and nothing stays
-    pinned; the guesses' recall is counted as the streaming schedules count it. Less RAM than one layer's experts is
-    refused."""
+    host and their misses have been read (the VRAM tier refreshed every 2 steps where there is one; guesses two MoE
+    layers ahead). The logits are direct's bit for bit (the same kernels on the same bytes, the same sum); blocks come
+    from disk, and nothing stays pinned; the guesses' recall is counted as the streaming schedules count it. Less RAM
+    than one layer's experts is refused."""
     from sluice.errors import ConfigError
     from sluice.storage.store import ExpertStore
 
@@ -359,7 +359,7 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
     E, bb = store.manifest.num_experts, store.block_bytes
     held = direct_schedule(tmp_path, "held", backend=backend, refresh=2, prompt_group=2)
     streamed = direct_schedule(tmp_path, "streamed", backend=backend, refresh=2, prompt_group=2, hold=False, readers=3,
-                               guess_reads=3)
+                               guess_reads=3, depth=2)
     kw = {"vram_slots": vram_slots} if vram_slots else {}
     with sluice.load(stores[variant], device=DEVICE, schedule=held, **kw) as engine:
         want = greedy_logits(engine, PROMPT, 10)
@@ -376,13 +376,14 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
         assert all(e.pins == 0 and not e.loading for e in engine.rt.ram.entries())
     assert torch.equal(got, want)
     assert io["blocks"]["disk"] > E  # the cache turns over: more disk reads than it has slots
-    if own:  # the guesses' recall, counted as the predict stage counts it (overlap: the same routers on the same inputs)
-        with sluice.load(stores[variant], device=DEVICE, schedule="overlap") as engine:
+    if own:  # the guesses' recall, the next layer's and those two layers ahead, counted as the predict stage counts it
+        # (overlap guessing as far ahead: the same routers on the same inputs)
+        with sluice.load(stores[variant], device=DEVICE, schedule="overlap:predict.depth=2") as engine:
             assert torch.equal(greedy_logits(engine, PROMPT, 10).argmax(-1), got.argmax(-1))
             overlap = engine.rt.stats.snapshot()
-        assert 0 < io["predicted_right"] < io["routed_predicted"]
-        assert [io[k] for k in ("predicted", "predicted_right", "routed_predicted")] == \
-            [overlap[k] for k in ("predicted", "predicted_right", "routed_predicted")]
+        assert 0 < io["predicted_right"] < io["routed_predicted"] and 0 < io["further_right"] < io["further_routed"]
+        keys = ("predicted", "predicted_right", "routed_predicted", "further_right", "further_routed")
+        assert [io[k] for k in keys] == [overlap[k] for k in keys]
     if vram_slots:
         assert io["blocks"]["vram"] > 0
     elif not DEVICE.startswith("cuda"):  # (on a GPU a tier is there by default)
