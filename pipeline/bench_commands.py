@@ -137,7 +137,8 @@ def _bench_compare(args, lengths) -> int:
             if engine.rt.cpu_s_per_block:
                 r["cpu_gbps"] = engine.store.block_bytes / engine.rt.cpu_s_per_block / 1e9
             block = engine.store.block_bytes
-            label = Path(name).stem if name.endswith((".yaml", ".yml")) else name
+            file, _, edits = name.partition(":")  # a path's stem, with any knob edits after it
+            label = (Path(file).stem if file.endswith((".yaml", ".yml")) else file) + (f":{edits}" if edits else "")
             passes = [n.split("#")[0] for n, _ in results].count(label)  # a schedule run again: direct, direct#2, ...
             results.append((f"{label}#{passes + 1}" if passes else label, r))
         del engine  # the next schedule's engine opens with this one's GPU memory given back (a VRAM budget counts it)

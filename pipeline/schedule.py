@@ -92,7 +92,10 @@ def _edit(doc: Any, edit: str, source: str) -> None:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError as e:
         raise ScheduleError(f"schedule edit {edit!r}: the value is not valid YAML: {e}") from None
-    stages[stage] = {**(stages[stage] or {}), knob: parsed}
+    body = stages[stage] or {}
+    if not isinstance(body, dict):
+        raise ScheduleError(f"{source}: stage {stage!r} must be a mapping of settings, got {type(body).__name__}")
+    stages[stage] = {**body, knob: parsed}
     doc["name"] = f"{doc.get('name', Path(source).stem)}:{edit}"
 
 

@@ -8,7 +8,8 @@ summed over a prompt's tokens; a one-token step ranks its K on the host, no tens
 
 `depth` > 1 also runs the routers of the layers after the next one on this input (the engine passes
 them as `LayerInput.ahead`), so reads from a slow drive can start several layers before they are
-needed. The guesses grow less likely with distance; only the next layer's are scored in the counters.
+needed. The guesses grow less likely with distance; the counters score the next layer's (`predicted_right`) apart from
+the rest (`further_right`).
 All the routers' answers come to the host in one transfer.
 """
 
