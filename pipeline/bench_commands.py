@@ -22,8 +22,9 @@ def add_bench_parser(sub) -> None:
                                                         "expert caches (emptied after untimed runs that compile the kernels)")
     bm.add_argument("--json", type=Path, help="also write the results as JSON")
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
-    bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths) run one after another "
-                                                           "and compared in one table, e.g. overlap,vram-lfu,hybrid,hybrid-vram")
+    bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths, with knob edits if "
+                    "wanted) run one after another and compared in one table, e.g. overlap,vram-lfu,hybrid,hybrid-vram or "
+                    "direct-stream,direct-stream:direct.depth=2")
     bm.add_argument("--resident-alone", action="store_true", help="also time decode with the routed experts skipped "
                     "(schedules/resident-alone.yaml) and report the roofline PCIe time + that")
     bm.set_defaults(func=cmd_bench_model)
@@ -188,7 +189,7 @@ def cmd_bench_baseline(args) -> int:
 def cmd_bench_images(args) -> int:
     import json
 
-    from sluice.pipeline.bench import bench_images, radio_h_checkpoint
+    from sluice.pipeline.bench_images import bench_images, radio_h_checkpoint
     from sluice.pipeline.config import EngineConfig
     from sluice.pipeline.engine import resolve_store
 
