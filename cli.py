@@ -260,7 +260,7 @@ def cmd_synth(args) -> int:
 
 def cmd_simulate(args) -> int:
     from sluice.pipeline.config import format_bytes, parse_size
-    from sluice.storage.simulate import simulate, sweep, write_sweep
+    from sluice.storage.simulate import guess_recall, simulate, sweep, write_sweep
     from sluice.storage.trace import read_trace
 
     trace = read_trace(args.trace)
@@ -295,6 +295,11 @@ def cmd_simulate(args) -> int:
     for tier, n in r.per_token().items():
         print(f"  {tier:5} {n:8.2f} blocks/token  {n * block / 1e6:9.2f} MB/token")
     print(f"  hit rate {r.hit_rate:.1%}; disk reads per token {r.disk_per_token:.2f}; prefetch reads {r.prefetch_reads}")
+    near, far = guess_recall(trace)
+    if near is not None:
+        of = "of the blocks not read from VRAM" if h.get("vram_tier") == "recorded" else "of the routed blocks"
+        print(f"  recorded guesses named {near:.1%} {of} (the next layer's)"
+              + (f", {far:.1%} two or more MoE layers ahead" if far is not None else ""))
     if r.vram_prefetches:
         print(f"  guesses copied into VRAM {r.vram_prefetches / max(r.tokens, 1):.2f}/token, "
               f"{r.vram_prefetch_hits / max(r.tokens, 1):.2f}/token of them then routed")

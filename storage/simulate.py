@@ -15,10 +15,11 @@ live disk reads per token. It models pins only at prefetch time, so a cache smal
 layer's distinct experts (which the engine passes through in waves) is replayed less exactly. Reads take no time
 here: every guess is read, where a live run drops a guess still queued when its layer comes without routing to it
 (on a slow drive, with guesses several layers ahead, the replay reads more guesses than the run did).
-A run that guessed further ahead (`predict: {depth: N}` or direct's `depth`, the header's `prefetch_depth`) records the guesses for the
-layers after the next one too; they are read after the next layer's, nearest layer first, as fetch does (`depth`
-replays fewer of them: what the run would have read guessing less far ahead). Traces from before those were recorded
-hold the next layer's guesses only.
+A run that guessed further ahead (`predict: {depth: N}` or direct's `depth`, the header's `prefetch_depth`) records
+the guesses for the layers after the next one too; they are read after the next layer's, nearest layer first, as fetch
+does (`depth` replays fewer of them: what the run would have read guessing less far ahead). Traces from before those
+were recorded hold the next layer's guesses only. `guess_recall` scores the recorded guesses, near and far, against
+what the layers then routed to: whether guessing further ahead is worth its reads, on paper.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluice.errors import SluiceError
-from sluice.storage.trace import Trace
+from sluice.storage.trace import Trace, TraceRecord
 
 POLICIES = ("lru", "lfu", "fifo", "belady")
 Key = tuple[int, int]
@@ -162,6 +163,31 @@ class SimResult:
 
     def per_token(self) -> dict[str, float]:
         return {t: n / max(self.tokens, 1) for t, n in self.blocks.items()}
+
+
+def guess_recall(trace: Trace) -> tuple[float | None, float | None]:
+    """(next layer, two or more MoE layers ahead): of the blocks each layer routed to, the share the recorded guesses
+    for it named (None where the trace holds no such guesses). A run whose VRAM tier the trace records
+    (direct-stream) guessed only blocks VRAM lacked, so there the share is of the blocks not read from VRAM."""
+    lacking = trace.header.get("vram_tier") == "recorded"
+    by_step = {(r.step, r.layer): r for r in trace.records}
+
+    def needed(r: TraceRecord) -> set[int]:
+        return {e for e, t in zip(r.experts, r.tiers) if t != "V"} if lacking else set(r.experts)
+
+    near, far = [0, 0], [0, 0]  # (guessed and routed, routed)
+    for r in trace.records:
+        if r.predicted is not None:
+            routed = needed(r)
+            near[0] += len(routed & set(r.predicted))
+            near[1] += len(routed)
+        for layer, guesses in r.further:
+            target = by_step.get((r.step, layer))
+            if target is not None:
+                routed = needed(target)
+                far[0] += len(routed & set(guesses))
+                far[1] += len(routed)
+    return tuple(hit / total if total else None for hit, total in (near, far))
 
 
 def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = "lru", prefetch: bool | None = None,

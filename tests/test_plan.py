@@ -248,9 +248,43 @@ def test_simulated_guesses_further_ahead_match_the_live_run(stores, tmp_path, ca
     assert abs(sim.prefetch_reads - live["prefetch_reads"]) <= 0.1 * live["prefetch_reads"] + 3, (sim.prefetch_reads, live)
     assert near.prefetch_reads < sim.prefetch_reads
     assert cli.main(["simulate", str(path), "--depth", "1"]) == 0
-    assert f"prefetch reads {near.prefetch_reads}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"prefetch reads {near.prefetch_reads}" in out
+    assert "of the routed blocks (the next layer's), " in out and "two or more MoE layers ahead" in out
     assert cli.main(["simulate", str(path), "--depth", "3"]) == 1
     assert "--depth 3: the trace holds guesses up to 2 MoE layer(s) ahead" in capsys.readouterr().err
+
+
+def test_guess_recall_scores_near_and_far_guesses(tmp_path):
+    """`guess_recall`: of each layer's routed blocks, the share its recorded guesses named, the next layer's apart
+    from those made two or more layers ahead (matched to the layer of the same step); a direct-stream trace counts
+    only the blocks not read from VRAM, which its guesses left out."""
+    from sluice.storage.simulate import guess_recall
+
+    def trace(vram_tier=None):
+        head = {"sluice_routing_trace": 1, "moe_layers": [1, 3, 5], "num_experts": 8, "top_k": 2, "block_bytes": 4096,
+                "ram_blocks": 8, "prefetch": True, "prefetch_depth": 2, **({"vram_tier": vram_tier} if vram_tier else {})}
+        lines = [  # step 0: layer 1 guesses layer 5 (far); layer 3 was guessed by layer 1 (near), and so on
+            {"s": 0, "t": 1, "l": 1, "ids": [0, 1], "e": [0, 1], "tier": "RR", "p": None, "f": [[5, [4, 6]]]},
+            {"s": 0, "t": 1, "l": 3, "ids": [2, 3], "e": [2, 3], "tier": "VR", "p": [2, 7]},
+            {"s": 0, "t": 1, "l": 5, "ids": [4, 5], "e": [4, 5], "tier": "RD", "p": [4, 5]},
+            {"s": 1, "t": 1, "l": 1, "ids": [0, 2], "e": [0, 2], "tier": "RR", "p": None, "f": [[5, [7, 6]], [9, [1]]]},
+            {"s": 1, "t": 1, "l": 3, "ids": [1, 3], "e": [1, 3], "tier": "DR", "p": [1, 3]},
+            {"s": 1, "t": 1, "l": 5, "ids": [6, 7], "e": [6, 7], "tier": "RV", "p": [0, 1]},
+        ]
+        path = tmp_path / f"t-{vram_tier}.jsonl"
+        path.write_text("\n".join(json.dumps(x) for x in [head, *lines]) + "\n")
+        return read_trace(path)
+
+    # near: layer 3 {2, 3} & {2, 7}: 1; layer 5 {4, 5}: 2; {1, 3}: 2; {6, 7} & {0, 1}: 0 -> 5 of 8. far (layer 9 is
+    # not in the trace): {4, 5} & {4, 6}: 1; {6, 7} & {7, 6}: 2 -> 3 of 4
+    assert guess_recall(trace()) == (5 / 8, 3 / 4)
+    # blocks read from VRAM left out: near {3}: 0, {4, 5}: 2, {1, 3}: 2, {6}: 0 -> 4 of 6; far {4, 5}: 1, {6}: 1 -> 2 of 3
+    assert guess_recall(trace("recorded")) == (4 / 6, 2 / 3)
+    head = {"sluice_routing_trace": 1, "moe_layers": [1], "num_experts": 4, "top_k": 1, "block_bytes": 4096, "ram_blocks": 2}
+    path = tmp_path / "none.jsonl"
+    path.write_text(json.dumps(head) + "\n" + json.dumps({"s": 0, "t": 1, "l": 1, "ids": [2], "e": [2], "tier": "D", "p": None}))
+    assert guess_recall(read_trace(path)) == (None, None)
 
 
 def test_bad_routing_traces_are_named(tmp_path):
@@ -279,7 +313,7 @@ def test_bad_routing_traces_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("vram_slots, depth", [(8, 1), (24, 1), (8, 2)])  # prompts copy the next layer's blocks
-def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slots, depth):  # ahead: free slots, a bank
+def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slots, depth, capsys):  # ahead: free slots, a bank
     """direct-stream (`direct: {hold: false}`) records its routing: per layer the tier each block came from, and the
     next layer's guesses it read (with `depth` 2, the guesses for the layer after it too). The replay takes its VRAM
     tier (a hot set refreshed from use counts) as recorded and gives the live RAM and disk blocks and guess reads,
@@ -319,6 +353,9 @@ def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slo
         further = [r for r in trace.records if r.further]
         assert further and all(r.further[0][0] == layers[layers.index(r.layer) + 2] for r in further)
         assert simulate(trace, ram, depth=1).prefetch_reads < sim.prefetch_reads
+        assert cli.main(["simulate", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "of the blocks not read from VRAM (the next layer's), " in out and "two or more MoE layers ahead" in out
         with sluice.load(store, device=DEVICE, schedule=near, ram_cache=(E + 6) * bb, vram_slots=vram_slots) as engine:
             assert engine.generate(PROMPT, 24) == tokens
     assert cli.main(["simulate", str(path), "--vram-slots", "4"]) == 1
