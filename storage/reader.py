@@ -8,8 +8,8 @@ block) are verified after each read unless switched off.
 
 Two queues: demand reads (a layer is waiting for them) and guesses (prefetches). A reader takes a guess only
 while no demand read is queued or running, and at most `guesses` of them run at once (fewer than the threads, where
-there are two or more), so a demand read never queues behind a guess and shares the drive with at most that many. A queued guess can be promoted to
-a demand (the layer it was for routed to it) or cancelled (it did not).
+there are two or more), so a demand read never queues behind a guess and shares the drive with at most that many.
+A queued guess can be promoted to a demand (the layer it was for routed to it) or cancelled (it did not).
 """
 
 from __future__ import annotations
