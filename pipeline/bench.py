@@ -112,6 +112,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "prefetch_recall_further": io["further_right"] / io["further_routed"] if io["further_routed"] else None,
         "stall_ms_per_token": 1000 * io["stall_s"] / n,
         "ids_wait_ms_per_token": 1000 * io["ids_wait_s"] / n,
+        # time with a block read on the drive, and its share of the decode time: how idle the drive was in a cold run
+        "disk_busy_ms_per_token": 1000 * io["disk_busy_s"] / n, "disk_busy_share": io["disk_busy_s"] / sum(times),
         "cpu_blocks_per_token": io["cpu_blocks"] / n,
         "vram_prefetches_per_token": io["vram_prefetches"] / n,  # copied on a guess (right or wrong): PCIe bytes too
         "vram_prefetch_hits_per_token": io["vram_prefetch_hits"] / n,
@@ -170,7 +172,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
     lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"
                  + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB" if "vram_peak_bytes" in d else ""))
     if "disk_roofline_ms_per_token" in d:
-        lines.append(f"  disk reads {d['disk_reads_per_token']:.2f} blocks/token (demand and prefetch)")
+        lines.append(f"  disk reads {d['disk_reads_per_token']:.2f} blocks/token (demand and prefetch); a read on the drive "
+                     f"{d['disk_busy_ms_per_token']:.2f} ms/token, {d['disk_busy_share']:.0%} of the decode time")
         roof = max(d['disk_roofline_ms_per_token'], 1e-9)  # a mean over the run's tokens: its reads come early, as the cache fills
         lines.append(f"  disk + PCIe roofline {d['disk_roofline_ms_per_token']:.2f} ms/token (disk {d['disk_gbps']:.2f} GB/s measured now, reads without checksums): "
                      f"median step {d['ms_per_token_median'] / roof:.2f} x, mean step {d['ms_per_token_mean'] / roof:.2f} x")
@@ -230,7 +233,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
     lengths = list(results[0][1]["prefill"])
     head = (f"{'schedule':14} {'median ms':>9} {'mean ms':>8} {'1st ms':>7} {'rest ms':>7} {'tok/s':>7} {'x roofline':>10} "
             + " ".join(f"{'prefill ' + str(n):>15}" for n in lengths)
-            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'to VRAM':>7} {'hit':>6} {'stall ms':>8} {'ids ms':>7}")
+            + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'to VRAM':>7} {'hit':>6} {'stall ms':>8} {'ids ms':>7} {'drive':>6}")
     lines = [head]
     for name, r in results:
         d = r["decode"]
@@ -241,14 +244,16 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
         lines.append(f"{name:14} {d['ms_per_token_median']:9.2f} {d['ms_per_token_mean']:8.2f} {d['ms_first_token']:7.1f} "
                      f"{d['ms_per_token_mean_after_first']:7.2f} {d['tok_s']:7.1f} {roof:>10} "
                      + " ".join(f"{r['prefill'][n]['tok_s']:>7.0f}/{r['prefill'][n]['next']['tok_s']:<7.0f}" for n in lengths)
-                     + f" {tiers:>36} {d['vram_prefetches_per_token'] + d['vram_fills_per_token']:7.2f} {hit:>6} {d['stall_ms_per_token']:8.2f} {d['ids_wait_ms_per_token']:7.2f}")
+                     + f" {tiers:>36} {d['vram_prefetches_per_token'] + d['vram_fills_per_token']:7.2f} {hit:>6} {d['stall_ms_per_token']:8.2f} {d['ids_wait_ms_per_token']:7.2f}"
+                     f" {d['disk_busy_share']:6.0%}")
     rates = [f"host RAM read {ram_read / 1e9:.1f} GB/s"]
     h2d = [r["decode"]["h2d_gbps"] for _, r in results if "h2d_gbps" in r["decode"]]
     if h2d:
         rates.append(f"pinned host-to-device {min(h2d):.1f}-{max(h2d):.1f} GB/s")
     cpu = [(n, r["cpu_gbps"]) for n, r in results if r.get("cpu_gbps")]
     rates += [f"{n}: CPU experts {g:.2f} GB/s" for n, g in cpu]
-    lines.append("prefill tok/s: a prompt on an empty VRAM tier / the next prompt (other ids) on the tier it left")
+    lines.append("prefill tok/s: a prompt on an empty VRAM tier / the next prompt (other ids) on the tier it left; drive: the "
+                 "share of the decode time with a block read on the drive")
     lines.append(f"measured in this run: {', '.join(rates)}; block {block_bytes:,} bytes")
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class IOStats:
     further_routed: int = 0  # experts routed in layers that had such a guess, once per guess list
     stall_s: float = 0.0  # time fetch waited for reads to land
     ids_wait_s: float = 0.0  # time the host waited for routed ids to arrive from the GPU (the GPU's queued work before them)
+    disk_busy: Callable[[], float] | None = field(default=None, repr=False)  # () -> seconds with a block read on the drive (BlockReader.busy_s)
     cpu_blocks: int = 0  # blocks the hybrid path computed on the CPU instead of copying them
     steps: int = 0
     tokens: int = 0
@@ -76,8 +78,9 @@ class IOStats:
         if device:
             for add in self.sources:
                 add()
-        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in ("kernels", "sources")}
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in ("kernels", "sources", "disk_busy")}
         d["blocks"] = dict(self.blocks)
+        d["disk_busy_s"] = self.disk_busy() if self.disk_busy is not None else 0.0
         return d
 
     def counters_since(self, before: dict, device: bool = False) -> dict:
@@ -127,7 +130,7 @@ class Runtime:
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
         # the VRAM tier; on a CPU only when asked for (vram_blocks > 0): then an emulated one in host memory
         self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device), vram_policy) if vram_blocks else None
-        self.stats = IOStats()
+        self.stats = IOStats(disk_busy=self.reader.busy_s)
         self.recorder = record_routing
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
         # hybrid miss path: the CPU's measured seconds per expert block (moving average), the pinned H2D rate

@@ -18,6 +18,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -94,6 +95,9 @@ class BlockReader:
         self.threads = max(1, threads)
         self.bytes_read = 0
         self.reads = 0
+        self._on_drive = 0  # reads between their pread's start and end
+        self._busy_since = 0.0
+        self._busy_s = 0.0  # time with at least one read on the drive (checksums and waits before reads left out)
 
     def submit(self, layer: int, expert: int, buf: torch.Tensor, after: Any = None, guess: bool = False) -> Future:
         """Read in a reader thread; `after` (a CUDA event still reading buf) is waited for first. A `guess` waits
@@ -174,6 +178,7 @@ class BlockReader:
         view = memoryview(buf.numpy())[:n]
         offset = self.store.offset(expert)
         fd = self._fd(layer)
+        self._drive(+1)
         try:
             got = _pread_full(fd, view, offset)
         except OSError as e:
@@ -181,6 +186,8 @@ class BlockReader:
                 raise StoreError(f"reading layer {layer}, expert {expert} from {self.store.file(layer)}: {e}") from None
             fd = self._fall_back(layer, f"O_DIRECT read failed ({e})")
             got = _pread_full(fd, view, offset)
+        finally:
+            self._drive(-1)
         if got != n:
             raise CorruptBlockError(layer, expert, f"short read: {got} of {n} bytes from {self.store.file(layer)}")
         if self.verify and xxhash.xxh64(view).intdigest() != self.store.checksum(layer, expert):
@@ -189,6 +196,20 @@ class BlockReader:
             self.bytes_read += n
             self.reads += 1
         return n
+
+    def _drive(self, n: int) -> None:
+        with self._lock:
+            if n > 0 and self._on_drive == 0:
+                self._busy_since = time.perf_counter()
+            self._on_drive += n
+            if n < 0 and self._on_drive == 0:
+                self._busy_s += time.perf_counter() - self._busy_since
+
+    def busy_s(self) -> float:
+        """Seconds so far during which at least one block read was on the drive (from its pread's start to its end):
+        how much of a run the drive worked, whatever the number of reads at once."""
+        with self._lock:
+            return self._busy_s + (time.perf_counter() - self._busy_since if self._on_drive else 0.0)
 
     def close(self) -> None:
         """Cancel the reads not started, wait for the rest, close the files."""

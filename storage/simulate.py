@@ -173,7 +173,7 @@ def guess_recall(trace: Trace) -> tuple[float | None, float | None]:
     by_step = {(r.step, r.layer): r for r in trace.records}
 
     def needed(r: TraceRecord) -> set[int]:
-        return {e for e, t in zip(r.experts, r.tiers) if t != "V"} if lacking else set(r.experts)
+        return {e for e, v in zip(r.experts, r.from_vram()) if not v} if lacking else set(r.experts)
 
     near, far = [0, 0], [0, 0]  # (guessed and routed, routed)
     for r in trace.records:
@@ -211,8 +211,8 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
     uses: dict[Key, list[int]] = defaultdict(list)
     t = 0
     for r in records:
-        for j, e in enumerate(r.experts):
-            if not (recorded and r.tiers[j] == "V"):  # a recorded VRAM hit is no use of RAM
+        for e, v in zip(r.experts, r.from_vram()):
+            if not (recorded and v):  # a recorded VRAM hit is no use of RAM
                 uses[(r.layer, e)].append(t)
             t += 1
     ram, vram = _make(policy, ram_blocks, uses), _make(policy, vram_blocks, uses)
@@ -225,8 +225,7 @@ def simulate(trace: Trace, ram_blocks: int, vram_blocks: int = 0, policy: str = 
             counted_steps.add(r.step)
             res.tokens += r.tokens
         # as fetch and h2d do: every VRAM lookup first, then the misses take slots (the layer's blocks held)
-        hits = [r.tiers[j] == "V" for j in range(len(r.experts))] if recorded else \
-            [vram_blocks > 0 and (r.layer, e) in vram for e in r.experts]
+        hits = r.from_vram() if recorded else [vram_blocks > 0 and (r.layer, e) in vram for e in r.experts]
         for j, e in enumerate(r.experts):
             key = (r.layer, e)
             if hits[j]:

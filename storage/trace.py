@@ -84,6 +84,10 @@ class TraceRecord:
     predicted: tuple[int, ...] | None
     further: tuple[tuple[int, tuple[int, ...]], ...] = ()  # guesses for the MoE layers after the next, made from this input
 
+    def from_vram(self) -> list[bool]:
+        """Per expert in `experts`: the run read its block from the VRAM tier."""
+        return [t == "V" for t in self.tiers]
+
 
 @dataclass(frozen=True)
 class Trace:

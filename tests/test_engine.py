@@ -148,6 +148,9 @@ def test_bench_model_cold_times_from_empty_caches(stores):
     assert first["disk"] > 0 and first["ram"] == first["vram"] == 0
     assert warm["prefill"][8]["blocks"]["disk"] == 0 and warm["decode"]["blocks_per_token"]["disk"] == 0
     assert cold["decode"]["disk_reads_per_token"] > 0  # blocks its 32-token prompt did not route to
+    # the drive's busy time: while its reads were on it, within the decode time; none warm
+    assert 0 < cold["decode"]["disk_busy_share"] <= 1 and cold["decode"]["disk_busy_ms_per_token"] > 0
+    assert warm["decode"]["disk_busy_ms_per_token"] == 0
 
 
 def test_disk_bandwidth_reads_through_a_reader_of_its_own(stores, monkeypatch):

@@ -25,6 +25,36 @@ def test_reads_match_the_file(stores):
     reader.close()
 
 
+def test_busy_time_counts_the_drive_once_however_many_reads_are_on_it(stores, monkeypatch):
+    """`busy_s`: the time with at least one read on the drive. Reads at once count once; a gap between reads does
+    not count."""
+    import time
+
+    import sluice.storage.reader as reader_module
+
+    real = reader_module._pread_full
+
+    def slow(fd, view, offset):  # a drive that takes 0.2 s a read
+        time.sleep(0.2)
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(reader_module, "_pread_full", slow)
+    store = ExpertStore.open(stores["qwen3_moe"])
+    arena = HostArena(4, store.block_bytes, pin=False)
+    layer = store.moe_layers[0]
+    reader = BlockReader(store, threads=4)
+    futures = [reader.submit(layer, e, arena.slot(e)) for e in range(4)]  # four reads at once
+    for f in futures:
+        f.result(10)
+    together = reader.busy_s()
+    assert 0.2 <= together < 0.7  # not their sum, 0.8
+    reader.submit(layer, 0, arena.slot(0)).result(10)
+    time.sleep(0.3)  # the drive idle
+    reader.submit(layer, 1, arena.slot(1)).result(10)
+    assert 0.4 <= reader.busy_s() - together < 0.65  # two reads, not the gap between them (0.7 with it)
+    reader.close()
+
+
 def test_falls_back_to_buffered_reads_with_a_warning(stores, monkeypatch, capsys):
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
