@@ -3,7 +3,7 @@
 One block = one pread of `block_bytes` at `expert * block_bytes` (both multiples of 4096), into a
 page-aligned buffer, so O_DIRECT reads go from the drive straight to (pinned) RAM without the
 page cache. Where the filesystem refuses O_DIRECT (tmpfs, some overlay filesystems) the reader
-falls back to buffered reads for that file and logs one warning. Checksums (xxh64 over the
+falls back to buffered reads for that file and logs one warning. Checksums (the store's, xxh3_64 or xxh64, over the
 block) are verified after each read unless switched off.
 
 Two queues: demand reads (a layer is waiting for them) and guesses (prefetches). A reader takes a guess only
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from sluice.errors import CorruptBlockError, StoreError
 from sluice.log import get_logger
@@ -190,7 +189,7 @@ class BlockReader:
             self._drive(-1)
         if got != n:
             raise CorruptBlockError(layer, expert, f"short read: {got} of {n} bytes from {self.store.file(layer)}")
-        if self.verify and xxhash.xxh64(view).intdigest() != self.store.checksum(layer, expert):
+        if self.verify and self.store.digest(view) != self.store.checksum(layer, expert):
             raise CorruptBlockError(layer, expert, f"checksum mismatch in {self.store.file(layer)} at byte {offset}")
         with self._lock:
             self.bytes_read += n

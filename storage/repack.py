@@ -15,7 +15,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
 from tqdm import tqdm
 
 from sluice.errors import CheckpointError, StoreError
@@ -24,7 +23,7 @@ from sluice.models import get_architecture
 from sluice.models.base import ExpertSpec
 from sluice.storage.checkpoint import Checkpoint
 from sluice.storage.safetensors_io import RawTensor, TensorInfo, TensorPart, read_bytes, write_file
-from sluice.storage.store import ExpertStore, Manifest, StoreLayer, TensorSlot, plan_layout, relay
+from sluice.storage.store import CHECKSUM, CHECKSUMS, ExpertStore, Manifest, StoreLayer, TensorSlot, plan_layout, relay
 
 # inside a block, each projection's tensors in this order (weights first, then scales)
 SUFFIX_ORDER = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale",
@@ -153,7 +152,7 @@ def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, p
             with open(tmp, "wb") as f:
                 for expert in range(spec.num_experts):
                     block = build_block(ex.blocks[(layer, expert)], ex.slots, ex.block_bytes, fds)
-                    sums.append(xxhash.xxh64(block).hexdigest())
+                    sums.append(f"{CHECKSUMS[CHECKSUM](block):016x}")
                     f.write(block)
                     bar.update(len(block))
                 f.flush()
@@ -191,7 +190,7 @@ def _existing_source(store_path: Path) -> dict | None:
 
 def _resume_state(work: Path, source: dict) -> dict:
     """progress.json of an interrupted repack of the same source, or a fresh one."""
-    fresh = {"source": source, "layers": {}}
+    fresh = {"source": source, "checksum": CHECKSUM, "layers": {}}
     if not work.exists():
         return fresh
     progress = work / "progress.json"
@@ -203,8 +202,8 @@ def _resume_state(work: Path, source: dict) -> dict:
         if any(work.iterdir()):
             raise StoreError(f"{work} exists but is not an unfinished Sluice repack (no progress.json); move it away")
         return fresh
-    if state.get("source", {}).get("sha256") != source["sha256"]:
-        shutil.rmtree(work)  # our own unfinished work for a different checkpoint
+    if state.get("source", {}).get("sha256") != source["sha256"] or state.get("checksum", "xxh64") != CHECKSUM:
+        shutil.rmtree(work)  # our own unfinished work for a different checkpoint (or with other checksums)
         return fresh
     return state
 

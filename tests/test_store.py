@@ -13,7 +13,7 @@ from safetensors import safe_open
 from sluice.errors import CheckpointError, StoreError
 from sluice.storage import repack as repack_mod
 from sluice.storage.repack import repack
-from sluice.storage.store import PAGE, ExpertStore, relay, unrelay
+from sluice.storage.store import CHECKSUM, PAGE, ExpertStore, relay, unrelay
 from sluice.storage.verify import verify
 
 
@@ -70,6 +70,47 @@ def test_verify_passes_then_names_a_flipped_byte(stores, tmp_path):
     assert any(p.startswith(f"layer {layer['layer']}, expert 3: gate.weight differs") for p in problems)
 
 
+def test_a_version_2_store_with_xxh64_checksums_still_reads_and_an_unknown_checksum_is_named(stores, tmp_path):
+    """New stores name their checksum (xxh3_64); a version 2 store (xxh64, from before) opens, reads and verifies as
+    it was, and a flipped byte in it still fails its checksum. A checksum this code does not know is refused by name."""
+    import xxhash
+
+    from sluice.errors import CorruptBlockError
+    from sluice.storage.reader import BlockReader, HostArena
+
+    store = ExpertStore.open(stores["qwen3_moe"])
+    assert store.manifest.checksum == CHECKSUM == "xxh3_64"
+    layer, n = store.moe_layers[0], store.block_bytes
+    block = (store.path / store.manifest.layers[0].file).read_bytes()[2 * n : 3 * n]
+    assert store.checksum(layer, 2) == xxhash.xxh3_64_intdigest(block) != xxhash.xxh64_intdigest(block)
+
+    old = tmp_path / "old"
+    shutil.copytree(stores["qwen3_moe"], old)
+    m = json.loads((old / "manifest.json").read_text())
+    m["version"] = 2
+    del m["checksum"]  # version 2 manifests wrote "xxh64" or nothing at all
+    for entry in m["layers"]:
+        data = (old / entry["file"]).read_bytes()
+        entry["checksums"] = [xxhash.xxh64(data[e * n : (e + 1) * n]).hexdigest() for e in range(m["num_experts"])]
+    (old / "manifest.json").write_text(json.dumps(m))
+    assert ExpertStore.open(old).manifest.checksum == "xxh64"
+    assert verify(old, progress=False) == []
+    arena = HostArena(1, n, pin=False)
+    reader = BlockReader(ExpertStore.open(old), threads=1)
+    assert reader.read_into(layer, 2, arena.slot(0)) == n
+    f = old / m["layers"][0]["file"]
+    data = bytearray(f.read_bytes())
+    data[2 * n + 5] ^= 1
+    f.write_bytes(data)
+    with pytest.raises(CorruptBlockError, match=f"layer {layer}, expert 2: checksum mismatch"):
+        BlockReader(ExpertStore.open(old), threads=1).read_into(layer, 2, arena.slot(0))
+
+    m.update(version=3, checksum="md5")
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="unknown block checksum 'md5'"):
+        ExpertStore.open(old)
+
+
 def test_rerun_is_a_no_op_and_refuses_other_sources(checkpoints, stores, tmp_path):
     target = tmp_path / "store"
     repack(checkpoints["qwen3_moe"], target, progress=False)
@@ -104,6 +145,32 @@ def test_interrupted_repack_resumes(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(repack_mod, "build_block", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
     store = repack(checkpoints["nemotron_h"], target, progress=False)
     assert calls["n"] == store.total_blocks - 16  # the finished first layer was not rebuilt
+    assert verify(target, progress=False) == []
+
+
+def test_a_repack_interrupted_with_other_checksums_starts_over(checkpoints, tmp_path, monkeypatch):
+    """Work left by a repack whose checksums were another kind (xxh64, before they were named) is not mixed in."""
+    target = tmp_path / "store"
+    real = repack_mod.build_block
+    calls = {"n": 0}
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(repack_mod, "build_block", failing)
+    with pytest.raises(KeyboardInterrupt):
+        repack(checkpoints["nemotron_h"], target, progress=False)
+    progress = tmp_path / "store.partial" / "progress.json"
+    state = json.loads(progress.read_text())
+    del state["checksum"]  # as an older Sluice left it
+    progress.write_text(json.dumps(state))
+    calls["n"] = 0
+    monkeypatch.setattr(repack_mod, "build_block", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
+    store = repack(checkpoints["nemotron_h"], target, progress=False)
+    assert calls["n"] == store.total_blocks  # every layer built again
     assert verify(target, progress=False) == []
 
 
