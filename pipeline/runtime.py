@@ -43,7 +43,9 @@ class IOStats:
     further_routed: int = 0  # experts routed in layers that had such a guess, once per guess list
     stall_s: float = 0.0  # time fetch waited for reads to land
     ids_wait_s: float = 0.0  # time the host waited for routed ids to arrive from the GPU (the GPU's queued work before them)
-    disk_busy: Callable[[], float] | None = field(default=None, repr=False)  # () -> seconds with a block read on the drive (BlockReader.busy_s)
+    # () -> seconds with a block read on the drive (BlockReader.busy_s): the engine's, not a request's (a request's
+    # difference of it counts any read that overlapped its turns)
+    disk_busy: Callable[[], float] | None = field(default=None, repr=False)
     cpu_blocks: int = 0  # blocks the hybrid path computed on the CPU instead of copying them
     steps: int = 0
     tokens: int = 0

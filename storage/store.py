@@ -159,8 +159,11 @@ class Manifest:
         if d.get("format") != FORMAT:
             raise StoreError(f"{where}: not a Sluice expert store manifest (format={d.get('format')!r})")
         if d.get("version") not in READS:
-            raise StoreError(f"{where}: store format version {d.get('version')} is not supported (expected {VERSION}); repack with --force")
-        checksum = d.get("checksum", "xxh64")
+            raise StoreError(f"{where}: store format version {d.get('version')} is not supported (this Sluice reads versions "
+                             f"{', '.join(map(str, READS))}); repack with --force")
+        checksum = d.get("checksum", "xxh64" if d["version"] == 2 else None)  # version 2 stores may not name theirs
+        if checksum is None:
+            raise StoreError(f"{where}: malformed manifest (no block checksum named)")
         if checksum not in CHECKSUMS:
             raise StoreError(f"{where}: unknown block checksum {checksum!r} (known: {', '.join(CHECKSUMS)})")
         try:

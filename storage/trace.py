@@ -132,6 +132,8 @@ def _records(path: Path, lines: Iterator[str]) -> Iterator[TraceRecord]:
             d = json.loads(line)
             p = d.get("p")
             further = tuple((int(l), tuple(g)) for l, g in d.get("f", ()))
+            if len(d["tier"]) != len(d["e"]):
+                raise ValueError(f"{len(d['e'])} experts but {len(d['tier'])} tiers")
             yield TraceRecord(d["s"], d["t"], d["l"], tuple(d["ids"]), tuple(d["e"]), d["tier"], tuple(p) if p is not None else None,
                               further)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

@@ -289,7 +289,7 @@ def test_guess_recall_scores_near_and_far_guesses(tmp_path):
 
 def test_bad_routing_traces_are_named(tmp_path):
     """A trace that is missing, not a trace, or has a malformed line (a key missing, guesses further ahead that are
-    not [layer, [ids]]) is an error naming the file and the line."""
+    not [layer, [ids]], tiers that do not match the experts) is an error naming the file and the line."""
     head = json.dumps({"sluice_routing_trace": 1, "moe_layers": [1], "num_experts": 4, "top_k": 1, "block_bytes": 4096,
                        "ram_blocks": 2, "prefetch": True, "prefetch_depth": 2})
     good = json.dumps({"s": 0, "t": 1, "l": 1, "ids": [2], "e": [2], "tier": "D", "p": None, "f": [[3, [1, 0]]]})
@@ -302,6 +302,7 @@ def test_bad_routing_traces_are_named(tmp_path):
         (head + "\n" + good + "\n" + json.dumps({"s": 0, "t": 1, "l": 1, "ids": [2]}) + "\n", "line 3 is malformed"),
         (head + "\n" + good.replace("[[3, [1, 0]]]", "[3, 1]") + "\n", "line 2 is malformed"),
         (head + "\n{not json\n", "line 2 is malformed"),
+        (head + "\n" + good.replace('"tier": "D"', '"tier": "DR"') + "\n", "line 2 is malformed.*1 experts but 2 tiers"),
     ]
     for text, message in cases:
         path.write_text(text)

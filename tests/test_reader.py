@@ -27,32 +27,51 @@ def test_reads_match_the_file(stores):
 
 def test_busy_time_counts_the_drive_once_however_many_reads_are_on_it(stores, monkeypatch):
     """`busy_s`: the time with at least one read on the drive. Reads at once count once; a gap between reads does
-    not count."""
-    import time
+    not count; a read still on the drive counts up to now. (A clock the test moves, and reads it lets finish.)"""
+    import threading
+    import types
 
     import sluice.storage.reader as reader_module
 
-    real = reader_module._pread_full
+    clock, real = [0.0], reader_module._pread_full
+    started = {e: threading.Event() for e in range(3)}
+    finish = {e: threading.Event() for e in range(3)}
 
-    def slow(fd, view, offset):  # a drive that takes 0.2 s a read
-        time.sleep(0.2)
+    def pread(fd, view, offset):  # on the drive until the test lets it finish
+        e = offset // store.block_bytes
+        started[e].set()
+        assert finish[e].wait(10)
         return real(fd, view, offset)
 
-    monkeypatch.setattr(reader_module, "_pread_full", slow)
+    monkeypatch.setattr(reader_module, "_pread_full", pread)
+    monkeypatch.setattr(reader_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     store = ExpertStore.open(stores["qwen3_moe"])
-    arena = HostArena(4, store.block_bytes, pin=False)
+    arena = HostArena(3, store.block_bytes, pin=False)
     layer = store.moe_layers[0]
-    reader = BlockReader(store, threads=4)
-    futures = [reader.submit(layer, e, arena.slot(e)) for e in range(4)]  # four reads at once
-    for f in futures:
-        f.result(10)
-    together = reader.busy_s()
-    assert 0.2 <= together < 0.7  # not their sum, 0.8
-    reader.submit(layer, 0, arena.slot(0)).result(10)
-    time.sleep(0.3)  # the drive idle
-    reader.submit(layer, 1, arena.slot(1)).result(10)
-    assert 0.4 <= reader.busy_s() - together < 0.65  # two reads, not the gap between them (0.7 with it)
-    reader.close()
+    reader = BlockReader(store, threads=2)
+    try:
+        both = [reader.submit(layer, e, arena.slot(e)) for e in (0, 1)]  # two reads on the drive from t = 0
+        assert started[0].wait(10) and started[1].wait(10)
+        clock[0] = 1.0
+        finish[0].set()
+        both[0].result(10)
+        clock[0] = 3.0
+        finish[1].set()
+        both[1].result(10)
+        assert reader.busy_s() == 3.0  # 0 -> 3 once, not 1 + 3
+        clock[0] = 10.0  # idle from 3 to 10
+        last = reader.submit(layer, 2, arena.slot(2))
+        assert started[2].wait(10)
+        clock[0] = 11.0
+        assert reader.busy_s() == 4.0  # the read on the drive counts up to now
+        clock[0] = 12.0
+        finish[2].set()
+        last.result(10)
+        assert reader.busy_s() == 5.0  # not the gap
+    finally:
+        for f in finish.values():
+            f.set()
+        reader.close()
 
 
 def test_falls_back_to_buffered_reads_with_a_warning(stores, monkeypatch, capsys):

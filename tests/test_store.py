@@ -98,16 +98,23 @@ def test_a_version_2_store_with_xxh64_checksums_still_reads_and_an_unknown_check
     arena = HostArena(1, n, pin=False)
     reader = BlockReader(ExpertStore.open(old), threads=1)
     assert reader.read_into(layer, 2, arena.slot(0)) == n
+    reader.close()
     f = old / m["layers"][0]["file"]
     data = bytearray(f.read_bytes())
     data[2 * n + 5] ^= 1
     f.write_bytes(data)
+    reader = BlockReader(ExpertStore.open(old), threads=1)
     with pytest.raises(CorruptBlockError, match=f"layer {layer}, expert 2: checksum mismatch"):
-        BlockReader(ExpertStore.open(old), threads=1).read_into(layer, 2, arena.slot(0))
+        reader.read_into(layer, 2, arena.slot(0))
+    reader.close()
 
     m.update(version=3, checksum="md5")
     (old / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(StoreError, match="unknown block checksum 'md5'"):
+        ExpertStore.open(old)
+    del m["checksum"]  # version 3 names it
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="malformed manifest.*no block checksum"):
         ExpertStore.open(old)
 
 
