@@ -299,7 +299,7 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
             banks, L, offs, x, h, up_bytes, epi, gate, act = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes, su.epi, su.gate, su.act
             fp4 = fmt in ("nvfp4", "mxfp4")
             variants = [("matvec-up", 0)] + ([("matvec-up-words-gather", 1), ("matvec-up-words", 2)] if fp4 else []) \
-                + ([("matvec-up-f16x2", 3)] if fmt == "nvfp4" else [])
+                + ([("matvec-up-f16x2", 3)] if fmt in ("nvfp4", "fp8") else [])  # f16x2: NVFP4 and FP8 (F16X2_DOWN)
             for (bn, bk, nw), (name, words) in [(c, v) for c in MATVEC_CONFIGS for v in variants if want(v[0])]:
                 try:
                     us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,
@@ -310,7 +310,7 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
             if kind == "relu2":
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 for (bd, sp, nw), (name, f16x2) in [(c, v) for c in DOWN_CONFIGS for v in [("down-relaid", False)]
-                                                    + ([("down-relaid-f16x2", True)] if fmt == "nvfp4" else []) if want(v[0])]:
+                                                    + ([("down-relaid-f16x2", True)] if fmt in ("nvfp4", "fp8") else []) if want(v[0])]:
                     us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, splits=sp, bd=bd, num_warps=nw, f16x2=f16x2)
                                 for b in banks])
                     lines.append(f"{name} {shape} {fmt} bd={bd} splits={sp} w={nw} {us:.1f}us {A * L['down'].nbytes / us / 1e3:.0f}GB/s")
