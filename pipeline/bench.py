@@ -114,6 +114,10 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "ids_wait_ms_per_token": 1000 * io["ids_wait_s"] / n,
         # time with a block read on the drive, and its share of the decode time: how idle the drive was in a cold run
         "disk_busy_ms_per_token": 1000 * io["disk_busy_s"] / n, "disk_busy_share": io["disk_busy_s"] / sum(times),
+        # a read's mean time queued and on the drive, by kind (demand: a step waited for it; guess): whether guesses
+        # land before their layer needs them
+        **{f"{kind}_read_{what}_ms": 1000 * io[f"{kind}_{what}_s"] / io[f"{kind}_reads_timed"] if io[f"{kind}_reads_timed"] else None
+           for kind in ("demand", "guess") for what in ("queued", "drive")},
         "cpu_blocks_per_token": io["cpu_blocks"] / n,
         "vram_prefetches_per_token": io["vram_prefetches"] / n,  # copied on a guess (right or wrong): PCIe bytes too
         "vram_prefetch_hits_per_token": io["vram_prefetch_hits"] / n,
@@ -174,6 +178,7 @@ def format_bench(r: dict, block_bytes: int) -> str:
     if "disk_roofline_ms_per_token" in d:
         lines.append(f"  disk reads {d['disk_reads_per_token']:.2f} blocks/token (demand and prefetch); a read on the drive "
                      f"{d['disk_busy_ms_per_token']:.2f} ms/token, {d['disk_busy_share']:.0%} of the decode time")
+        lines.append(f"  {read_times(d)}")
         roof = max(d['disk_roofline_ms_per_token'], 1e-9)  # a mean over the run's tokens: its reads come early, as the cache fills
         lines.append(f"  disk + PCIe roofline {d['disk_roofline_ms_per_token']:.2f} ms/token (disk {d['disk_gbps']:.2f} GB/s measured now, reads without checksums): "
                      f"median step {d['ms_per_token_median'] / roof:.2f} x, mean step {d['ms_per_token_mean'] / roof:.2f} x")
@@ -226,6 +231,13 @@ def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
     return nbytes / best
 
 
+def read_times(d: dict) -> str:
+    """A bench's decode reads by kind: mean ms on the drive and queued before it."""
+    kinds = [f"a {kind} {d[f'{kind}_read_drive_ms']:.2f} ms on the drive (queued {d[f'{kind}_read_queued_ms']:.2f} ms)"
+             for kind in ("demand", "guess") if d.get(f"{kind}_read_drive_ms") is not None]
+    return "reads: " + (", ".join(kinds) if kinds else "none timed")
+
+
 def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: float) -> str:
     """Schedules side by side (`sluice bench model --compare`): decode, prefill, where blocks came from, blocks
     copied into the VRAM tier ahead of use (guesses, hot-set refreshes), and the bandwidths measured in the
@@ -254,6 +266,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
     rates += [f"{n}: CPU experts {g:.2f} GB/s" for n, g in cpu]
     lines.append("prefill tok/s: a prompt on an empty VRAM tier / the next prompt (other ids) on the tier it left; drive: the "
                  "share of the decode time with a block read on the drive")
+    lines += [f"{name}: decode {read_times(r['decode'])}" for name, r in results if r["decode"]["disk_busy_ms_per_token"]]
     lines.append(f"measured in this run: {', '.join(rates)}; block {block_bytes:,} bytes")
     return "\n".join(lines)
 

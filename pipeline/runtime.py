@@ -24,6 +24,8 @@ from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder
 
 TIERS = ("vram", "ram", "disk")
+READER_COUNTS = {"disk_busy_s": 0.0, **{f"{kind}_{what}": 0 for kind in ("demand", "guess")
+                                        for what in ("reads_timed", "queued_s", "drive_s")}}  # with no reader
 
 
 @dataclass
@@ -43,9 +45,9 @@ class IOStats:
     further_routed: int = 0  # experts routed in layers that had such a guess, once per guess list
     stall_s: float = 0.0  # time fetch waited for reads to land
     ids_wait_s: float = 0.0  # time the host waited for routed ids to arrive from the GPU (the GPU's queued work before them)
-    # () -> seconds with a block read on the drive (BlockReader.busy_s): the engine's, not a request's (a request's
-    # difference of it counts any read that overlapped its turns)
-    disk_busy: Callable[[], float] | None = field(default=None, repr=False)
+    # () -> the reader's counts (BlockReader.counts: the drive's busy time, reads timed by kind): the engine's, not a
+    # request's (a request's difference of them counts any read that overlapped its turns)
+    reader: Callable[[], dict] | None = field(default=None, repr=False)
     cpu_blocks: int = 0  # blocks the hybrid path computed on the CPU instead of copying them
     steps: int = 0
     tokens: int = 0
@@ -80,9 +82,9 @@ class IOStats:
         if device:
             for add in self.sources:
                 add()
-        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in ("kernels", "sources", "disk_busy")}
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in ("kernels", "sources", "reader")}
         d["blocks"] = dict(self.blocks)
-        d["disk_busy_s"] = self.disk_busy() if self.disk_busy is not None else 0.0
+        d.update(self.reader() if self.reader is not None else READER_COUNTS)
         return d
 
     def counters_since(self, before: dict, device: bool = False) -> dict:
@@ -132,7 +134,7 @@ class Runtime:
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))
         # the VRAM tier; on a CPU only when asked for (vram_blocks > 0): then an emulated one in host memory
         self.vram = BlockCache(_DeviceArena(vram_blocks, store.block_bytes, device), vram_policy) if vram_blocks else None
-        self.stats = IOStats(disk_busy=self.reader.busy_s)
+        self.stats = IOStats(reader=self.reader.counts)
         self.recorder = record_routing
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
         # hybrid miss path: the CPU's measured seconds per expert block (moving average), the pinned H2D rate

@@ -67,6 +67,8 @@ class _Job:
     after: Any
     guess: bool
     future: Future
+    submitted: float = 0.0
+    taken: float = 0.0  # by a reader thread
 
 
 class BlockReader:
@@ -97,11 +99,12 @@ class BlockReader:
         self._on_drive = 0  # reads between their pread's start and end
         self._busy_since = 0.0
         self._busy_s = 0.0  # time with at least one read on the drive (checksums and waits before reads left out)
+        self._timed = {"demand": [0, 0.0, 0.0], "guess": [0, 0.0, 0.0]}  # kind -> [reads, queued s, on the drive s]
 
     def submit(self, layer: int, expert: int, buf: torch.Tensor, after: Any = None, guess: bool = False) -> Future:
         """Read in a reader thread; `after` (a CUDA event still reading buf) is waited for first. A `guess` waits
         while demand reads are queued or running."""
-        job = _Job(layer, expert, buf, after, guess, Future())
+        job = _Job(layer, expert, buf, after, guess, Future(), time.perf_counter())
         with self._cond:
             if self._closed:
                 raise StoreError(f"{self.store.path}: the block reader is closed")
@@ -151,6 +154,7 @@ class BlockReader:
                 self._cond.wait()
             del self._queued[job.future]
             self._running[job.guess] += 1
+            job.taken = time.perf_counter()
             return job
 
     def _work(self) -> None:
@@ -158,7 +162,7 @@ class BlockReader:
             try:
                 if job.future.set_running_or_notify_cancel():
                     try:
-                        job.future.set_result(self._read_after(job.layer, job.expert, job.buf, job.after))
+                        job.future.set_result(self._read_after(job))
                     except BaseException as e:  # the waiter sees it (a failed read names layer and expert)
                         job.future.set_exception(e)
             finally:
@@ -166,18 +170,19 @@ class BlockReader:
                     self._running[job.guess] -= 1
                     self._cond.notify_all()
 
-    def _read_after(self, layer: int, expert: int, buf: torch.Tensor, after: Any) -> int:
-        if after is not None:
-            after.synchronize()
-        return self.read_into(layer, expert, buf)
+    def _read_after(self, job: _Job) -> int:
+        if job.after is not None:
+            job.after.synchronize()
+        return self.read_into(job.layer, job.expert, job.buf, job)
 
-    def read_into(self, layer: int, expert: int, buf: torch.Tensor) -> int:
-        """Read block (layer, expert) into buf (uint8 [block_bytes], page-aligned). Blocking."""
+    def read_into(self, layer: int, expert: int, buf: torch.Tensor, job: _Job | None = None) -> int:
+        """Read block (layer, expert) into buf (uint8 [block_bytes], page-aligned). Blocking. `job`: the reader's
+        own (its read is timed, as a demand or a guess)."""
         n = self.store.block_bytes
         view = memoryview(buf.numpy())[:n]
         offset = self.store.offset(expert)
         fd = self._fd(layer)
-        self._drive(+1)
+        start = self._drive(+1)
         try:
             got = _pread_full(fd, view, offset)
         except OSError as e:
@@ -186,7 +191,13 @@ class BlockReader:
             fd = self._fall_back(layer, f"O_DIRECT read failed ({e})")
             got = _pread_full(fd, view, offset)
         finally:
-            self._drive(-1)
+            end = self._drive(-1)
+        if job is not None:
+            with self._lock:
+                timed = self._timed["guess" if job.guess else "demand"]
+                timed[0] += 1
+                timed[1] += job.taken - job.submitted
+                timed[2] += end - start
         if got != n:
             raise CorruptBlockError(layer, expert, f"short read: {got} of {n} bytes from {self.store.file(layer)}")
         if self.verify and self.store.digest(view) != self.store.checksum(layer, expert):
@@ -196,13 +207,16 @@ class BlockReader:
             self.reads += 1
         return n
 
-    def _drive(self, n: int) -> None:
+    def _drive(self, n: int) -> float:
+        """A read goes on (+1) or off (-1) the drive; the time now."""
         with self._lock:
+            now = time.perf_counter()
             if n > 0 and self._on_drive == 0:
-                self._busy_since = time.perf_counter()
+                self._busy_since = now
             self._on_drive += n
             if n < 0 and self._on_drive == 0:
-                self._busy_s += time.perf_counter() - self._busy_since
+                self._busy_s += now - self._busy_since
+            return now
 
     def busy_s(self) -> float:
         """Seconds so far during which at least one block read was on the drive (from its pread's start to its end):
@@ -211,6 +225,17 @@ class BlockReader:
         interval (5 ms by default; on the H200 run with 0.05 ms, the reads and stalls did not change)."""
         with self._lock:
             return self._busy_s + (time.perf_counter() - self._busy_since if self._on_drive else 0.0)
+
+    def counts(self) -> dict[str, float]:
+        """The drive's busy time (`busy_s`) and, for the reads this pool's threads did, by kind (demand: a layer
+        waited for it, a promoted guess included; guess): how many, their time queued (submitted to taken by a
+        thread) and on the drive (the pread alone; an upper bound as `busy_s` is), summed."""
+        busy = self.busy_s()
+        with self._lock:
+            d = {"disk_busy_s": busy}
+            for kind, (n, queued, drive) in self._timed.items():
+                d.update({f"{kind}_reads_timed": n, f"{kind}_queued_s": queued, f"{kind}_drive_s": drive})
+            return d
 
     def close(self) -> None:
         """Cancel the reads not started, wait for the rest, close the files."""

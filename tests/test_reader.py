@@ -27,7 +27,8 @@ def test_reads_match_the_file(stores):
 
 def test_busy_time_counts_the_drive_once_however_many_reads_are_on_it(stores, monkeypatch):
     """`busy_s`: the time with at least one read on the drive. Reads at once count once; a gap between reads does
-    not count; a read still on the drive counts up to now. (A clock the test moves, and reads it lets finish.)"""
+    not count; a read still on the drive counts up to now. `counts` also times each read, queued and on the drive, as
+    a demand or a guess. (A clock the test moves, and reads it lets finish.)"""
     import threading
     import types
 
@@ -60,7 +61,7 @@ def test_busy_time_counts_the_drive_once_however_many_reads_are_on_it(stores, mo
         both[1].result(10)
         assert reader.busy_s() == 3.0  # 0 -> 3 once, not 1 + 3
         clock[0] = 10.0  # idle from 3 to 10
-        last = reader.submit(layer, 2, arena.slot(2))
+        last = reader.submit(layer, 2, arena.slot(2), guess=True)
         assert started[2].wait(10)
         clock[0] = 11.0
         assert reader.busy_s() == 4.0  # the read on the drive counts up to now
@@ -68,6 +69,25 @@ def test_busy_time_counts_the_drive_once_however_many_reads_are_on_it(stores, mo
         finish[2].set()
         last.result(10)
         assert reader.busy_s() == 5.0  # not the gap
+        assert reader.counts() == {"disk_busy_s": 5.0, "demand_reads_timed": 2, "demand_queued_s": 0.0, "demand_drive_s": 4.0,
+                                   "guess_reads_timed": 1, "guess_queued_s": 0.0, "guess_drive_s": 2.0}
+        clock[0] = 20.0  # a guess queued while two demand reads hold both threads: taken at 21, when they land
+        finish.update({e: threading.Event() for e in range(3)})
+        started.update({e: threading.Event() for e in range(3)})
+        held = [reader.submit(layer, e, arena.slot(e)) for e in (0, 1)]
+        assert started[0].wait(10) and started[1].wait(10)
+        queued = reader.submit(layer, 2, arena.slot(2), guess=True)
+        clock[0] = 21.0
+        finish[0].set()
+        finish[1].set()
+        for f in held:
+            f.result(10)
+        assert started[2].wait(10)
+        clock[0] = 22.5
+        finish[2].set()
+        queued.result(10)
+        c = reader.counts()
+        assert (c["guess_reads_timed"], c["guess_queued_s"], c["guess_drive_s"]) == (2, 1.0, 3.5)
     finally:
         for f in finish.values():
             f.set()
@@ -123,7 +143,7 @@ def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, 
     reader = BlockReader(store, threads=4, guesses=1)
     gate, lock, order, running, most = threading.Event(), threading.Lock(), [], [0], [0]
 
-    def read_into(layer_, expert, buf):  # a slow drive: expert 0 holds the drive until the gate opens
+    def read_into(layer_, expert, buf, job=None):  # a slow drive: expert 0 holds the drive until the gate opens
         with lock:
             order.append(expert)
             running[0] += expert >= 10  # guesses are experts 10+
