@@ -24,7 +24,7 @@ from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder
 
 TIERS = ("vram", "ram", "disk")
-READER_COUNTS = {"disk_busy_s": 0.0, **{f"{kind}_{what}": 0 for kind in ("demand", "guess")
+READER_COUNTS = {"disk_busy_s": 0.0, **{f"{kind}_{what}": 0 if what == "reads_timed" else 0.0 for kind in ("demand", "guess")
                                         for what in ("reads_timed", "queued_s", "drive_s")}}  # with no reader
 
 

@@ -88,6 +88,26 @@ def test_busy_time_counts_the_drive_once_however_many_reads_are_on_it(stores, mo
         queued.result(10)
         c = reader.counts()
         assert (c["guess_reads_timed"], c["guess_queued_s"], c["guess_drive_s"]) == (2, 1.0, 3.5)
+        clock[0] = 30.0  # a guess queued behind two demands, needed (promoted) at 31: a demand, queued from then
+        for e in range(3):
+            finish[e], started[e] = threading.Event(), threading.Event()
+        held = [reader.submit(layer, e, arena.slot(e)) for e in (0, 1)]
+        assert started[0].wait(10) and started[1].wait(10)
+        needed = reader.submit(layer, 2, arena.slot(2), guess=True)
+        clock[0] = 31.0
+        assert reader.promote(needed)
+        clock[0] = 32.0
+        finish[0].set()
+        finish[1].set()
+        for f in held:
+            f.result(10)
+        assert started[2].wait(10)
+        clock[0] = 33.0
+        finish[2].set()
+        needed.result(10)
+        c = reader.counts()
+        assert c["guess_reads_timed"] == 2 and c["demand_reads_timed"] == 7  # 2 + 2 + 2 demands, and the promoted guess
+        assert (c["demand_queued_s"], c["demand_drive_s"]) == (1.0, (1 + 3) + (1 + 1) + (2 + 2) + 1)
     finally:
         for f in finish.values():
             f.set()
