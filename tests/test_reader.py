@@ -71,41 +71,33 @@ def test_busy_time_counts_the_drive_once_however_many_reads_are_on_it(stores, mo
         assert reader.busy_s() == 5.0  # not the gap
         assert reader.counts() == {"disk_busy_s": 5.0, "demand_reads_timed": 2, "demand_queued_s": 0.0, "demand_drive_s": 4.0,
                                    "guess_reads_timed": 1, "guess_queued_s": 0.0, "guess_drive_s": 2.0}
-        clock[0] = 20.0  # a guess queued while two demand reads hold both threads: taken at 21, when they land
-        finish.update({e: threading.Event() for e in range(3)})
-        started.update({e: threading.Event() for e in range(3)})
-        held = [reader.submit(layer, e, arena.slot(e)) for e in (0, 1)]
-        assert started[0].wait(10) and started[1].wait(10)
-        queued = reader.submit(layer, 2, arena.slot(2), guess=True)
-        clock[0] = 21.0
-        finish[0].set()
-        finish[1].set()
-        for f in held:
-            f.result(10)
-        assert started[2].wait(10)
-        clock[0] = 22.5
-        finish[2].set()
-        queued.result(10)
-        c = reader.counts()
+
+        def guess_behind_two_demands(t0: float, land: float, end: float, promote_at: float | None = None) -> dict:
+            """Two demand reads on both threads from t0, a guess queued behind them (promoted at `promote_at`), the
+            demands landing at `land`, the guess at `end`: the counts then."""
+            clock[0] = t0
+            for e in range(3):
+                finish[e], started[e] = threading.Event(), threading.Event()
+            held = [reader.submit(layer, e, arena.slot(e)) for e in (0, 1)]
+            assert started[0].wait(10) and started[1].wait(10)
+            queued = reader.submit(layer, 2, arena.slot(2), guess=True)
+            if promote_at is not None:
+                clock[0] = promote_at
+                assert reader.promote(queued)
+            clock[0] = land
+            finish[0].set()
+            finish[1].set()
+            for f in held:
+                f.result(10)
+            assert started[2].wait(10)
+            clock[0] = end
+            finish[2].set()
+            queued.result(10)
+            return reader.counts()
+
+        c = guess_behind_two_demands(20.0, 21.0, 22.5)  # the guess taken at 21, when the demands land
         assert (c["guess_reads_timed"], c["guess_queued_s"], c["guess_drive_s"]) == (2, 1.0, 3.5)
-        clock[0] = 30.0  # a guess queued behind two demands, needed (promoted) at 31: a demand, queued from then
-        for e in range(3):
-            finish[e], started[e] = threading.Event(), threading.Event()
-        held = [reader.submit(layer, e, arena.slot(e)) for e in (0, 1)]
-        assert started[0].wait(10) and started[1].wait(10)
-        needed = reader.submit(layer, 2, arena.slot(2), guess=True)
-        clock[0] = 31.0
-        assert reader.promote(needed)
-        clock[0] = 32.0
-        finish[0].set()
-        finish[1].set()
-        for f in held:
-            f.result(10)
-        assert started[2].wait(10)
-        clock[0] = 33.0
-        finish[2].set()
-        needed.result(10)
-        c = reader.counts()
+        c = guess_behind_two_demands(30.0, 32.0, 33.0, promote_at=31.0)  # needed at 31: a demand, queued from then
         assert c["guess_reads_timed"] == 2 and c["demand_reads_timed"] == 7  # 2 + 2 + 2 demands, and the promoted guess
         assert (c["demand_queued_s"], c["demand_drive_s"]) == (1.0, (1 + 3) + (1 + 1) + (2 + 2) + 1)
     finally:
