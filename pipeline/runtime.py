@@ -24,8 +24,6 @@ from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder
 
 TIERS = ("vram", "ram", "disk")
-READER_COUNTS = {"disk_busy_s": 0.0, **{f"{kind}_{what}": 0 if what == "reads_timed" else 0.0 for kind in ("demand", "guess")
-                                        for what in ("reads_timed", "queued_s", "drive_s")}}  # with no reader
 
 
 @dataclass
@@ -84,7 +82,8 @@ class IOStats:
                 add()
         d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in ("kernels", "sources", "reader")}
         d["blocks"] = dict(self.blocks)
-        d.update(self.reader() if self.reader is not None else READER_COUNTS)
+        if self.reader is not None:
+            d.update(self.reader())
         return d
 
     def counters_since(self, before: dict, device: bool = False) -> dict:
