@@ -48,7 +48,7 @@ def disk_bandwidth(engine, blocks: int = 128) -> float:
     arena.data.fill_(1)  # a first touch of fresh memory (a page fault per page) is not the drive's time
     layers, E = list(store.moe_layers), store.manifest.num_experts
     picks = [(layers[(i * 7) % len(layers)], (i * 37) % E) for i in range(n)]
-    reader = BlockReader(store, threads=pool.threads, direct=pool.direct, verify=False)
+    reader = BlockReader(store, threads=pool.threads, direct=pool.direct, verify=False, pieces=len(pool.pieces))
     try:
         for layer in layers:  # starts the threads, opens each layer's file
             reader.submit(layer, 0, arena.slot(0)).result()

@@ -134,7 +134,7 @@ class Engine:
             if config.record_routing else None
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
                      down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy,
-                     guess_reads=reads.guess_reads)
+                     guess_reads=reads.guess_reads, read_pieces=reads.read_pieces)
         if h2d.hot_set and rt.vram is not None:
             try:
                 held = rt.load_hot_set(h2d.hot_set, reserve=2 * store.manifest.top_k)

@@ -122,12 +122,14 @@ class Runtime:
         record_routing: RoutingRecorder | None = None,
         vram_policy: str = "lru",
         guess_reads: int = 2,
+        read_pieces: int = 1,
     ):
         self.store = store
         self.device = device
         self.streams = Streams(device)
         self.tracer = Tracer(self.streams, trace)
-        self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify, guesses=guess_reads)
+        self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify, guesses=guess_reads,
+                                  pieces=read_pieces)
         self.guessed: dict[int, list[CacheEntry]] = {}  # layer -> RAM entries read ahead for it on a guess
         cuda = device.type == "cuda"
         self.ram = BlockCache(HostArena(ram_blocks, store.block_bytes, pin=cuda))

@@ -76,7 +76,9 @@ class DirectKnobs:
     # one; more add the layers after it, read behind the nearer layers' guesses (as predict's knob)
     readers: int = 8  # reader threads (as fetch's knob: one pool for the engine; hold: true reads every block at open)
     guess_reads: int = 2  # hold: false: guesses read at once, at most (as fetch's knob: a drive that needs depth wants
-    # more; fewer than `readers`, so that a demand read finds a thread)
+    # more; fewer than `readers`, so that a demand read finds a thread; with read_pieces > 1, pieces of guesses)
+    read_pieces: int = 1  # a block read as this many parts at once by the pool's threads, in the order asked for (as
+    # fetch's knob)
     host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
     # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
     # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
@@ -90,7 +92,7 @@ class DirectKnobs:
     def __post_init__(self):
         if self.shared not in ("side", "late"):
             raise ScheduleError(f"stage 'direct': 'shared' must be side or late, got {self.shared!r}")
-        for knob in ("depth", "readers", "guess_reads"):
+        for knob in ("depth", "readers", "guess_reads", "read_pieces"):
             if getattr(self, knob) < 1:
                 raise ScheduleError(f"stage 'direct': {knob!r} must be >= 1, got {getattr(self, knob)!r}")
         if self.depth > 1 and (self.hold or not self.prefetch):

@@ -31,7 +31,15 @@ class FetchKnobs:
     prefetch: bool = False  # read the predicted experts of the next layer after demand reads
     readers: int = 8  # reader threads (one pool for the engine; the schedule's value sizes it)
     guess_reads: int = 2  # prefetch reads in flight at most (a drive that needs depth to reach its rate wants more;
-    # the reader keeps one of two or more threads for demand reads)
+    # the reader keeps one of two or more threads for demand reads; with read_pieces > 1, pieces of guesses)
+    read_pieces: int = 1  # a block read as this many parts at once by the pool's threads, in the order asked for
+
+    def __post_init__(self):
+        if self.guess_reads < 1:
+            raise ScheduleError(f"stage 'fetch': 'guess_reads' must be >= 1, got {self.guess_reads} (prefetch: false "
+                                f"reads no guesses)")
+        if self.read_pieces < 1:
+            raise ScheduleError(f"stage 'fetch': 'read_pieces' must be >= 1, got {self.read_pieces}")
 
 
 class Fetch(Stage):
@@ -41,11 +49,6 @@ class Fetch(Stage):
     produces = "blocks"
     channel = True
     Knobs = FetchKnobs
-
-    def __init__(self, knobs: FetchKnobs, stream: str, rt):
-        if knobs.guess_reads < 1:
-            raise ScheduleError(f"fetch: 'guess_reads' must be >= 1, got {knobs.guess_reads} (prefetch: false reads no guesses)")
-        super().__init__(knobs, stream, rt)
 
     async def run(self, io: StageIO) -> None:
         routing: Routing = await io.value("routing")

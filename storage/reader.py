@@ -6,10 +6,16 @@ page cache. Where the filesystem refuses O_DIRECT (tmpfs, some overlay filesyste
 falls back to buffered reads for that file and logs one warning. Checksums (the store's, xxh3_64 or xxh64, over the
 block) are verified after each read unless switched off.
 
-Two queues: demand reads (a layer is waiting for them) and guesses (prefetches). A reader takes a guess only
-while no demand read is queued or running, and at most `guesses` of them run at once (fewer than the threads, where
-there are two or more), so a demand read never queues behind a guess and shares the drive with at most that many.
-A queued guess can be promoted to a demand (the layer it was for routed to it) or cancelled (it did not).
+A block can be read in `pieces` page-aligned parts, each one pread by whichever thread takes it, the next
+block's pieces queued behind: a lone block then has the drive's parallel rate, not one read's, and blocks land
+in the order they were asked for instead of together (a drive whose rate needs several reads at once; BENCHMARKS.md,
+nineteenth session). Its checksum is checked once its last piece lands, and its future completes then.
+
+Two queues: demand reads (a layer is waiting for them) and guesses (prefetches). A reader takes a guess's piece
+only while no demand read's piece is queued or running, and at most `guesses` of them run at once (fewer than the
+threads, where there are two or more), so a demand read never queues behind a guess and shares the drive with at
+most that many pieces. A queued guess can be promoted to a demand (the layer it was for routed to it: its pieces
+not started are read next) or cancelled (it did not; only before its first piece starts).
 """
 
 from __future__ import annotations
@@ -67,8 +73,15 @@ class _Job:
     after: Any
     guess: bool
     future: Future
+    pieces: int  # the block's pieces, read by the pool's threads
     submitted: float = 0.0
-    taken: float = 0.0  # by a reader thread
+    taken: float = 0.0  # its first piece, by a reader thread
+    kind: str = "demand"  # as its first piece was taken (demand | guess): what `counts` times it as
+    next: int = 0  # pieces taken by threads
+    left: int = 0  # pieces not landed
+    start: float = float("inf")  # the first piece's pread began
+    end: float = 0.0  # the last piece's pread ended
+    error: BaseException | None = None  # a piece's failure, raised once every piece has landed
 
 
 class BlockReader:
@@ -77,8 +90,12 @@ class BlockReader:
     The caller must keep the destination buffer alive and unread until the future completes.
     """
 
-    def __init__(self, store: ExpertStore, threads: int = 8, direct: bool = True, verify: bool = True, guesses: int = 2):
+    def __init__(self, store: ExpertStore, threads: int = 8, direct: bool = True, verify: bool = True, guesses: int = 2,
+                 pieces: int = 1):
+        if pieces < 1:
+            raise ValueError(f"a block is read in at least one piece, got {pieces}")
         self.store = store
+        self.pieces = _split(store.block_bytes, pieces)  # (start, bytes) in a block, each a multiple of a page
         self.verify = verify
         self.direct = direct
         self.guesses = max(1, min(guesses, threads - 1))  # guesses read at once, at most: a thread stays for demands
@@ -90,7 +107,7 @@ class BlockReader:
         self._demand: deque[_Job] = deque()
         self._guess: deque[_Job] = deque()
         self._queued: dict[Future, _Job] = {}
-        self._running = [0, 0]  # demand reads, guesses in progress
+        self._running = [0, 0]  # demand pieces, guess pieces on their way (taken by a thread, not landed)
         self._closed = False
         self._threads: list[threading.Thread] = []  # started with the first read
         self.threads = max(1, threads)
@@ -104,13 +121,14 @@ class BlockReader:
     def submit(self, layer: int, expert: int, buf: torch.Tensor, after: Any = None, guess: bool = False) -> Future:
         """Read in a reader thread; `after` (a CUDA event still reading buf) is waited for first. A `guess` waits
         while demand reads are queued or running."""
-        job = _Job(layer, expert, buf, after, guess, Future(), time.perf_counter())
+        job = _Job(layer, expert, buf, after, guess, Future(), len(self.pieces), time.perf_counter())
+        job.left = job.pieces
         with self._cond:
             if self._closed:
                 raise StoreError(f"{self.store.path}: the block reader is closed")
             (self._guess if guess else self._demand).append(job)
             self._queued[job.future] = job
-            self._cond.notify()
+            self._cond.notify(job.pieces)
             if not self._threads:
                 self._threads = [threading.Thread(target=self._work, name=f"sluice-reader-{i}", daemon=True)
                                  for i in range(self.threads)]
@@ -119,70 +137,111 @@ class BlockReader:
         return job.future
 
     def promote(self, future: Future) -> bool:
-        """A queued guess is needed now: read it as a demand, ahead of the other guesses. False if it has started."""
+        """A queued guess is needed now: its pieces not started are read as a demand's, ahead of the other guesses.
+        True if none had started (it is a demand read from now); False if it had (or it is done)."""
         with self._cond:
             job = self._queued.get(future)
             if job is None or not job.guess:
                 return False
             self._guess.remove(job)
             job.guess = False
-            job.submitted = time.perf_counter()  # queued as a demand from now
             self._demand.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
+            if job.next:
+                return False
+            job.submitted = time.perf_counter()  # queued as a demand from now
             return True
 
     def cancel(self, future: Future) -> bool:
-        """Drop a read that has not started; its future is cancelled. False if it has started (or finished)."""
+        """Drop a read none of whose pieces has started; its future is cancelled. False if one has (or it is done)."""
         with self._cond:
-            job = self._queued.pop(future, None)
-            if job is None:
+            job = self._queued.get(future)
+            if job is None or job.next:
                 return False
+            del self._queued[future]
             (self._guess if job.guess else self._demand).remove(job)
         future.cancel()
         return True
 
-    def _take(self) -> _Job | None:
+    def _take(self) -> tuple[_Job, int, bool] | None:
+        """The next piece to read: (its block's job, its index, whether it is a guess's)."""
         with self._cond:
             while True:
                 if self._demand:
-                    job = self._demand.popleft()
+                    queue = self._demand
                     break
                 if self._guess and not self._running[0] and self._running[1] < self.guesses:
-                    job = self._guess.popleft()
+                    queue = self._guess
                     break
                 if self._closed:
                     return None
                 self._cond.wait()
-            del self._queued[job.future]
-            self._running[job.guess] += 1
-            job.taken = time.perf_counter()
-            return job
+            job, guess = queue[0], queue is self._guess
+            i = job.next
+            job.next += 1
+            if i == 0:
+                job.taken, job.kind = time.perf_counter(), "guess" if guess else "demand"
+                job.future.set_running_or_notify_cancel()  # cannot be cancelled now (`cancel` sees `next`)
+            if job.next == job.pieces:
+                queue.popleft()
+                del self._queued[job.future]
+            self._running[guess] += 1
+            return job, i, guess
 
     def _work(self) -> None:
-        while (job := self._take()) is not None:
+        while (taken := self._take()) is not None:
+            job, i, guess = taken
             try:
-                if job.future.set_running_or_notify_cancel():
-                    try:
-                        job.future.set_result(self._read_after(job))
-                    except BaseException as e:  # the waiter sees it (a failed read names layer and expert)
-                        job.future.set_exception(e)
+                self._read_piece(job, i)
+            except BaseException as e:  # the waiter sees it once every piece has landed
+                with self._cond:
+                    job.error = job.error or e
             finally:
                 with self._cond:
-                    self._running[job.guess] -= 1
+                    self._running[guess] -= 1
+                    job.left -= 1
+                    last = job.left == 0
                     self._cond.notify_all()
+            if last:
+                self._land(job)
 
-    def _read_after(self, job: _Job) -> int:
+    def _read_piece(self, job: _Job, i: int) -> None:
         if job.after is not None:
             job.after.synchronize()
-        return self.read_into(job.layer, job.expert, job.buf, job)
+        at, n = self.pieces[i]
+        got, start, end = self._pread(job.layer, job.expert, memoryview(job.buf.numpy())[at : at + n], at)
+        with self._cond:
+            job.start, job.end = min(job.start, start), max(job.end, end)
+        if got != n:
+            raise CorruptBlockError(job.layer, job.expert, f"short read: {at + got} of {self.store.block_bytes} bytes "
+                                                           f"from {self.store.file(job.layer)}")
 
-    def read_into(self, layer: int, expert: int, buf: torch.Tensor, job: _Job | None = None) -> int:
-        """Read block (layer, expert) into buf (uint8 [block_bytes], page-aligned). Blocking. `job`: the reader's
-        own (its read is timed, as a demand or a guess)."""
+    def _land(self, job: _Job) -> None:
+        """A block's last piece has landed: check it, count it, complete its future."""
+        try:
+            if job.error is not None:
+                raise job.error
+            n = self.store.block_bytes
+            self._verify(job.layer, job.expert, memoryview(job.buf.numpy())[:n])
+            self._count(n, job.kind, job.taken - job.submitted, job.end - job.start)
+            job.future.set_result(n)
+        except BaseException as e:  # the waiter sees it (a failed read names layer and expert)
+            job.future.set_exception(e)
+
+    def read_into(self, layer: int, expert: int, buf: torch.Tensor) -> int:
+        """Read block (layer, expert) into buf (uint8 [block_bytes], page-aligned) in one pread, in this thread."""
         n = self.store.block_bytes
         view = memoryview(buf.numpy())[:n]
-        offset = self.store.offset(expert)
-        fd = self._fd(layer)
+        got, _, _ = self._pread(layer, expert, view, 0)
+        if got != n:
+            raise CorruptBlockError(layer, expert, f"short read: {got} of {n} bytes from {self.store.file(layer)}")
+        self._verify(layer, expert, view)
+        self._count(n)
+        return n
+
+    def _pread(self, layer: int, expert: int, view: memoryview, at: int) -> tuple[int, float, float]:
+        """pread all of view from the block's byte `at` on: (bytes read, when the read began, when it ended)."""
+        fd, offset = self._fd(layer), self.store.offset(expert) + at
         start = self._drive(+1)
         try:
             got = _pread_full(fd, view, offset)
@@ -193,19 +252,23 @@ class BlockReader:
             got = _pread_full(fd, view, offset)
         finally:
             end = self._drive(-1)
-        if got != n:
-            raise CorruptBlockError(layer, expert, f"short read: {got} of {n} bytes from {self.store.file(layer)}")
+        return got, start, end
+
+    def _verify(self, layer: int, expert: int, view: memoryview) -> None:
         if self.verify and self.store.digest(view) != self.store.checksum(layer, expert):
-            raise CorruptBlockError(layer, expert, f"checksum mismatch in {self.store.file(layer)} at byte {offset}")
+            raise CorruptBlockError(layer, expert, f"checksum mismatch in {self.store.file(layer)} "
+                                                   f"at byte {self.store.offset(expert)}")
+
+    def _count(self, n: int, kind: str | None = None, queued: float = 0.0, drive: float = 0.0) -> None:
+        """A block landed: its bytes, and for the pool's own reads (`kind`) its time queued and on the drive."""
         with self._lock:
             self.bytes_read += n
             self.reads += 1
-            if job is not None:
-                timed = self._timed["guess" if job.guess else "demand"]
+            if kind is not None:
+                timed = self._timed[kind]
                 timed[0] += 1
-                timed[1] += job.taken - job.submitted
-                timed[2] += end - start
-        return n
+                timed[1] += queued
+                timed[2] += drive
 
     def _drive(self, n: int) -> float:
         """A read goes on (+1) or off (-1) the drive; the time now."""
@@ -240,14 +303,20 @@ class BlockReader:
                 d.update({f"{kind}_reads_timed": n, f"{kind}_queued_s": queued, f"{kind}_drive_s": drive})
             return d
 
+    def __enter__(self) -> BlockReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Cancel the reads not started, wait for the rest, close the files."""
+        """Cancel the reads not started, wait for the rest (a block partly read is read to its end), close the files."""
         with self._cond:
             self._closed = True
-            dropped = list(self._queued)
-            self._queued.clear()
-            self._demand.clear()
-            self._guess.clear()
+            dropped = [f for f, job in self._queued.items() if not job.next]  # a block partly read is read to its end
+            for f in dropped:
+                job = self._queued.pop(f)
+                (self._guess if job.guess else self._demand).remove(job)
             self._cond.notify_all()
         for f in dropped:
             f.cancel()
@@ -305,3 +374,11 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
             break
         got += n
     return got
+
+
+def _split(block_bytes: int, pieces: int) -> tuple[tuple[int, int], ...]:
+    """A block as (start, bytes) parts of whole pages, at most `pieces` of them, as even as pages allow."""
+    pages = block_bytes // PAGE
+    n = max(1, min(pieces, pages))
+    cuts = [PAGE * (pages * i // n) for i in range(n + 1)]
+    return tuple((a, b - a) for a, b in zip(cuts, cuts[1:]))

@@ -349,7 +349,7 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
     """`hold: false`: a RAM cache of one layer's experts and two more, blocks read from disk as layers route to them:
     prompts through the prompts' path, one-token steps (Triton) through direct's step once their ids have come to the
     host and their misses have been read (the VRAM tier refreshed every 2 steps where there is one; guesses two MoE
-    layers ahead). The logits are direct's bit for bit (the same kernels on the same bytes, the same sum); blocks come
+    layers ahead; each block read in two pieces). The logits are direct's bit for bit (the same kernels on the same bytes, the same sum); blocks come
     from disk, and nothing stays pinned; the guesses' recall is counted as the streaming schedules count it. Less RAM
     than one layer's experts is refused."""
     from sluice.errors import ConfigError
@@ -359,7 +359,7 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
     E, bb = store.manifest.num_experts, store.block_bytes
     held = direct_schedule(tmp_path, "held", backend=backend, refresh=2, prompt_group=2)
     streamed = direct_schedule(tmp_path, "streamed", backend=backend, refresh=2, prompt_group=2, hold=False, readers=3,
-                               guess_reads=3, depth=2)
+                               guess_reads=3, depth=2, read_pieces=2)
     kw = {"vram_slots": vram_slots} if vram_slots else {}
     with sluice.load(stores[variant], device=DEVICE, schedule=held, **kw) as engine:
         want = greedy_logits(engine, PROMPT, 10)
@@ -372,7 +372,7 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
         assert (stage.token_disk > 0) == own and (io["prefetch_reads"] > 0) == own  # ... and the next layer's guesses
         assert engine.rt.ram.capacity == E + 2 < store.total_blocks
         # the stage's reader knobs size the pool; one thread stays free for demand reads
-        assert (engine.rt.reader.threads, engine.rt.reader.guesses) == (3, 2)
+        assert (engine.rt.reader.threads, engine.rt.reader.guesses, len(engine.rt.reader.pieces)) == (3, 2, 2)
         assert all(e.pins == 0 and not e.loading for e in engine.rt.ram.entries())
     assert torch.equal(got, want)
     assert io["blocks"]["disk"] > E  # the cache turns over: more disk reads than it has slots

@@ -400,8 +400,8 @@ def test_queued_guesses_are_promoted_or_cancelled_and_change_no_logit(stores, tm
     doc["stages"]["fetch"] = {"prefetch": True, "readers": 1, "guess_reads": 1}
     doc["stages"]["predict"] = {"depth": 3}
     (tmp_path / "slow.yaml").write_text(yaml.safe_dump(doc))
-    real = BlockReader.read_into
-    monkeypatch.setattr(BlockReader, "read_into", lambda self, *a: (time.sleep(0.003), real(self, *a))[1])
+    real = BlockReader._read_piece
+    monkeypatch.setattr(BlockReader, "_read_piece", lambda self, *a: (time.sleep(0.003), real(self, *a))[1])
     calls = {"promote": 0, "cancel": 0}
     for name in calls:
         def spy(self, fut, _f=getattr(BlockReader, name), _n=name):

@@ -152,10 +152,11 @@ def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, 
     store = ExpertStore.open(stores["qwen3_moe"])
     arena = HostArena(8, store.block_bytes, pin=False)
     layer = store.moe_layers[0]
-    reader = BlockReader(store, threads=4, guesses=1)
+    reader = BlockReader(store, threads=4, guesses=1, verify=False)
     gate, lock, order, running, most = threading.Event(), threading.Lock(), [], [0], [0]
 
-    def read_into(layer_, expert, buf, job=None):  # a slow drive: expert 0 holds the drive until the gate opens
+    def read_piece(job, i):  # a slow drive that reads nothing: expert 0 holds the drive until the gate opens
+        expert = job.expert
         with lock:
             order.append(expert)
             running[0] += expert >= 10  # guesses are experts 10+
@@ -164,9 +165,8 @@ def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, 
             gate.wait(10)
         with lock:
             running[0] -= expert >= 10
-        return store.block_bytes
 
-    monkeypatch.setattr(reader, "read_into", read_into)
+    monkeypatch.setattr(reader, "_read_piece", read_piece)
     first = reader.submit(layer, 0, arena.slot(0))
     guesses = [reader.submit(layer, e, arena.slot(i + 1), guess=True) for i, e in enumerate((10, 11, 12, 13))]
     demand = reader.submit(layer, 1, arena.slot(5))
@@ -182,3 +182,78 @@ def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, 
     reader.close()
     with pytest.raises(Exception, match="closed"):
         reader.submit(layer, 2, arena.slot(0))
+
+
+def test_a_block_in_pieces_reads_the_file_and_each_piece_waits_its_turn(stores, monkeypatch):
+    """`pieces`: a block is read as page-aligned parts by the pool's threads, checked and counted as one block. A
+    demand read's pieces go before a guess's pieces not yet started; a guess promoted after its first piece started
+    stays a guess (`promote` says False, `cancel` cannot drop it) and its other pieces are read as a demand's."""
+    import threading
+
+    import sluice.storage.reader as reader_module
+
+    store = ExpertStore.open(stores["qwen3_moe"])
+    n, layer = store.block_bytes, store.moe_layers[0]
+    parts = reader_module._split(n, 3)  # whole pages, end to end, as even as pages allow
+    assert len(parts) == 3 and parts[0][0] == 0 and sum(b for _, b in parts) == n
+    assert all(a % 4096 == 0 and b % 4096 == 0 and a + b == c for (a, b), (c, _) in zip(parts, parts[1:]))
+    assert max(b for _, b in parts) - min(b for _, b in parts) <= 4096
+    assert reader_module._split(8192, 5) == ((0, 4096), (4096, 4096))  # never less than a page
+    arena = HostArena(4, n, pin=False)
+    with BlockReader(store, threads=3, pieces=3) as reader:
+        reader.submit(layer, 4, arena.slot(0)).result(10)
+        assert (reader.reads, reader.bytes_read) == (1, n)  # one block, however many pieces
+    with open(store.file(layer), "rb") as f:
+        f.seek(4 * n)
+        assert bytes(arena.slot(0).numpy()) == f.read(n)
+
+    real, order, gate = reader_module._pread_full, [], threading.Event()
+
+    def pread(fd, view, offset):  # one thread: the order pieces are taken in; the guess's first piece waits for the gate
+        order.append((offset // n, offset % n))
+        if offset // n == 10 and offset % n == 0:
+            assert gate.wait(10)
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(reader_module, "_pread_full", pread)
+    with BlockReader(store, threads=1, pieces=3) as reader:
+        starts = [at for at, _ in reader.pieces]
+        guess = reader.submit(layer, 10, arena.slot(0), guess=True)
+        while not order:
+            threading.Event().wait(0.001)
+        other = reader.submit(layer, 11, arena.slot(1), guess=True)
+        demand = reader.submit(layer, 1, arena.slot(2))
+        assert not reader.promote(guess) and not reader.cancel(guess)  # started: its last pieces read as a demand's
+        assert reader.cancel(other) and other.cancelled()
+        gate.set()
+        for f in (guess, demand):
+            assert f.result(10) == n
+        counts = reader.counts()
+    assert order == [(10, 0), (1, starts[0]), (1, starts[1]), (1, starts[2]), (10, starts[1]), (10, starts[2])]
+    assert (counts["guess_reads_timed"], counts["demand_reads_timed"]) == (1, 1)
+
+
+def test_a_block_in_pieces_fails_whole_naming_layer_and_expert(stores, tmp_path):
+    """A piece's short read or a checksum over the pieces that does not match fails the block's future, once every
+    piece has landed; the reader reads on."""
+    import shutil
+
+    bad = tmp_path / "s"
+    shutil.copytree(stores["qwen3_moe"], bad)
+    store = ExpertStore.open(bad)
+    n, layer = store.block_bytes, store.moe_layers[1]
+    arena = HostArena(2, n, pin=False)
+    with open(store.file(layer), "r+b") as f:
+        f.seek(2 * n + n - 3)
+        b = f.read(1)
+        f.seek(2 * n + n - 3)
+        f.write(bytes([b[0] ^ 1]))  # in the last piece
+    with BlockReader(store, threads=2, pieces=4) as reader:
+        with pytest.raises(CorruptBlockError, match=f"layer {layer}, expert 2: checksum mismatch"):
+            reader.submit(layer, 2, arena.slot(0)).result(10)
+        with open(store.file(layer), "r+b") as f:
+            f.truncate((store.manifest.num_experts - 1) * n + n // 2)  # the last block cut in its middle
+        last = store.manifest.num_experts - 1
+        with pytest.raises(CorruptBlockError, match=f"layer {layer}, expert {last}: short read: .* of {n} bytes"):
+            reader.submit(layer, last, arena.slot(1)).result(10)
+        assert reader.submit(layer, 1, arena.slot(0)).result(10) == n
