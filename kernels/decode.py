@@ -25,7 +25,7 @@ import triton.language as tl
 
 from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP4_WORD_UNSCALE, FP4_X_SCALE, FP8_BLOCK, FP8_BLOCK_E8M0, FP8_ROW, MXFP4, NVFP4, FORMAT_CODES,
                                     SCALE_GROUPS, block_scale, e2m1_scaled, fp4_word_dot, group_scale, load_bias, tensor_scale)
-from sluice.kernels.f16x2 import (f16x2_bits, fp4_word_dot_f16x2, fp8_word_dot_f16x2, group_pairs,
+from sluice.kernels.f16x2 import (f16x2_bits, fp4_pair_dot_f16x2, fp8_word_dot_f16x2, group_pairs,
                                   row_pair_scales, x_pair)
 from sluice.kernels.layout import ProjLayout
 
@@ -52,41 +52,50 @@ def _xw(vp, w, wm, I: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
 
 
 @triton.jit
+def _load(p, mask, EVEN: tl.constexpr):
+    """tl.load(p) where every element is in bounds (EVEN), else masked with 0 outside."""
+    if EVEN:
+        return tl.load(p)
+    return tl.load(p, mask=mask, other=0)
+
+
+@triton.jit
 def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
               FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
               WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, xq, xinv, ASM: tl.constexpr,
-              AHEAD: tl.constexpr):
+              AHEAD: tl.constexpr, EVEN: tl.constexpr):
     """W[n, :] . v for rows n [BN]; fp32. Products accumulate in registers; one reduction at the end.
     WORDS 3 (NVFP4): v's pairs xq (int32 [4, K/8], `x_pairs`) and their unscale xinv instead of v; AHEAD: each
-    step's words are requested before the previous step's arithmetic."""
+    step's words are requested before the previous step's arithmetic; EVEN (NVFP4 there): whole tiles only."""
     nm = n < N
     if FMT == NVFP4 and WORDS == 3:
-        # words of 8 nibbles through the e4m3 conversion and f16x2 FMAs (f16x2.fp4_word_dot_f16x2); a step's
-        # two words per scale group summed in registers, the group scales applied in fp32
-        BW: tl.constexpr = BK // 8
+        # a scale group's two words of 8 nibbles as one int64, through the e4m3 conversion and f16x2 FMAs
+        # (f16x2.fp4_pair_dot_f16x2), the group scales applied in fp32; EVEN: no bounds to test
         BG: tl.constexpr = BK // 16
-        NW = K // 8
+        NG = K // 16
         acc = tl.zeros([BN, BG], dtype=tl.float32)
-        rows = (base + W_OFF).to(tl.pointer_type(tl.int32)) + n[:, None] * NW
-        wi = tl.arange(0, BW)
-        word = tl.load(rows + wi[None, :], mask=nm[:, None] & (wi < NW)[None, :], other=0)
-        for w0 in range(0, NW, BW):
-            w = w0 + wi
-            wm = w < NW
-            g = w0 // 2 + tl.arange(0, BG)
+        rows = (base + W_OFF).to(tl.pointer_type(tl.int64)) + n[:, None] * NG
+        xg = xq.to(tl.pointer_type(tl.int64))  # plane J of x's pairs: a group's two words' pairs J in one int64
+        gi = tl.arange(0, BG)
+        pair = _load(rows + gi[None, :], nm[:, None] & (gi < NG)[None, :], EVEN)
+        for g0 in range(0, NG, BG):
+            g = g0 + gi
+            gm = g < NG
             if AHEAD:  # the next step's words requested before this step's arithmetic
-                nxt = tl.load(rows + (w + BW)[None, :], mask=nm[:, None] & (w + BW < NW)[None, :], other=0)
-            x0 = tl.load(xq + w, mask=wm, other=0)[None, :]
-            x1 = tl.load(xq + NW + w, mask=wm, other=0)[None, :]
-            x2 = tl.load(xq + 2 * NW + w, mask=wm, other=0)[None, :]
-            x3 = tl.load(xq + 3 * NW + w, mask=wm, other=0)[None, :]
-            t = tl.sum(tl.reshape(fp4_word_dot_f16x2(word, x0, x1, x2, x3, ASM), [BN, BG, 2]), axis=2)
-            acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], nm[:, None] & (g < NW // 2)[None, :], FMT)
+                nxt = _load(rows + (g + BG)[None, :], nm[:, None] & (g + BG < NG)[None, :], False)
+            x0 = _load(xg + g, gm, EVEN)[None, :]
+            x1 = _load(xg + NG + g, gm, EVEN)[None, :]
+            x2 = _load(xg + 2 * NG + g, gm, EVEN)[None, :]
+            x3 = _load(xg + 3 * NG + g, gm, EVEN)[None, :]
+            t = fp4_pair_dot_f16x2(pair.to(tl.int32), (pair >> 32).to(tl.int32), x0.to(tl.int32), x1.to(tl.int32),
+                                   x2.to(tl.int32), x3.to(tl.int32), (x0 >> 32).to(tl.int32), (x1 >> 32).to(tl.int32),
+                                   (x2 >> 32).to(tl.int32), (x3 >> 32).to(tl.int32), ASM)
+            acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], nm[:, None] & gm[None, :], FMT, EVEN)
             if not AHEAD:
-                nxt = tl.load(rows + (w + BW)[None, :], mask=nm[:, None] & (w + BW < NW)[None, :], other=0)
-            word = nxt
+                nxt = _load(rows + (g + BG)[None, :], nm[:, None] & (g + BG < NG)[None, :], EVEN)
+            pair = nxt
         r = tl.sum(acc, axis=1) * tl.load(xinv)
-    elif WORDS == 3 and FMT != DENSE and FMT != NVFP4 and FMT != MXFP4:
+    elif WORDS == 3 and FMT != DENSE and FMT != MXFP4:
         # FP8 as int32 words of four inputs through the e4m3 conversion and f16x2 FMAs (f16x2.fp8_word_dot_f16x2)
         BW: tl.constexpr = BK // 4
         NW = K // 4
@@ -208,14 +217,15 @@ def _matvec_kernel(
     FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
     HAS_BIAS: tl.constexpr, BDT: tl.constexpr, EPI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     X_DT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    AHEAD: tl.constexpr, HQ, HGINV, PAIRS: tl.constexpr,
+    AHEAD: tl.constexpr, HQ, HGINV, PAIRS: tl.constexpr, EVEN: tl.constexpr,
 ):
     a = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     base = bank + tl.multiple_of(tl.load(offs + a), 16)  # blocks start 4 KiB-aligned in every bank
     vp = v + a * V_STRIDE
     xq, xinv = XQ + a * XQ_STRIDE, XINV + a * XINV_STRIDE
-    acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK, xq, xinv, ASM, AHEAD)
+    acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK, xq, xinv, ASM, AHEAD,
+                    EVEN)
     acc = acc.to(X_DT).to(tl.float32)  # the reference rounds each linear's output to the activation dtype
     acc = _biased(acc, base, B_OFF, n, N, HAS_BIAS, BDT, X_DT)
     if EPI == WEIGHTED:
@@ -225,7 +235,7 @@ def _matvec_kernel(
     else:
         if EPI == SWIGLU:
             g = _row_dots(base, G_W_OFF, G_S_OFF, G_S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK,
-                          xq, xinv, ASM, AHEAD)
+                          xq, xinv, ASM, AHEAD, EVEN)
             g = _biased(g.to(X_DT).to(tl.float32), base, G_B_OFF, n, N, HAS_BIAS, BDT, X_DT)
             h = _glu(g, acc, ACT, X_DT, ALPHA, LIMIT)
         elif EPI == PLAIN:
@@ -284,9 +294,10 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     act_args: (alpha, limit) of gpt-oss's GLU. fp4_words: FP4 weights read as 32-bit words of eight
     nibbles, their scales loaded as contiguous runs (2) or gathered word by word (1); 0: as bytes in
     [rows, groups, bytes] tiles, the earlier formulation. 1 and 0 are kept for the sweep. 3 (NVFP4; MXFP4
-    reads it as 2): words through the e4m3 conversion and f16x2 FMAs, v first packed by `x_pairs`
-    (one more launch); 1.05-1.19 x faster than 2 on ReLU^2 up projections in `sluice bench kernels` (slower on
-    SwiGLU gate+up), the default there on sm_89+ (stages/compute.py fp4_formulation). 3 also takes FP8 weights
+    reads it as 2): a scale group's two words read as one int64 and put through the e4m3 conversion and f16x2 FMAs
+    (f16x2.fp4_pair_dot_f16x2), v first packed by `x_pairs` (one more launch); 1.05-1.19 x faster than 2 on ReLU^2
+    up projections in `sluice bench kernels` (slower on SwiGLU gate+up), the default there on sm_89+
+    (stages/compute.py fp4_formulation). Where the tiles cover N and K whole, its loads test no bounds. 3 also takes FP8 weights
     (K a multiple of 4) through f16x2: int32 words of four E4M3 inputs, two conversions and two f16x2 FMAs each,
     x packed in pairs for them (`x_pairs` with fp8); other formats ignore it.
 
@@ -326,6 +337,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
         FMT=layout.fmt, WDT=TL_DTYPES[layout.wdt], BLOCK=max(layout.block, 1), S2_INV=layout.s2_inv, SG=layout.sg,
         HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0], LIMIT=act_args[1],
         X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, AHEAD=ahead,
-        HQ=hq, HGINV=hginv, PAIRS=0 if pairs is None else 2 if pairs_fp8 else 1, num_warps=num_warps,
+        HQ=hq, HGINV=hginv, PAIRS=0 if pairs is None else 2 if pairs_fp8 else 1,
+        EVEN=layout.n % bn == 0 and layout.k % bk == 0, num_warps=num_warps,
     )
     return out

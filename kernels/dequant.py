@@ -122,10 +122,13 @@ def block_scale(sp, idx, mask, FMT: tl.constexpr):
 
 
 @triton.jit
-def group_scale(sp, idx, mask, FMT: tl.constexpr):
-    """FP4 group scales at byte pointer sp + idx as fp32: E4M3 (NVFP4) or E8M0 (MXFP4)."""
+def group_scale(sp, idx, mask, FMT: tl.constexpr, EVEN: tl.constexpr = False):
+    """FP4 group scales at byte pointer sp + idx as fp32: E4M3 (NVFP4) or E8M0 (MXFP4). EVEN (NVFP4): every idx in
+    bounds, mask unused."""
     if FMT == MXFP4:
         return e8m0(sp, idx, mask)
+    elif EVEN:
+        return tl.load(sp.to(tl.pointer_type(tl.float8e4nv)) + idx).to(tl.float32)
     else:
         return tl.load(sp.to(tl.pointer_type(tl.float8e4nv)) + idx, mask=mask, other=0.0).to(tl.float32)
 

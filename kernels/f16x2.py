@@ -1,7 +1,7 @@
 """Triton device functions for the f16x2 formulations: weights converted two at a time by Hopper's e4m3 conversion
 (`cvt.rn.f16x2.e4m3x2`, sm_89+) and multiplied with f16x2 FMAs against activations packed as scaled fp16 pairs.
 
-NVFP4 words of eight nibbles (matvec), NVFP4 and FP8 re-laid down groups (16 neurons), FP8 words of four inputs
+NVFP4 scale groups of two words of eight nibbles (matvec), NVFP4 and FP8 re-laid down groups (16 neurons), FP8 words of four inputs
 (matvec); each in one inline-PTX call where `ASM`, else the same pairing in Triton fp16 (the interpreter's path: mul
 + add where the PTX fuses, so not bit-identical). Pair packing: activations scaled by a power of two per row (x) or
 per 16-value group (h) so that products and sums fit fp16; the unscale is applied in fp32.
@@ -14,12 +14,11 @@ import triton.language as tl
 
 from sluice.kernels.dequant import e2m1_scaled
 
-# FP4 through Hopper's e4m3 conversion (`fp4_word_dot_f16x2`): an E2M1 nibble s.e1e0.m placed in an e4m3 byte as
+# FP4 through Hopper's e4m3 conversion (`fp4_pair_dot_f16x2`): an E2M1 nibble s.e1e0.m placed in an e4m3 byte as
 # s 0 0 e1 e0 m 0 0 is the E2M1 value times 2**-6 (normals and the subnormal alike), so `cvt.rn.f16x2.e4m3x2` decodes
-# two at a time; x comes as fp16 pairs (`x_pairs`: scaled by a power of two so no product overflows), four
-# `fma.rn.f16x2` dot a word, and its two halves meet in fp32: ~3.5 instructions per element against ~6.5
-# for fp4_word_dot (H200 experiment, BENCHMARKS.md). Pair J of word w: J 0 (x0, x2), 1 (x4, x6), 2 (x1, x3),
-# 3 (x5, x7), the first element in the low half.
+# two at a time; x comes as fp16 pairs (`x_pairs`: scaled by a power of two so no product overflows), and eight
+# `fma.rn.f16x2` dot a scale group's two words before the sum's two halves meet in fp32. Pair J of word w: J 0
+# (x0, x2), 1 (x4, x6), 2 (x1, x3), 3 (x5, x7), the first element in the low half.
 # In the PTX: 471604252 = 0x1C1C1C1C (each byte's bits 2-4), -2139062144 = 0x80808080 (each byte's sign bit).
 
 
@@ -36,62 +35,63 @@ def _nibble_f16(word, I: tl.constexpr):
     return (e2m1_scaled((word >> (4 * I)) & 15) * 256.0).to(tl.float16)
 
 
+def _fp4_words_ptx(words: int) -> str:
+    """PTX for fp4_pair_dot_f16x2 over `words` words ($1..): each word's nibbles become e4m3 pairs by shifts and
+    masks, four f16x2 conversions, four f16x2 FMAs with its x pairs (the four operands after the words, word by word)
+    into one f16x2 sum, whose halves are added in fp32 ($0)."""
+    body = []
+    for i in range(words):
+        w, x = f"${1 + i}", 1 + words + 4 * i
+        body += [f"shl.b32 sT, {w}, 2;", "and.b32 sT, sT, 471604252;", f"shl.b32 sU, {w}, 4;", "and.b32 sU, sU, -2139062144;",
+                 "or.b32 sL, sT, sU;", f"shr.u32 sT, {w}, 2;", "and.b32 sT, sT, 471604252;", f"and.b32 sU, {w}, -2139062144;",
+                 "or.b32 sH, sT, sU;", "mov.b32 {sS0, sS1}, sL;", "mov.b32 {sS2, sS3}, sH;"]
+        body += [f"cvt.rn.f16x2.e4m3x2 sC{j}, sS{j};" for j in range(4)]
+        body += [f"mul.rn.f16x2 sP, sC0, ${x};" if i == 0 else f"fma.rn.f16x2 sP, sC0, ${x}, sP;"]
+        body += [f"fma.rn.f16x2 sP, sC{j}, ${x + j}, sP;" for j in range(1, 4)]
+    body += ["mov.b32 {sQ0, sQ1}, sP;", "cvt.f32.f16 sF0, sQ0;", "cvt.f32.f16 sF1, sQ1;", "add.f32 sF0, sF0, sF1;",
+             "mov.b32 $0, sF0;"]
+    return ("{\n.reg .b32 sT, sU, sL, sH, sP;\n.reg .b32 sC<4>;\n.reg .b16 sS<4>, sQ<2>;\n.reg .f32 sF<2>;\n"
+            + "\n".join(body) + "\n}")
+
+
+FP4_PAIR_DOT_PTX = tl.constexpr(_fp4_words_ptx(2))
+FP4_PAIR_DOT_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 10))
+
+
 @triton.jit
-def fp4_word_dot_f16x2(word, X0, X1, X2, X3, ASM: tl.constexpr):
-    """sum_i E2M1(nibble i of word) * x_i * 2**-6 as fp32, elementwise over int32 words of eight nibbles; X0..X3
-    the word's x pairs (int32 bits of f16x2). ASM: one inline-PTX call per word (sm_89+); else the same pairing
-    and fp16 products in Triton (the interpreter's path: mul + add where the PTX fuses, so not bit-identical)."""
+def fp4_pair_dot_f16x2(word, word2, X0, X1, X2, X3, Y0, Y1, Y2, Y3, ASM: tl.constexpr):
+    """sum_i E2M1(nibble i) * x_i * 2**-6 as fp32 over a scale group's two words of eight nibbles (word: inputs 0-7,
+    X0..X3 their x pairs; word2: inputs 8-15, Y0..Y3), elementwise; the pairs are int32 bits of f16x2. Its sixteen
+    products are summed in f16x2 (x scaled so that they and their sums fit fp16: `x_pair_scales`), the two halves in
+    fp32. One scale group per call reads the group as one int64 and leaves the word sums in fp16: 1.01-1.04 x faster
+    than a call per word on the H200 (BENCHMARKS.md, nineteenth session). ASM: one inline-PTX call (sm_89+); else the
+    same pairing and fp16 products in Triton (the interpreter's path: mul + add where the PTX fuses, so not
+    bit-identical)."""
     if ASM:
-        r = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 sT, sU, sL, sH, sP;
-            .reg .b32 sC<4>;
-            .reg .b16 sS<4>;
-            .reg .b16 sQ<2>;
-            .reg .f32 sF<2>;
-            shl.b32 sT, $1, 2;
-            and.b32 sT, sT, 471604252;
-            shl.b32 sU, $1, 4;
-            and.b32 sU, sU, -2139062144;
-            or.b32 sL, sT, sU;
-            shr.u32 sT, $1, 2;
-            and.b32 sT, sT, 471604252;
-            and.b32 sU, $1, -2139062144;
-            or.b32 sH, sT, sU;
-            mov.b32 {sS0, sS1}, sL;
-            mov.b32 {sS2, sS3}, sH;
-            cvt.rn.f16x2.e4m3x2 sC0, sS0;
-            cvt.rn.f16x2.e4m3x2 sC1, sS1;
-            cvt.rn.f16x2.e4m3x2 sC2, sS2;
-            cvt.rn.f16x2.e4m3x2 sC3, sS3;
-            mul.rn.f16x2 sP, sC0, $2;
-            fma.rn.f16x2 sP, sC1, $3, sP;
-            fma.rn.f16x2 sP, sC2, $4, sP;
-            fma.rn.f16x2 sP, sC3, $5, sP;
-            mov.b32 {sQ0, sQ1}, sP;
-            cvt.f32.f16 sF0, sQ0;
-            cvt.f32.f16 sF1, sQ1;
-            add.f32 sF0, sF0, sF1;
-            mov.b32 $0, sF0;
-            }
-            """,
-            constraints="=r,r,r,r,r,r",
-            args=[word, X0, X1, X2, X3],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        )
+        r = tl.inline_asm_elementwise(asm=FP4_PAIR_DOT_PTX, constraints=FP4_PAIR_DOT_CONSTRAINTS,
+                                      args=[word, word2, X0, X1, X2, X3, Y0, Y1, Y2, Y3], dtype=tl.int32, is_pure=True, pack=1)
         return r.to(tl.float32, bitcast=True)
     lo = _nibble_f16(word, 0) * _f16_half(X0, 0)
+    hi = _nibble_f16(word, 2) * _f16_half(X0, 1)
+    lo, hi = _word_halves(lo, hi, word, X0, X1, X2, X3, False)
+    lo, hi = _word_halves(lo, hi, word2, Y0, Y1, Y2, Y3, True)
+    return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _word_halves(lo, hi, word, X0, X1, X2, X3, FIRST_TOO: tl.constexpr):
+    """The fp16 sums of the low and high halves of a word's pairs (as the PTX adds them), after lo and hi; the word's
+    first pair is already in lo and hi unless FIRST_TOO."""
+    if FIRST_TOO:
+        lo = lo + _nibble_f16(word, 0) * _f16_half(X0, 0)
+        hi = hi + _nibble_f16(word, 2) * _f16_half(X0, 1)
     lo = lo + _nibble_f16(word, 4) * _f16_half(X1, 0)
     lo = lo + _nibble_f16(word, 1) * _f16_half(X2, 0)
     lo = lo + _nibble_f16(word, 5) * _f16_half(X3, 0)
-    hi = _nibble_f16(word, 2) * _f16_half(X0, 1)
     hi = hi + _nibble_f16(word, 6) * _f16_half(X1, 1)
     hi = hi + _nibble_f16(word, 3) * _f16_half(X2, 1)
     hi = hi + _nibble_f16(word, 7) * _f16_half(X3, 1)
-    return lo.to(tl.float32) + hi.to(tl.float32)
+    return lo, hi
 
 
 _ROW_PTX = """
@@ -285,7 +285,8 @@ def _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, 
 @triton.jit
 def x_pair_scales(mx):
     """For a row whose largest |x| is mx: (scale, 2**6 / scale), scale a power of two putting mx in [2**13, 2**14)
-    (exponents clamped to normal floats): eight products of up to 6 * 2**-6 * 2**14 and their sums fit fp16."""
+    (exponents clamped to normal floats): a scale group's sixteen products of up to 6 * 2**-6 * 2**14 and their sums
+    (at most 24576) fit fp16, as do a re-laid down group's."""
     return pair_scales(mx, 13, 6)
 
 
