@@ -91,8 +91,8 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
                                    x2.to(tl.int32), x3.to(tl.int32), (x0 >> 32).to(tl.int32), (x1 >> 32).to(tl.int32),
                                    (x2 >> 32).to(tl.int32), (x3 >> 32).to(tl.int32), ASM)
             acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], nm[:, None] & gm[None, :], FMT, EVEN)
-            if not AHEAD:
-                nxt = _load(rows + (g + BG)[None, :], nm[:, None] & (g + BG < NG)[None, :], EVEN)
+            if not AHEAD:  # (bounds tested: the last step's next words lie past the weights)
+                nxt = _load(rows + (g + BG)[None, :], nm[:, None] & (g + BG < NG)[None, :], False)
             pair = nxt
         r = tl.sum(acc, axis=1) * tl.load(xinv)
     elif WORDS == 3 and FMT != DENSE and FMT != MXFP4:
@@ -296,7 +296,8 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     [rows, groups, bytes] tiles, the earlier formulation. 1 and 0 are kept for the sweep. 3 (NVFP4; MXFP4
     reads it as 2): a scale group's two words read as one int64 and put through the e4m3 conversion and f16x2 FMAs
     (f16x2.fp4_pair_dot_f16x2), v first packed by `x_pairs` (one more launch); 1.05-1.19 x faster than 2 on ReLU^2
-    up projections in `sluice bench kernels` (slower on SwiGLU gate+up), the default there on sm_89+
+    up projections in `sluice bench kernels` (on SwiGLU gate+up slower at Qwen3-30B's shape, faster at
+    gpt-oss-120b's: BENCHMARKS.md, nineteenth session), the default for ReLU^2 on sm_89+
     (stages/compute.py fp4_formulation). Where the tiles cover N and K whole, its loads test no bounds. 3 also takes FP8 weights
     (K a multiple of 4) through f16x2: int32 words of four E4M3 inputs, two conversions and two f16x2 FMAs each,
     x packed in pairs for them (`x_pairs` with fp8); other formats ignore it.
@@ -338,6 +339,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
         HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0], LIMIT=act_args[1],
         X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, AHEAD=ahead,
         HQ=hq, HGINV=hginv, PAIRS=0 if pairs is None else 2 if pairs_fp8 else 1,
-        EVEN=layout.n % bn == 0 and layout.k % bk == 0, num_warps=num_warps,
+        EVEN=words == 3 and layout.fmt == FORMAT_CODES["nvfp4"] and layout.n % bn == 0 and layout.k % bk == 0,
+        num_warps=num_warps,
     )
     return out

@@ -1,9 +1,9 @@
 """Triton device functions for the f16x2 formulations: weights converted two at a time by Hopper's e4m3 conversion
 (`cvt.rn.f16x2.e4m3x2`, sm_89+) and multiplied with f16x2 FMAs against activations packed as scaled fp16 pairs.
 
-NVFP4 scale groups of two words of eight nibbles (matvec), NVFP4 and FP8 re-laid down groups (16 neurons), FP8 words of four inputs
-(matvec); each in one inline-PTX call where `ASM`, else the same pairing in Triton fp16 (the interpreter's path: mul
-+ add where the PTX fuses, so not bit-identical). Pair packing: activations scaled by a power of two per row (x) or
+NVFP4 scale groups of two words of eight nibbles (matvec), NVFP4 and FP8 re-laid down groups (16 neurons), FP8
+words of four inputs (matvec); each in one inline-PTX call where `ASM`, else the same pairing in Triton fp16 (the
+interpreter's path: mul + add where the PTX fuses, so not bit-identical). Pair packing: activations scaled by a power of two per row (x) or
 per 16-value group (h) so that products and sums fit fp16; the unscale is applied in fp32.
 """
 
@@ -35,6 +35,15 @@ def _nibble_f16(word, I: tl.constexpr):
     return (e2m1_scaled((word >> (4 * I)) & 15) * 256.0).to(tl.float16)
 
 
+def _e4m3_bytes(w: str, t: str, u: str, lo: str, hi: str) -> list[str]:
+    """PTX lines: word w's nibbles as e4m3 bytes (s 0 0 e1 e0 m 0 0), lo the low nibbles' and hi the high nibbles',
+    byte for byte; t and u scratch registers."""
+    return [f"shl.b32 {t}, {w}, 2;", f"and.b32 {t}, {t}, 471604252;", f"shl.b32 {u}, {w}, 4;",
+            f"and.b32 {u}, {u}, -2139062144;", f"or.b32 {lo}, {t}, {u};",
+            f"shr.u32 {t}, {w}, 2;", f"and.b32 {t}, {t}, 471604252;", f"and.b32 {u}, {w}, -2139062144;",
+            f"or.b32 {hi}, {t}, {u};"]
+
+
 def _fp4_words_ptx(words: int) -> str:
     """PTX for fp4_pair_dot_f16x2 over `words` words ($1..): each word's nibbles become e4m3 pairs by shifts and
     masks, four f16x2 conversions, four f16x2 FMAs with its x pairs (the four operands after the words, word by word)
@@ -42,9 +51,7 @@ def _fp4_words_ptx(words: int) -> str:
     body = []
     for i in range(words):
         w, x = f"${1 + i}", 1 + words + 4 * i
-        body += [f"shl.b32 sT, {w}, 2;", "and.b32 sT, sT, 471604252;", f"shl.b32 sU, {w}, 4;", "and.b32 sU, sU, -2139062144;",
-                 "or.b32 sL, sT, sU;", f"shr.u32 sT, {w}, 2;", "and.b32 sT, sT, 471604252;", f"and.b32 sU, {w}, -2139062144;",
-                 "or.b32 sH, sT, sU;", "mov.b32 {sS0, sS1}, sL;", "mov.b32 {sS2, sS3}, sH;"]
+        body += _e4m3_bytes(w, "sT", "sU", "sL", "sH") + ["mov.b32 {sS0, sS1}, sL;", "mov.b32 {sS2, sS3}, sH;"]
         body += [f"cvt.rn.f16x2.e4m3x2 sC{j}, sS{j};" for j in range(4)]
         body += [f"mul.rn.f16x2 sP, sC0, ${x};" if i == 0 else f"fma.rn.f16x2 sP, sC0, ${x}, sP;"]
         body += [f"fma.rn.f16x2 sP, sC{j}, ${x + j}, sP;" for j in range(1, 4)]
@@ -94,25 +101,12 @@ def _word_halves(lo, hi, word, X0, X1, X2, X3, FIRST_TOO: tl.constexpr):
     return lo, hi
 
 
-_ROW_PTX = """
-            shl.b32 tL, {w}, 2;
-            and.b32 tL, tL, 471604252;
-            shl.b32 tU, {w}, 4;
-            and.b32 tU, tU, -2139062144;
-            or.b32 sL, tL, tU;
-            shr.u32 tL, {w}, 2;
-            and.b32 tL, tL, 471604252;
-            and.b32 tU, {w}, -2139062144;
-            or.b32 sH, tL, tU;
-            prmt.b32 p0, sL, sH, 20800;
-            prmt.b32 p1, sL, sH, 29538;
-            mov.b32 {{q0, q1}}, p0;
-            mov.b32 {{q2, q3}}, p1;
-            cvt.rn.f16x2.e4m3x2 c0, q0;
-            cvt.rn.f16x2.e4m3x2 c1, q1;
-            cvt.rn.f16x2.e4m3x2 c2, q2;
-            cvt.rn.f16x2.e4m3x2 c3, q3;
-"""
+def _row_ptx(w: str) -> list[str]:
+    """PTX lines: a re-laid down row's word w as four e4m3 pairs (each byte's low nibble with its high nibble, by two
+    byte permutes), converted to f16x2 in c0..c3."""
+    return (_e4m3_bytes(w, "tL", "tU", "sL", "sH") + ["prmt.b32 p0, sL, sH, 20800;", "prmt.b32 p1, sL, sH, 29538;",
+                                                      "mov.b32 {q0, q1}, p0;", "mov.b32 {q2, q3}, p1;"]
+            + [f"cvt.rn.f16x2.e4m3x2 c{j}, q{j};" for j in range(4)])
 
 
 def _group_dot_ptx(rows: int) -> str:
@@ -120,7 +114,7 @@ def _group_dot_ptx(rows: int) -> str:
     shifts, masks and two byte permutes (prmt), four f16x2 conversions, and four f16x2 FMAs with the row's h pair."""
     body = []
     for i in range(rows):
-        body.append(_ROW_PTX.format(w=f"${4 + i}"))
+        body += _row_ptx(f"${4 + i}")
         op = "mul.rn.f16x2 a{j}, c{j}, ${h};" if i == 0 else "fma.rn.f16x2 a{j}, c{j}, ${h}, a{j};"
         body += [op.format(j=j, h=4 + rows + i) for j in range(4)]
     for j in range(4):
@@ -285,8 +279,8 @@ def _group_dot_byte(W0, W1, W2, W3, W4, W5, W6, W7, H0, H1, H2, H3, H4, H5, H6, 
 @triton.jit
 def x_pair_scales(mx):
     """For a row whose largest |x| is mx: (scale, 2**6 / scale), scale a power of two putting mx in [2**13, 2**14)
-    (exponents clamped to normal floats): a scale group's sixteen products of up to 6 * 2**-6 * 2**14 and their sums
-    (at most 24576) fit fp16, as do a re-laid down group's."""
+    (exponents clamped to normal floats): products of up to 6 * 2**-6 * 2**14 fit fp16, and so do the sums of eight
+    of them that each half of an f16x2 sum holds for a scale group (at most 12288), in a matvec or a re-laid down."""
     return pair_scales(mx, 13, 6)
 
 

@@ -15,7 +15,8 @@ Two queues: demand reads (a layer is waiting for them) and guesses (prefetches).
 only while no demand read's piece is queued or running, and at most `guesses` of them run at once (fewer than the
 threads, where there are two or more), so a demand read never queues behind a guess and shares the drive with at
 most that many pieces. A queued guess can be promoted to a demand (the layer it was for routed to it: its pieces
-not started are read next) or cancelled (it did not; only before its first piece starts).
+not started are read as a demand's, behind the demands already queued) or cancelled (it did not; only before its
+first piece starts). A future cancelled by its holder before its first piece starts is never read.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class _Job:
     left: int = 0  # pieces not landed
     start: float = float("inf")  # the first piece's pread began
     end: float = 0.0  # the last piece's pread ended
-    error: BaseException | None = None  # a piece's failure, raised once every piece has landed
+    error: BaseException | None = None  # the failure of the first piece that failed (by index), raised once every
+    error_at: int = 0  # piece has landed
 
 
 class BlockReader:
@@ -98,7 +100,8 @@ class BlockReader:
         self.pieces = _split(store.block_bytes, pieces)  # (start, bytes) in a block, each a multiple of a page
         self.verify = verify
         self.direct = direct
-        self.guesses = max(1, min(guesses, threads - 1))  # guesses read at once, at most: a thread stays for demands
+        # guesses' pieces read at once, at most: a thread stays for demands
+        self.guesses = max(1, min(guesses, threads - 1))
         self._fds: dict[int, int] = {}
         self._direct: set[int] = set()  # fds opened with O_DIRECT
         self._warned = False
@@ -169,24 +172,27 @@ class BlockReader:
             while True:
                 if self._demand:
                     queue = self._demand
-                    break
-                if self._guess and not self._running[0] and self._running[1] < self.guesses:
+                elif self._guess and not self._running[0] and self._running[1] < self.guesses:
                     queue = self._guess
-                    break
-                if self._closed:
+                elif self._closed:
                     return None
-                self._cond.wait()
-            job, guess = queue[0], queue is self._guess
-            i = job.next
-            job.next += 1
-            if i == 0:
-                job.taken, job.kind = time.perf_counter(), "guess" if guess else "demand"
-                job.future.set_running_or_notify_cancel()  # cannot be cancelled now (`cancel` sees `next`)
-            if job.next == job.pieces:
-                queue.popleft()
-                del self._queued[job.future]
-            self._running[guess] += 1
-            return job, i, guess
+                else:
+                    self._cond.wait()
+                    continue
+                job, guess = queue[0], queue is self._guess
+                if job.next == 0 and not job.future.set_running_or_notify_cancel():  # its holder cancelled it
+                    queue.popleft()
+                    del self._queued[job.future]
+                    continue
+                i = job.next
+                job.next += 1
+                if i == 0:
+                    job.taken, job.kind = time.perf_counter(), "guess" if guess else "demand"
+                if job.next == job.pieces:
+                    queue.popleft()
+                    del self._queued[job.future]
+                self._running[guess] += 1
+                return job, i, guess
 
     def _work(self) -> None:
         while (taken := self._take()) is not None:
@@ -195,7 +201,8 @@ class BlockReader:
                 self._read_piece(job, i)
             except BaseException as e:  # the waiter sees it once every piece has landed
                 with self._cond:
-                    job.error = job.error or e
+                    if job.error is None or i < job.error_at:
+                        job.error, job.error_at = e, i
             finally:
                 with self._cond:
                     self._running[guess] -= 1
@@ -226,7 +233,7 @@ class BlockReader:
             self._count(n, job.kind, job.taken - job.submitted, job.end - job.start)
             job.future.set_result(n)
         except BaseException as e:  # the waiter sees it (a failed read names layer and expert)
-            job.future.set_exception(e)
+            job.future.set_exception(e)  # (a running future cannot be cancelled: it is still pending here)
 
     def read_into(self, layer: int, expert: int, buf: torch.Tensor) -> int:
         """Read block (layer, expert) into buf (uint8 [block_bytes], page-aligned) in one pread, in this thread."""
@@ -295,8 +302,9 @@ class BlockReader:
     def counts(self) -> dict[str, float]:
         """The drive's busy time (`busy_s`) and, for the reads this pool's threads finished, by kind (demand: a layer
         waited for it, a guess promoted before it started included, queued from its promotion; guess): how many,
-        their time queued (submitted to taken by a thread) and on the drive (the pread alone; an upper bound as
-        `busy_s` is), summed."""
+        their time queued (submitted to its first piece taken by a thread) and on the drive (its first piece's pread
+        start to its last's end, so with pieces it includes other reads' pieces in between; an upper bound as `busy_s`
+        is), summed."""
         with self._lock:
             d = {"disk_busy_s": self._busy()}
             for kind, (n, queued, drive) in self._timed.items():

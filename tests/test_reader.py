@@ -144,15 +144,17 @@ def test_checksum_mismatch_names_layer_and_expert(stores, tmp_path):
     BlockReader(store, threads=1, verify=False).read_into(layer, 2, arena.slot(0))  # switchable
 
 
-def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, monkeypatch):
-    """A guess starts only while no demand read is queued or running, at most `guesses` at once; a queued guess can
-    be read next (promote) or dropped unread (cancel)."""
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, monkeypatch, pieces):
+    """A guess starts only while no demand read is queued or running, at most `guesses` (pieces) at once; a queued
+    guess can be read next (promote) or dropped unread (cancel); a future its holder cancels before it starts is not
+    read, and the pool reads on. Blocks whole or in pieces."""
     import threading
 
     store = ExpertStore.open(stores["qwen3_moe"])
     arena = HostArena(8, store.block_bytes, pin=False)
     layer = store.moe_layers[0]
-    reader = BlockReader(store, threads=4, guesses=1, verify=False)
+    reader = BlockReader(store, threads=4, guesses=1, verify=False, pieces=pieces)
     gate, lock, order, running, most = threading.Event(), threading.Lock(), [], [0], [0]
 
     def read_piece(job, i):  # a slow drive that reads nothing: expert 0 holds the drive until the gate opens
@@ -170,14 +172,19 @@ def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, 
     first = reader.submit(layer, 0, arena.slot(0))
     guesses = [reader.submit(layer, e, arena.slot(i + 1), guess=True) for i, e in enumerate((10, 11, 12, 13))]
     demand = reader.submit(layer, 1, arena.slot(5))
-    reader.promote(guesses[3])  # needed now: read as a demand, before the other guesses
+    assert reader.promote(guesses[3])  # needed now (not started): read as a demand, before the other guesses
     assert reader.cancel(guesses[1]) and guesses[1].cancelled()
+    dropped = reader.submit(layer, 14, arena.slot(6), guess=True)
+    assert dropped.cancel()  # by its holder (as asyncio does for a cancelled waiter)
     gate.set()
     for f in (first, demand, guesses[0], guesses[2], guesses[3]):
         assert f.result(10) == store.block_bytes
-    assert order[:3] in ([0, 1, 13], [0, 13, 1])  # demands (the promoted guess is one) before any guess
-    assert sorted(order[3:]) == [10, 12] and 11 not in order  # the cancelled guess was never read
-    assert most[0] == 1  # one guess at a time
+    blocks = list(dict.fromkeys(order))  # in the order their first pieces were taken
+    assert len(order) == 5 * pieces
+    assert blocks[:3] in ([0, 1, 13], [0, 13, 1])  # demands (the promoted guess is one) before any guess
+    assert sorted(blocks[3:]) == [10, 12] and 11 not in order and 14 not in order  # the cancelled ones never read
+    assert most[0] == 1  # one guess piece at a time
+    assert reader.submit(layer, 2, arena.slot(0)).result(10) == store.block_bytes  # the threads read on
     assert not reader.cancel(first)  # done: nothing to cancel
     reader.close()
     with pytest.raises(Exception, match="closed"):
@@ -187,7 +194,9 @@ def test_guesses_wait_for_demand_reads_and_can_be_promoted_or_cancelled(stores, 
 def test_a_block_in_pieces_reads_the_file_and_each_piece_waits_its_turn(stores, monkeypatch):
     """`pieces`: a block is read as page-aligned parts by the pool's threads, checked and counted as one block. A
     demand read's pieces go before a guess's pieces not yet started; a guess promoted after its first piece started
-    stays a guess (`promote` says False, `cancel` cannot drop it) and its other pieces are read as a demand's."""
+    stays a guess (`promote` says False, `cancel` cannot drop it) and its other pieces are read as a demand's: behind
+    the demands queued before, ahead of those queued after and of every guess. Closing the reader reads a block it has
+    begun to its end and drops those it has not."""
     import threading
 
     import sluice.storage.reader as reader_module
@@ -207,35 +216,51 @@ def test_a_block_in_pieces_reads_the_file_and_each_piece_waits_its_turn(stores, 
         f.seek(4 * n)
         assert bytes(arena.slot(0).numpy()) == f.read(n)
 
-    real, order, gate = reader_module._pread_full, [], threading.Event()
+    real, order, gate, started = reader_module._pread_full, [], threading.Event(), threading.Event()
 
-    def pread(fd, view, offset):  # one thread: the order pieces are taken in; the guess's first piece waits for the gate
-        order.append((offset // n, offset % n))
-        if offset // n == 10 and offset % n == 0:
+    def pread(fd, view, offset):  # one thread: the order pieces are taken in; a block's first piece at expert 10 or
+        order.append((offset // n, offset % n))  # 14 waits for the gate
+        if offset // n in (10, 14) and offset % n == 0:
+            started.set()
             assert gate.wait(10)
         return real(fd, view, offset)
 
     monkeypatch.setattr(reader_module, "_pread_full", pread)
     with BlockReader(store, threads=1, pieces=3) as reader:
-        starts = [at for at, _ in reader.pieces]
+        s0, s1, s2 = [at for at, _ in reader.pieces]
         guess = reader.submit(layer, 10, arena.slot(0), guess=True)
-        while not order:
-            threading.Event().wait(0.001)
+        assert started.wait(10)
         other = reader.submit(layer, 11, arena.slot(1), guess=True)
+        later = reader.submit(layer, 12, arena.slot(3), guess=True)
         demand = reader.submit(layer, 1, arena.slot(2))
         assert not reader.promote(guess) and not reader.cancel(guess)  # started: its last pieces read as a demand's
+        after = reader.submit(layer, 2, arena.slot(1))
         assert reader.cancel(other) and other.cancelled()
         gate.set()
-        for f in (guess, demand):
+        for f in (guess, demand, after, later):
             assert f.result(10) == n
         counts = reader.counts()
-    assert order == [(10, 0), (1, starts[0]), (1, starts[1]), (1, starts[2]), (10, starts[1]), (10, starts[2])]
-    assert (counts["guess_reads_timed"], counts["demand_reads_timed"]) == (1, 1)
+    assert order == [(10, 0), (1, s0), (1, s1), (1, s2), (10, s1), (10, s2),  # the promoted guess before a later demand
+                     (2, s0), (2, s1), (2, s2), (12, s0), (12, s1), (12, s2)]
+    assert (counts["guess_reads_timed"], counts["demand_reads_timed"]) == (2, 2)
+
+    gate.clear(), started.clear()
+    reader = BlockReader(store, threads=1, pieces=3)
+    begun = reader.submit(layer, 14, arena.slot(0))
+    assert started.wait(10)
+    queued = reader.submit(layer, 15, arena.slot(1))
+    closing = threading.Thread(target=reader.close)
+    closing.start()
+    while not queued.cancelled():  # close drops the block not begun at once, then waits for the one begun
+        threading.Event().wait(0.001)
+    gate.set()
+    closing.join(10)
+    assert begun.result(10) == n and not closing.is_alive()
 
 
 def test_a_block_in_pieces_fails_whole_naming_layer_and_expert(stores, tmp_path):
-    """A piece's short read or a checksum over the pieces that does not match fails the block's future, once every
-    piece has landed; the reader reads on."""
+    """A piece's short read (the first short piece's count: what the file holds of the block) or a checksum over the
+    pieces that does not match fails the block's future, naming layer and expert; the reader reads on."""
     import shutil
 
     bad = tmp_path / "s"
@@ -254,6 +279,7 @@ def test_a_block_in_pieces_fails_whole_naming_layer_and_expert(stores, tmp_path)
         with open(store.file(layer), "r+b") as f:
             f.truncate((store.manifest.num_experts - 1) * n + n // 2)  # the last block cut in its middle
         last = store.manifest.num_experts - 1
-        with pytest.raises(CorruptBlockError, match=f"layer {layer}, expert {last}: short read: .* of {n} bytes"):
+        # pieces 2 and 3 come up short; the message is the first one's (what the file holds of the block)
+        with pytest.raises(CorruptBlockError, match=f"layer {layer}, expert {last}: short read: {n // 2} of {n} bytes"):
             reader.submit(layer, last, arena.slot(1)).result(10)
         assert reader.submit(layer, 1, arena.slot(0)).result(10) == n
