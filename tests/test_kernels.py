@@ -15,7 +15,7 @@ from sluice.kernels.down import down_relaid
 from sluice.kernels.formats import mxfp4_dequant_ref, nvfp4_dequant_ref
 from sluice.kernels.layout import proj_layouts
 from tests.common import DEVICE
-from tests.quant import make_bank, modelopt_dequant, quantize
+from tests.quant import make_bank, modelopt_dequant, need_modelopt, quantize
 
 SIZES = [(1, 64, 32), (3, 96, 48), (2, 32, 80)]  # (A, Dx, I)
 FORMATS = ["fp32", "bf16", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds"]
@@ -33,6 +33,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_ct"])
 def test_nvfp4_decode_matches_modelopt(fmt):
+    need_modelopt()
     w = torch.randn(48, 64) * 3
     t = quantize(w, fmt)
     packed = t.get("weight", t.get("weight_packed"))
@@ -42,7 +43,23 @@ def test_nvfp4_decode_matches_modelopt(fmt):
     assert rel_err(ours, w) < 0.15  # 4-bit: close to the original, not equal
 
 
+def test_plain_nvfp4_quantiser_is_modelopts():
+    """The round-to-nearest NVFP4 quantiser a GPU run without modelopt uses (tests/quant.py) gives modelopt's own codes
+    and scales, over groups of unlike size and an all-zero group."""
+    need_modelopt()
+    from tests.quant import _nvfp4_nearest, modelopt_nvfp4
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 128, generator=g) * torch.tensor([1.0, 8.0, 0.5, 30.0]).repeat_interleave(32)
+    w[3, 16:32] = 0
+    packed, s, s2 = _nvfp4_nearest(w)
+    q, ms, ms2 = modelopt_nvfp4().quantize(w, 16)
+    assert torch.equal(packed, q._quantized_data) and torch.equal(s.view(torch.uint8), ms.view(torch.uint8))
+    assert float(s2) == float(ms2)
+
+
 def test_wrong_nibble_order_and_wrong_groups_fail():
+    need_modelopt()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 64, generator=g) * torch.tensor([1.0, 8.0, 0.5, 30.0]).repeat_interleave(16)  # groups of unlike size
     t = quantize(w, "nvfp4")

@@ -1,5 +1,6 @@
 """Quantised checkpoints end to end: the store keeps their bytes, Sluice matches transformers run on
-the independently dequantised weights (modelopt's NVFP4 code), greedy tokens and logits alike.
+the independently dequantised weights (modelopt's NVFP4 code; on a GPU machine without modelopt, our reference
+decode: tests/quant.py), greedy tokens and logits alike.
 
 Reported per case (in the assertion messages and `-rA` output): top-1 agreement over the prompt's
 positions plus 32 greedy tokens, and the mean KL divergence of the prompt's next-token distributions.
@@ -35,7 +36,7 @@ EXTRA_VARIANTS = {"deepseek_v4_wide": ("deepseek_v4", {"o_lora_rank": 32, "index
 
 
 class _Quantized(dict):
-    """case -> (store, reference checkpoint), made on first use (NVFP4 cases need modelopt, the others do not)."""
+    """case -> (store, reference checkpoint), made on first use (NVFP4 cases need modelopt, except on a GPU run: tests/quant.py)."""
 
     def __init__(self, checkpoints, root):
         super().__init__()
