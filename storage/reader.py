@@ -82,8 +82,9 @@ class _Job:
     left: int = 0  # pieces not landed
     start: float = float("inf")  # the first piece's pread began
     end: float = 0.0  # the last piece's pread ended
-    error: BaseException | None = None  # the failure of the first piece that failed (by index), raised once every
-    error_at: int = 0  # piece has landed
+    # the failure of the lowest-index piece that failed, and that index: raised once every piece has landed
+    error: BaseException | None = None
+    error_at: int = 0
 
 
 class BlockReader:
@@ -216,12 +217,9 @@ class BlockReader:
         if job.after is not None:
             job.after.synchronize()
         at, n = self.pieces[i]
-        got, start, end = self._pread(job.layer, job.expert, memoryview(job.buf.numpy())[at : at + n], at)
+        start, end = self._pread(job.layer, job.expert, memoryview(job.buf.numpy())[at : at + n], at)
         with self._cond:
             job.start, job.end = min(job.start, start), max(job.end, end)
-        if got != n:
-            raise CorruptBlockError(job.layer, job.expert, f"short read: {at + got} of {self.store.block_bytes} bytes "
-                                                           f"from {self.store.file(job.layer)}")
 
     def _land(self, job: _Job) -> None:
         """A block's last piece has landed: check it, count it, complete its future."""
@@ -239,15 +237,14 @@ class BlockReader:
         """Read block (layer, expert) into buf (uint8 [block_bytes], page-aligned) in one pread, in this thread."""
         n = self.store.block_bytes
         view = memoryview(buf.numpy())[:n]
-        got, _, _ = self._pread(layer, expert, view, 0)
-        if got != n:
-            raise CorruptBlockError(layer, expert, f"short read: {got} of {n} bytes from {self.store.file(layer)}")
+        self._pread(layer, expert, view, 0)
         self._verify(layer, expert, view)
         self._count(n)
         return n
 
-    def _pread(self, layer: int, expert: int, view: memoryview, at: int) -> tuple[int, float, float]:
-        """pread all of view from the block's byte `at` on: (bytes read, when the read began, when it ended)."""
+    def _pread(self, layer: int, expert: int, view: memoryview, at: int) -> tuple[float, float]:
+        """pread all of view from the block's byte `at` on: (when the read began, when it ended). A short read (the
+        file ends first) raises, with the bytes of the block the file holds."""
         fd, offset = self._fd(layer), self.store.offset(expert) + at
         start = self._drive(+1)
         try:
@@ -259,7 +256,10 @@ class BlockReader:
             got = _pread_full(fd, view, offset)
         finally:
             end = self._drive(-1)
-        return got, start, end
+        if got != len(view):
+            raise CorruptBlockError(layer, expert, f"short read: {at + got} of {self.store.block_bytes} bytes "
+                                                   f"from {self.store.file(layer)}")
+        return start, end
 
     def _verify(self, layer: int, expert: int, view: memoryview) -> None:
         if self.verify and self.store.digest(view) != self.store.checksum(layer, expert):
