@@ -1,5 +1,8 @@
 """`sluice bench kernels`: achieved bandwidth of each expert kernel against ceilings measured in the same run.
 
+"bytes alone" rows: a kernel that only reads as many bytes from each of the same blocks (no arithmetic, its best of a
+few tile sizes) as the up projection holds: how much of the HBM ceiling a launch of that size can reach at all.
+
 Ceilings: HBM (a large device-to-device copy, bytes read + written) and pinned host-to-device
 (a large copy). Each kernel moves the bytes of the blocks it reads; those over its median time
 (a CUDA graph of 20 calls, as decode runs them; or do_bench per launch) is its achieved GB/s.
@@ -15,6 +18,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from sluice.kernels.formats import detect_format, random_weight
 from sluice.kernels.layout import proj_layouts
@@ -108,6 +113,27 @@ def _decode_setup(kind: str, fmt: str, Dx: int, I: int, A: int, device) -> _Setu
     return _Setup(banks, L, offs, x, h, up_bytes, epi, gate, act)
 
 
+@triton.jit
+def _read_kernel(bank, offs, out, NW, BW: tl.constexpr):
+    """The first NW int64 words of block a (grid (A, cdiv(NW, BW))), BW a program: their xor stored, nothing else."""
+    a = tl.program_id(0)
+    base = (bank + tl.multiple_of(tl.load(offs + a), 16)).to(tl.pointer_type(tl.int64))
+    w = tl.program_id(1) * BW + tl.arange(0, BW)
+    v = tl.load(base + w, mask=w < NW, other=0)
+    tl.store(out + a * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(v, axis=0))
+
+
+READ_CONFIGS = ((512, 4), (1024, 4), (2048, 8), (4096, 8))  # (int64 words a program, warps)
+
+
+def read_bytes(bank: torch.Tensor, offs: torch.Tensor, nbytes: int, bw: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """Read the first nbytes (a multiple of 8) of each block at offs; the xor of each program's words [A, programs]."""
+    nw = nbytes // 8
+    out = torch.empty(offs.numel(), triton.cdiv(nw, bw), dtype=torch.int64, device=bank.device)
+    _read_kernel[(offs.numel(), out.shape[1])](bank, offs, out, nw, BW=bw, num_warps=num_warps)
+    return out
+
+
 GRAPH_CALLS = 20  # calls per captured graph
 
 
@@ -171,6 +197,9 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
         for fmt in formats:
             su = _decode_setup(kind, fmt, Dx, I, A, device)
             banks, L, offs, x, h, up_bytes = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes
+            per_expert = up_bytes // A // 8 * 8
+            us = min(_time([lambda b=b: read_bytes(b, offs, per_expert, bw, nw) for b in banks]) for bw, nw in READ_CONFIGS)
+            add("bytes alone (up's, read only)", shape, fmt, A * per_expert, us, "hbm")
             if kind == "relu2":
                 us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
                 add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")

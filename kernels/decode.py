@@ -81,8 +81,10 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
         for g0 in range(0, NG, BG):
             g = g0 + gi
             gm = g < NG
-            if AHEAD:  # the next step's words requested before this step's arithmetic
-                nxt = _load(rows + (g + BG)[None, :], nm[:, None] & (g + BG < NG)[None, :], False)
+            # the next step's words; after the last step the row's first again (in bounds, so EVEN tests none)
+            gn = tl.where(g0 + BG < NG, g0 + BG, 0) + gi
+            if AHEAD:  # requested before this step's arithmetic
+                nxt = _load(rows + gn[None, :], nm[:, None] & (gn < NG)[None, :], EVEN)
             x0 = _load(xg + g, gm, EVEN)[None, :]
             x1 = _load(xg + NG + g, gm, EVEN)[None, :]
             x2 = _load(xg + 2 * NG + g, gm, EVEN)[None, :]
@@ -91,8 +93,8 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
                                    x2.to(tl.int32), x3.to(tl.int32), (x0 >> 32).to(tl.int32), (x1 >> 32).to(tl.int32),
                                    (x2 >> 32).to(tl.int32), (x3 >> 32).to(tl.int32), ASM)
             acc += t * group_scale(base + S_OFF, n[:, None] * S_STRIDE + g[None, :], nm[:, None] & gm[None, :], FMT, EVEN)
-            if not AHEAD:  # (bounds tested: the last step's next words lie past the weights)
-                nxt = _load(rows + (g + BG)[None, :], nm[:, None] & (g + BG < NG)[None, :], False)
+            if not AHEAD:
+                nxt = _load(rows + gn[None, :], nm[:, None] & (gn < NG)[None, :], EVEN)
             pair = nxt
         r = tl.sum(acc, axis=1) * tl.load(xinv)
     elif WORDS == 3 and FMT != DENSE and FMT != MXFP4:
@@ -304,19 +306,22 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
 
     f16x2 details: ahead: each step's words are requested before the previous step's arithmetic; None: below 2048
     inputs, where it measured 1.03 x on the H200 (0.89-1.00 x with the wider tiles above: BENCHMARKS.md, fourteenth
-    session). pairs (relu2 epilogue): h is also written as `h_pairs` packs it, (int32 [A, N/2], fp32 [A, N/16]), for
-    down_relaid's f16x2 path (scaled for FP8 weights with pairs_fp8): no packing launch there.
+    session). NVFP4's last step requests the row's first words again, so whole tiles test no bounds. pairs (relu2
+    epilogue): h is also written as `h_pairs` packs it, (int32 [A, N/2], fp32 [A, N/16]), for down_relaid's f16x2
+    path (scaled for FP8 weights with pairs_fp8): no packing launch there.
 
     Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
-    32 x 256 (16 x 1024 from 2048 inputs on; f16x2 16 x 512 there), FP8 8 x 256, dense 16 x 256."""
+    32 x 256 (16 x 1024 from 2048 inputs on), f16x2 32 x 256 (16 x 512 from 2048 on; NVFP4 16 x 256 below 2048:
+    1.08 x faster on super's up, twentieth session), FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
     fp8 = layout.fmt in FP8_FORMATS
     words = fp4_words if layout.fmt in SCALE_GROUPS else 3 if fp4_words == 3 and fp8 and layout.k % 4 == 0 else 0
     if words == 3 and layout.fmt == FORMAT_CODES["mxfp4"]:  # the f16x2 FP4 path reads NVFP4's 16-input groups only
         words = 2
     wide = words and layout.k >= 2048
+    nvfp4_pairs = words == 3 and layout.fmt == FORMAT_CODES["nvfp4"]
     ahead = not wide if ahead is None else ahead
-    bn = bn or (16 if wide else 32 if words else 16 if layout.fmt == 0 else 8)
+    bn = bn or (16 if wide or nvfp4_pairs else 32 if words else 16 if layout.fmt == 0 else 8)
     bk = min(bk or ((512 if words == 3 else 1024) if wide else 256), max(16, triton.next_power_of_2(layout.k)))
     if words == 2 and bk < layout.sg:  # a step narrower than a scale group: each word gathers its scale
         words = 1
@@ -339,7 +344,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
         HAS_BIAS=layout.b_off >= 0, BDT=TL_DTYPES[layout.bdt], EPI=EPILOGUES[epilogue], ACT=act, ALPHA=act_args[0], LIMIT=act_args[1],
         X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, AHEAD=ahead,
         HQ=hq, HGINV=hginv, PAIRS=0 if pairs is None else 2 if pairs_fp8 else 1,
-        EVEN=words == 3 and layout.fmt == FORMAT_CODES["nvfp4"] and layout.n % bn == 0 and layout.k % bk == 0,
+        EVEN=nvfp4_pairs and layout.n % bn == 0 and layout.k % bk == 0,
         num_warps=num_warps,
     )
     return out

@@ -91,6 +91,9 @@ class MoEBlock:
     # (no state read or written, no host sync; moe_input does not read its ctx): their one-token calls
     # may be replayed as CUDA graphs (pipeline/graphs.py FnGraphs)
     graph_safe: bool = False
+    # x [T,D], n -> ids [T,n] i64: the n experts the router ranks first, best first (the top_k it routes to among
+    # them, ties aside), for reading guesses beyond the top-k (the direct stage's `guess_extra`); None: not offered
+    ranked: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     def output(self, routed: torch.Tensor, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output before the residual from the routed sum [T,Dx]: finish, plus the shared term (`shared`

@@ -188,6 +188,7 @@ class _MoELayer(Layer):
             top_k=config.num_experts_per_tok,
             num_experts=config.n_routed_experts,
             router=_router(mixer.gate, config),
+            ranked=_ranked(mixer.gate, config),
             expert_input=mixer.fc1_latent_proj,
             finish=lambda routed, x: mixer.fc2_latent_proj(routed),
             shared=mixer.shared_experts,
@@ -211,7 +212,7 @@ def _router(gate, config):
     k, scale, norm = config.num_experts_per_tok, config.routed_scaling_factor, config.norm_topk_prob
 
     def route(x):
-        scores = F.linear(x.view(-1, gate.hidden_dim).float(), gate.weight.float()).sigmoid()
+        scores = _scores(gate, x)
         ids = torch.topk(scores + gate.e_score_correction_bias, k=k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if norm:
@@ -219,6 +220,23 @@ def _router(gate, config):
         return weights * scale, ids
 
     return route
+
+
+def _ranked(gate, config):
+    """The n experts the router ranks first (its selection score, sigmoid plus the correction bias), best first; None
+    with expert groups (their mask ranks within the chosen groups)."""
+    if config.n_group != 1:
+        return None
+
+    def ranked(x, n):
+        return torch.topk(_scores(gate, x) + gate.e_score_correction_bias, k=n, dim=-1, sorted=True)[1]
+
+    return ranked
+
+
+def _scores(gate, x):
+    """The router's sigmoid scores [T, E], fp32."""
+    return F.linear(x.view(-1, gate.hidden_dim).float(), gate.weight.float()).sigmoid()
 
 
 class NemotronHResident(ResidentModel):

@@ -114,6 +114,14 @@ class Engine:
                               f"{format_bytes(store.total_blocks * store.block_bytes)}, more than the "
                               f"{format_bytes(available_ram())} this machine has available; use a schedule that streams "
                               f"(direct-stream, overlap)")
+        extra = direct_stage.knobs.guess_extra if direct_stage is not None else 0
+        if extra and any(b.ranked is None for b in model.moe_blocks):
+            raise ConfigError(f"stage 'direct': 'guess_extra' reads guesses past the top-k as a router ranks them; this "
+                              f"model's routers ({store.manifest.architecture}) do not rank (MoEBlock.ranked)")
+        if extra and any(b.top_k + extra > b.num_experts for b in model.moe_blocks):
+            b = model.moe_blocks[0]
+            raise ConfigError(f"stage 'direct': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
+                              f"{b.num_experts} experts a MoE layer has")
         if config.fused_mamba and not triton_runs_on(device):
             raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         # by default on CUDA (1.2-1.4 x faster decode on an H200, BENCHMARKS.md); a CPU keeps transformers' step (the

@@ -74,6 +74,10 @@ class DirectKnobs:
     # this layer's input) that neither tier holds from disk, as guesses (only while no demand read is queued or running)
     depth: int = 1  # hold: false, prefetch: MoE layers guessed ahead (their routers on this layer's input): 1 is the next
     # one; more add the layers after it, read behind the nearer layers' guesses (as predict's knob)
+    guess_extra: int = 0  # hold: false, prefetch: the next MoE layer's guesses go this many experts past its top-k (its
+    # router's ranking on this layer's input), read after every other guess: a router whose choice moves a little
+    # between layers then finds more of its blocks in RAM; needs a router that ranks (MoEBlock.ranked: NemotronH);
+    # a routing trace (--record-routing) records the top-k guesses only, so `sluice simulate` leaves these out
     readers: int = 8  # reader threads (as fetch's knob: one pool for the engine; hold: true reads every block at open)
     guess_reads: int = 2  # hold: false: guesses read at once, at most (as fetch's knob: a drive that needs depth wants
     # more; fewer than `readers`, so that a demand read finds a thread; with read_pieces > 1, pieces of guesses)
@@ -95,9 +99,12 @@ class DirectKnobs:
         for knob in ("depth", "readers", "guess_reads", "read_pieces"):
             if getattr(self, knob) < 1:
                 raise ScheduleError(f"stage 'direct': {knob!r} must be >= 1, got {getattr(self, knob)!r}")
-        if self.depth > 1 and (self.hold or not self.prefetch):
-            raise ScheduleError(f"stage 'direct': 'depth' {self.depth} guesses layers ahead for reads from disk: it needs "
-                                f"hold: false and prefetch: true")
+        if self.guess_extra < 0:
+            raise ScheduleError(f"stage 'direct': 'guess_extra' must be >= 0, got {self.guess_extra!r}")
+        for knob, what in (("depth", "guesses layers ahead"), ("guess_extra", "guesses past the top-k")):
+            if getattr(self, knob) > (1 if knob == "depth" else 0) and (self.hold or not self.prefetch):
+                raise ScheduleError(f"stage 'direct': {knob!r} {getattr(self, knob)} {what} for reads from disk: it needs "
+                                    f"hold: false and prefetch: true")
 
 
 class Direct(TokenSteps, PromptSteps, Stage):

@@ -58,20 +58,23 @@ class TokenSteps:
         host, arrived = self.rt.streams.to_host(self.stream, both, reuse=("direct ids", i))
         await self.rt.ids_arrived(arrived)
         row = host[0].tolist()
-        routed, guessed = row[:K], [row[K * (n + 1) : K * (n + 2)] for n in range(len(ahead))]
+        extra = self.knobs.guess_extra if ahead else 0  # the next layer's guesses past its top-k, after its top-k
+        routed, guessed = row[:K], [row[K * (n + 1) + (extra if n else 0) : K * (n + 2) + extra] for n in range(len(ahead))]
         stats = self.rt.stats  # the guesses' recall, as the predict stage counts it: those made for this layer, then its own
         stats.observe_routing(block.layer, tuple(routed))
         for n, (b, g) in enumerate(zip(ahead, guessed)):
-            stats.observe_prediction(b.layer, tuple(g), ahead=n + 1)
+            stats.observe_prediction(b.layer, tuple(g[:K]), ahead=n + 1)
         tier, landing = self.tier, self._landing()
         slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]  # VRAM slots, landed
         need = sorted({e for e, slot in zip(routed, slots) if slot is None})
-        # the guesses VRAM lacks, nearest layer first; RAM's are left out by `read_guesses`
-        guesses = [(b.layer, [e for e in g if (self.index[b.layer], e) not in tier.slot_of]) for b, g in zip(ahead, guessed)]
+        # the guesses VRAM lacks, nearest layer first, the next layer's past its top-k last; RAM's are left out by
+        # `read_guesses`
+        lacks = lambda b, g: (b.layer, [e for e in g if (self.index[b.layer], e) not in tier.slot_of])  # noqa: E731
+        guesses = [lacks(b, g[:K]) for b, g in zip(ahead, guessed)] + ([lacks(ahead[0], guessed[0][K:])] if extra else [])
         try:
             await self.blocks.ensure(block.layer, i, need, guesses)
             if self.rt.recorder is not None:
-                further = tuple((layer, tuple(g)) for layer, g in guesses[1:])
+                further = tuple((layer, tuple(g)) for layer, g in guesses[1 : len(ahead)])
                 self._record(block.layer, i, routed, sorted(set(routed)), set(routed) - set(need), further)
                 if guesses:
                     self._guessed[guesses[0][0]] = tuple(guesses[0][1])
@@ -88,14 +91,18 @@ class TokenSteps:
 
     def _router(self, block, ahead=()):
         """stream_ram: x -> (weights, ids, ids with the guessed ids of the MoE layers `ahead` after them) of `block`'s
-        router (and theirs, on the same input), replayed as a CUDA graph where graphs are on (and those routers are pure
+        router (and theirs, on the same input; the nearest's top-k and `guess_extra` more, as it ranks them), replayed as a CUDA graph where graphs are on (and those routers are pure
         too: a guess from a stale capture would only read the wrong blocks, but reads are what a cold step waits for)."""
-        key = (block.layer, tuple(b.layer for b in ahead))
+        extra = self.knobs.guess_extra if ahead else 0
+        key = (block.layer, tuple(b.layer for b in ahead), extra)
         router = self._routers.get(key)
         if router is None:
             def route(x):
                 weights, ids = block.router(x)
-                return weights, ids, torch.cat((ids, *(b.router(x)[1].to(ids.dtype) for b in ahead)), dim=1) if ahead else ids
+                if not ahead:
+                    return weights, ids, ids
+                nearest = ahead[0].ranked(x, block.top_k + extra) if extra else ahead[0].router(x)[1]
+                return weights, ids, torch.cat((ids, *(g.to(ids.dtype) for g in (nearest, *(b.router(x)[1] for b in ahead[1:])))), dim=1)
 
             graphed = self._graphs is not None and all(b.graph_safe for b in ahead)
             router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if graphed else route

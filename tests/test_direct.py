@@ -274,6 +274,53 @@ def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
         assert int(tier.in_vram[0].sum()) == 2 and int(tier.in_vram[0, 1]) == 0
 
 
+def test_guesses_past_the_top_k_are_read_last(stores, tmp_path, monkeypatch):
+    """`guess_extra`: a one-token step's guesses for the next MoE layer go that many experts past its top-k, as the
+    router ranks them (its top-k among them the router's own), read after the other guesses (those two layers ahead
+    too, with `depth` 2); every other guess, and the logits, are those of the same schedule without them. A model
+    whose routers do not rank, or more guesses than experts, is refused."""
+    from sluice.errors import ConfigError
+    from sluice.stages.direct_ram import RamBlocks
+    from sluice.storage.store import ExpertStore
+
+    variant, extra = "nemotron_h_latent", 3
+    E, bb = (lambda s: (s.manifest.num_experts, s.block_bytes))(ExpertStore.open(stores[variant]))
+    calls = []
+    ensure = RamBlocks.ensure
+
+    async def spy(self, layer, i, experts, guesses=()):
+        calls.append([(g[0], list(g[1])) for g in guesses])
+        return await ensure(self, layer, i, experts, guesses)
+
+    monkeypatch.setattr(RamBlocks, "ensure", spy)
+    logits, seen = {}, {}
+    for depth in (1, 2):
+        for n in (0, extra):
+            calls.clear()
+            schedule = direct_schedule(tmp_path, f"d{depth}x{n}", backend="triton", hold=False, guess_extra=n, depth=depth, vram=False)
+            with sluice.load(stores[variant], device=DEVICE, schedule=schedule, ram_cache=2 * E * bb) as engine:
+                logits[depth, n] = greedy_logits(engine, PROMPT, 6)
+                K, blocks, D = engine.model.moe_blocks[0].top_k, engine.model.moe_blocks, engine.model.config.hidden_size
+            seen[depth, n] = [g for g in calls if g]  # one-token steps of all but the last MoE layer guess ahead
+            for g in seen[depth, n]:
+                top = g[0][1]
+                assert len(top) == K == len(set(top))
+                if n:  # the extras, last: the nearest layer's, past its top-k, none of them among it
+                    assert g[-1][0] == g[0][0] and len(g[-1][1]) == extra and not set(g[-1][1]) & set(top)
+        # without the extras, the same guesses step by step (the top-k as sets: the ranking orders them)
+        plain = [[(layer, sorted(e)) for layer, e in g] for g in seen[depth, 0]]
+        assert plain and plain == [[(layer, sorted(e)) for layer, e in g[:-1]] for g in seen[depth, extra]]
+        assert torch.equal(logits[depth, extra], logits[depth, 0])
+    assert any(len(g) == 2 for g in seen[2, 0])  # depth 2 guessed two layers ahead
+    for b in blocks:  # the ranking's top-k is the router's choice
+        xb = torch.randn(5, D, device=DEVICE)
+        assert torch.equal(torch.sort(b.ranked(xb, b.top_k), dim=-1)[0], torch.sort(b.router(xb)[1], dim=-1)[0])
+    with pytest.raises(ConfigError, match="'guess_extra' .* this model's routers \\(qwen3_moe\\) do not rank"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, hold=False, guess_extra=2))
+    with pytest.raises(ConfigError, match=f"'guess_extra' {E} past a top-{K} asks for more than the {E} experts"):
+        sluice.load(stores[variant], device=DEVICE, schedule=direct_schedule(tmp_path, hold=False, guess_extra=E))
+
+
 def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
     from sluice.errors import ConfigError, ScheduleError
     from sluice.pipeline import engine

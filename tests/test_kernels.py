@@ -503,3 +503,22 @@ def test_relaid_down_f16x2(fmt, A, Dx, I, scale):
             assert rel_err(part.sum(1).cpu().double() / scale, ref / scale) > 0.2
     finally:
         dec.h_pairs = real
+
+
+def test_bench_reads_the_bytes_alone():
+    """`bench kernels`' bytes-alone ceiling reads exactly the first n bytes of each block: each program's xor is the
+    xor of its words, so a byte out of place changes it."""
+    import numpy as np
+
+    from sluice.kernels.bench import read_bytes
+
+    bank = torch.randint(0, 256, (3 * 8192,), dtype=torch.uint8, device=DEVICE)
+    offs = torch.tensor([16384, 0, 8192], dtype=torch.int64, device=DEVICE)
+    n = 1000 * 8  # not a whole number of 512-word programs
+    got = read_bytes(bank, offs, n, bw=512).cpu()
+    for a, o in enumerate(offs.tolist()):
+        words = bank[o: o + n].cpu().view(torch.int64).numpy()
+        want = [np.bitwise_xor.reduce(words[p: p + 512]) for p in (0, 512)]
+        assert got[a].tolist() == [int(w) for w in want], a
+    bank[16384 + n - 1] ^= 1  # the last byte read of the first block
+    assert int(read_bytes(bank, offs, n, bw=512)[0, 1]) != int(got[0, 1])
