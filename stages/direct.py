@@ -101,8 +101,8 @@ class DirectKnobs:
                 raise ScheduleError(f"stage 'direct': {knob!r} must be >= 1, got {getattr(self, knob)!r}")
         if self.guess_extra < 0:
             raise ScheduleError(f"stage 'direct': 'guess_extra' must be >= 0, got {self.guess_extra!r}")
-        for knob, what in (("depth", "guesses layers ahead"), ("guess_extra", "guesses past the top-k")):
-            if getattr(self, knob) > (1 if knob == "depth" else 0) and (self.hold or not self.prefetch):
+        for knob, default, what in (("depth", 1, "guesses layers ahead"), ("guess_extra", 0, "guesses past the top-k")):
+            if getattr(self, knob) > default and (self.hold or not self.prefetch):
                 raise ScheduleError(f"stage 'direct': {knob!r} {getattr(self, knob)} {what} for reads from disk: it needs "
                                     f"hold: false and prefetch: true")
 
