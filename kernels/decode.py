@@ -19,6 +19,8 @@ Reductions are fixed-order (no atomics): split partials are summed by the caller
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -63,16 +65,17 @@ def _load(p, mask, EVEN: tl.constexpr):
 def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
               FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
               WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, xq, xinv, ASM: tl.constexpr,
-              AHEAD: tl.constexpr, EVEN: tl.constexpr):
+              AHEAD: tl.constexpr, EVEN: tl.constexpr, RA: tl.constexpr = 1):
     """W[n, :] . v for rows n [BN]; fp32. Products accumulate in registers; one reduction at the end.
     WORDS 3 (NVFP4): v's pairs xq (int32 [4, K/8], `x_pairs`) and their unscale xinv instead of v; AHEAD: each
-    step's words are requested before the previous step's arithmetic; EVEN (NVFP4 there): whole tiles only."""
+    step's words are requested before the previous step's arithmetic; EVEN (NVFP4 there): whole tiles only; RA (words
+    3): a power of two dividing a row's words (NVFP4's int64 groups, FP8's int32 words), so that loads go wide."""
     nm = n < N
     if FMT == NVFP4 and WORDS == 3:
         # a scale group's two words of 8 nibbles as one int64, through the e4m3 conversion and f16x2 FMAs
         # (f16x2.fp4_pair_dot_f16x2), the group scales applied in fp32; EVEN: no bounds to test
         BG: tl.constexpr = BK // 16
-        NG = K // 16
+        NG = tl.multiple_of(K // 16, RA)
         acc = tl.zeros([BN, BG], dtype=tl.float32)
         rows = (base + W_OFF).to(tl.pointer_type(tl.int64)) + n[:, None] * NG
         xg = xq.to(tl.pointer_type(tl.int64))  # plane J of x's pairs: a group's two words' pairs J in one int64
@@ -100,7 +103,7 @@ def _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K,
     elif WORDS == 3 and FMT != DENSE and FMT != MXFP4:
         # FP8 as int32 words of four inputs through the e4m3 conversion and f16x2 FMAs (f16x2.fp8_word_dot_f16x2)
         BW: tl.constexpr = BK // 4
-        NW = K // 4
+        NW = tl.multiple_of(K // 4, RA)
         acc = tl.zeros([BN, BW], dtype=tl.float32)
         rows = (base + W_OFF).to(tl.pointer_type(tl.int32)) + n[:, None] * NW
         for w0 in range(0, NW, BW):
@@ -219,7 +222,7 @@ def _matvec_kernel(
     FMT: tl.constexpr, WDT: tl.constexpr, BLOCK: tl.constexpr, S2_INV: tl.constexpr, SG: tl.constexpr,
     HAS_BIAS: tl.constexpr, BDT: tl.constexpr, EPI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     X_DT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    AHEAD: tl.constexpr, HQ, HGINV, PAIRS: tl.constexpr, EVEN: tl.constexpr,
+    AHEAD: tl.constexpr, HQ, HGINV, PAIRS: tl.constexpr, EVEN: tl.constexpr, RA: tl.constexpr,
 ):
     a = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -227,7 +230,7 @@ def _matvec_kernel(
     vp = v + a * V_STRIDE
     xq, xinv = XQ + a * XQ_STRIDE, XINV + a * XINV_STRIDE
     acc = _row_dots(base, W_OFF, S_OFF, S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK, xq, xinv, ASM, AHEAD,
-                    EVEN)
+                    EVEN, RA)
     acc = acc.to(X_DT).to(tl.float32)  # the reference rounds each linear's output to the activation dtype
     acc = _biased(acc, base, B_OFF, n, N, HAS_BIAS, BDT, X_DT)
     if EPI == WEIGHTED:
@@ -237,7 +240,7 @@ def _matvec_kernel(
     else:
         if EPI == SWIGLU:
             g = _row_dots(base, G_W_OFF, G_S_OFF, G_S2_OFF, S_STRIDE, vp, n, N, K, FMT, WDT, BLOCK, S2_INV, SG, WORDS, BN, BK,
-                          xq, xinv, ASM, AHEAD, EVEN)
+                          xq, xinv, ASM, AHEAD, EVEN, RA)
             g = _biased(g.to(X_DT).to(tl.float32), base, G_B_OFF, n, N, HAS_BIAS, BDT, X_DT)
             h = _glu(g, acc, ACT, X_DT, ALPHA, LIMIT)
         elif EPI == PLAIN:
@@ -345,6 +348,7 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
         X_DT=TL_DTYPES[x_dtype], WORDS=words, ASM=words == 3 and out.is_cuda, BN=bn, BK=bk, AHEAD=ahead,
         HQ=hq, HGINV=hginv, PAIRS=0 if pairs is None else 2 if pairs_fp8 else 1,
         EVEN=nvfp4_pairs and layout.n % bn == 0 and layout.k % bk == 0,
+        RA=math.gcd(layout.k // (16 if nvfp4_pairs else 4), 8) if words == 3 else 1,
         num_warps=num_warps,
     )
     return out
