@@ -118,8 +118,7 @@ class Engine:
         if extra and any(b.ranked is None for b in model.moe_blocks):
             raise ConfigError(f"stage 'direct': 'guess_extra' reads guesses past the top-k as a router ranks them; this "
                               f"model's routers ({store.manifest.architecture}) do not rank (MoEBlock.ranked)")
-        if extra and any(b.top_k + extra > b.num_experts for b in model.moe_blocks):
-            b = model.moe_blocks[0]
+        if extra and (b := next((b for b in model.moe_blocks if b.top_k + extra > b.num_experts), None)) is not None:
             raise ConfigError(f"stage 'direct': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
                               f"{b.num_experts} experts a MoE layer has")
         if config.fused_mamba and not triton_runs_on(device):

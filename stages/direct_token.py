@@ -91,18 +91,21 @@ class TokenSteps:
 
     def _router(self, block, ahead=()):
         """stream_ram: x -> (weights, ids, ids with the guessed ids of the MoE layers `ahead` after them) of `block`'s
-        router (and theirs, on the same input; the nearest's top-k and `guess_extra` more, as it ranks them), replayed as a CUDA graph where graphs are on (and those routers are pure
-        too: a guess from a stale capture would only read the wrong blocks, but reads are what a cold step waits for)."""
-        extra = self.knobs.guess_extra if ahead else 0
-        key = (block.layer, tuple(b.layer for b in ahead), extra)
+        router (and theirs, on the same input; the nearest's top-k and `guess_extra` more, as it ranks them), replayed
+        as a CUDA graph where graphs are on (and those routers are pure too: a guess from a stale capture would only
+        read the wrong blocks, but reads are what a cold step waits for)."""
+        key = (block.layer, tuple(b.layer for b in ahead))
         router = self._routers.get(key)
         if router is None:
+            extra = self.knobs.guess_extra
+
             def route(x):
                 weights, ids = block.router(x)
                 if not ahead:
                     return weights, ids, ids
-                nearest = ahead[0].ranked(x, block.top_k + extra) if extra else ahead[0].router(x)[1]
-                return weights, ids, torch.cat((ids, *(g.to(ids.dtype) for g in (nearest, *(b.router(x)[1] for b in ahead[1:])))), dim=1)
+                guesses = (ahead[0].ranked(x, block.top_k + extra) if extra else ahead[0].router(x)[1],
+                           *(b.router(x)[1] for b in ahead[1:]))
+                return weights, ids, torch.cat((ids, *(g.to(ids.dtype) for g in guesses)), dim=1)
 
             graphed = self._graphs is not None and all(b.graph_safe for b in ahead)
             router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if graphed else route
