@@ -5,8 +5,13 @@
 The model is built on the meta device from a transformers config (no memory), its parameter
 names and shapes become checkpoint tensors: resident ones in BF16 (router correction biases in
 FP32), routed experts split per expert under the architecture's checkpoint names, in NVFP4, FP8
-(128x128 blocks) or BF16. Values are random but valid (kernels/formats.py: random_weight); one
-random pool is tiled, so tens of GB are written at disk speed. `--moe-layers N` keeps the layers
+(128x128 blocks) or BF16. Values are random but valid (kernels/formats.py: random_weight), and
+routing depends on the token as a trained model's does: every matrix is its own window of a random
+pool (so every layer's router and every expert differ; windows, not draws, so tens of GB are
+written at disk speed), and every vector (norm weights, biases, Mamba's A / D / dt, router
+correction biases) is the model's own initial value (transformers' `_init_weights`: norms near 1)
+plus small noise of its own; a correction bias that outweighed the router's logits would route
+every token alike. `--moe-layers N` keeps the layers
 up to the N-th MoE layer so a slice fits the disk. `--headers-only` writes shards that hold only
 their headers: enough for `sluice plan`, and instant.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -62,6 +68,8 @@ SHAPES = {
 FORMAT_KIND = {"nvfp4": "nvfp4", "fp8": "fp8_block", "bf16": "bf16"}
 SHARD = 4 << 30
 POOL = 64 << 20
+EXPERT_SPREAD = 1 << 22  # an expert tensor's pool holds this many more values than it: distinct starts per expert
+VECTOR_NOISE = 0.02  # a vector's noise: norms stay near 1, correction biases small beside the router's logits
 
 
 def _config(shape: str, moe_layers: int | None):
@@ -102,6 +110,7 @@ def tensor_plan(shape: str, fmt: str, moe_layers: int | None = None):
     spec = arch.expert_spec(cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    vectors = _initial_vectors(model)
     plan, expert_shapes = [], {}
     pool = _Pool()
     for key, t in model.state_dict().items():
@@ -114,34 +123,95 @@ def tensor_plan(shape: str, fmt: str, moe_layers: int | None = None):
                 expert_shapes[leaf.split("_")[0]] = (out, inp)
             continue
         dtype = "F32" if "e_score_correction_bias" in key else "BF16"
-        plan.append((arch.checkpoint_name(key), dtype, tuple(t.shape), pool.maker(tuple(t.shape), dtype)))
+        make = pool.vector(vectors[key], key, dtype) if key in vectors else pool.window(tuple(t.shape), key)
+        plan.append((arch.checkpoint_name(key), dtype, tuple(t.shape), make))
     kind = FORMAT_KIND[fmt]
-    one = {p: random_weight(expert_shapes[p], kind, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(spec.projs)}
+    pools, shapes = {}, {}
+    for i, p in enumerate(spec.projs):  # per projection: a pool of valid values per suffix, and one expert's shapes
+        made = random_weight(_pool_shape(expert_shapes[p]), kind, generator=torch.Generator().manual_seed(i))
+        pools[p] = {sfx: t.reshape(-1) for sfx, t in made.items()}
+        shapes[p] = {sfx: tuple(t.shape) for sfx, t in random_weight(expert_shapes[p], kind, device="meta").items()}
     for layer in spec.moe_layers:
         for e in range(spec.num_experts):
             for proj in spec.projs:
-                for suffix, t in one[proj].items():
-                    plan.append((spec.name(layer, e, proj, suffix), TORCH_TO_ST[t.dtype], tuple(t.shape), lambda t=t: t))
+                for suffix, flat in pools[proj].items():
+                    name = spec.name(layer, e, proj, suffix)
+                    shape = shapes[proj][suffix]
+                    plan.append((name, TORCH_TO_ST[flat.dtype], shape, _expert_window(flat, shape, name)))
     return cfg, plan
 
 
+def _pool_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    """A pool of valid expert values with room for EXPERT_SPREAD windows' distinct starts past one tensor's size."""
+    out, inp = shape
+    return out + 128 * -(-EXPERT_SPREAD // (128 * inp)), inp  # whole 128-row blocks: FP8's block scales stay whole
+
+
+def _expert_window(flat: torch.Tensor, shape: tuple[int, ...], name: str):
+    """One expert's tensor: a window of its pool starting at an offset of its own (scalars: the pool's first value)."""
+    n = 1
+    for d in shape:
+        n *= d
+    room = flat.numel() - n
+    start = _seed(name) % room if room > 0 else 0
+    return lambda: flat[start : start + n].reshape(shape)
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _initial_vectors(model) -> dict[str, torch.Tensor]:
+    """The model's own initial value of each vector (1-D parameter or buffer), by state-dict name: transformers'
+    `_init_weights` run on each module with its vectors made real on the CPU (its matrices stay on the meta device)."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        names = [n for n, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+                 if t is not None and t.dim() <= 1 and n not in getattr(module, "_non_persistent_buffers_set", ())]
+        if not names:
+            continue
+        for n in names:
+            t = getattr(module, n)
+            real = torch.zeros(t.shape, dtype=torch.float32)
+            if n in module._parameters:
+                module._parameters[n] = torch.nn.Parameter(real, requires_grad=False)
+            else:
+                module._buffers[n] = real
+        with torch.no_grad():
+            model._init_weights(module)
+        for n in names:
+            out[f"{mod_name}.{n}" if mod_name else n] = getattr(module, n).detach().clone()
+    return out
+
+
 class _Pool:
-    """Tiles one random pool: valid BF16 (normal, std 0.02) or FP32 (small) values at memory speed."""
+    """Valid random resident values at memory speed: matrices as windows of one BF16 pool (normal, std 0.02), each
+    from an offset of its own; vectors as their initial value plus noise of their own (std VECTOR_NOISE)."""
 
     def __init__(self):
         g = torch.Generator().manual_seed(0)
         self.bf16 = (torch.randn(POOL // 2, generator=g) * 0.02).to(torch.bfloat16)
-        self.f32 = torch.randn(1 << 16, generator=g) * 0.01
 
-    def maker(self, shape, dtype):
+    def window(self, shape, name: str):
         n = 1
         for d in shape:
             n *= d
-        src = self.bf16 if dtype == "BF16" else self.f32
+        src = self.bf16
 
         def make():
-            reps = -(-n // src.numel())
-            return src.repeat(reps)[:n].reshape(shape) if n else torch.empty(shape, dtype=src.dtype)
+            if not n:
+                return torch.empty(shape, dtype=src.dtype)
+            start = _seed(name) % src.numel()
+            reps = -(-(start + n) // src.numel())
+            return (src.repeat(reps) if reps > 1 else src)[start : start + n].reshape(shape)
+
+        return make
+
+    def vector(self, initial: torch.Tensor, name: str, dtype: str):
+        def make():
+            g = torch.Generator().manual_seed(_seed(name))
+            v = initial.float() + torch.randn(initial.shape, generator=g) * VECTOR_NOISE
+            return v.to(torch.float32 if dtype == "F32" else torch.bfloat16)
 
         return make
 

@@ -50,3 +50,46 @@ def test_written_checkpoint_runs(tmp_path, monkeypatch, fmt):
     with sluice.load(store.path, device="cpu") as engine:
         logits = engine.forward([1, 2, 3, 4])
     assert torch.isfinite(logits).all() and logits.shape == (4, 128)
+
+
+SMALL = ("nemotron_h", dict(synth_mod.NEMOTRON_COMMON, hybrid_override_pattern="MEM*EME", hidden_size=256, n_routed_experts=64,
+                            num_experts_per_tok=6, moe_intermediate_size=128, moe_shared_expert_intermediate_size=256,
+                            mamba_num_heads=8, mamba_head_dim=32, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            vocab_size=512, n_groups=2))
+
+
+def test_routing_depends_on_the_token(tmp_path, monkeypatch):
+    """A synthetic checkpoint routes as a model whose routing follows its tokens: over a prompt and 32 greedy decode
+    tokens each MoE layer touches at least 70% of the distinct experts uniform routing would, and consecutive decode
+    tokens share about as many experts as uniform routing predicts (K^2 / E), not the same few every token."""
+    from sluice.storage.trace import read_trace
+
+    monkeypatch.setitem(synth_mod.SHAPES, "small", SMALL)
+    store = repack(synth_mod.synth("small", "bf16", tmp_path / "ck", progress=False), tmp_path / "store", progress=False)
+    E, K, P = 64, 6, 16
+    with sluice.load(store.path, device="cpu", record_routing=str(tmp_path / "r.jsonl")) as engine:
+        engine.generate(torch.randint(3, 512, (P,), generator=torch.Generator().manual_seed(0)).tolist(), 32)
+    records = read_trace(tmp_path / "r.jsonl").records
+    for layer in sorted({r.layer for r in records}):
+        tokens = [set(r.ids[t * K : (t + 1) * K]) for r in records if r.layer == layer for t in range(r.tokens)]
+        uniform = E * (1 - (1 - K / E) ** len(tokens))
+        assert len(set().union(*tokens)) >= 0.7 * uniform, f"layer {layer}"
+        shared = [len(a & b) for a, b in zip(tokens[P:], tokens[P + 1 :])]
+        assert sum(shared) / len(shared) <= K * K / E + 1.0, f"layer {layer}: {shared}"
+
+
+def test_layers_and_experts_are_distinct(tmp_path, monkeypatch):
+    """Every MoE layer's router, correction bias and every expert are tensors of their own; norms are near 1."""
+    monkeypatch.setitem(synth_mod.SHAPES, "small", SMALL)
+    _, plan = synth_mod.tensor_plan("small", "nvfp4")
+    made = {name: make() for name, _, _, make in plan}
+    routers = [t for n, t in made.items() if n.endswith("gate.weight")]
+    biases = [t for n, t in made.items() if n.endswith("e_score_correction_bias")]
+    assert len(routers) == len(biases) == 3
+    for group in (routers, biases):
+        assert all(not torch.equal(a, b) for i, a in enumerate(group) for b in group[i + 1 :])
+    assert max(float(b.abs().max()) for b in biases) < 0.2  # beside sigmoid scores spread over ~(0.2, 0.8)
+    ups = [t for n, t in made.items() if ".experts." in n and n.endswith("up_proj.weight")]
+    assert len(ups) == 3 * 64 and len({t.numpy().tobytes() for t in ups}) == len(ups)
+    norms = [t.float() for n, t in made.items() if n.endswith("norm.weight") or n.endswith("norm_f.weight")]
+    assert norms and all(0.9 < float(t.mean()) < 1.1 for t in norms)
