@@ -130,6 +130,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                                                    "or under --vram-budget the largest power of two <= 512 whose scratch fits "
                                                    "what the expert slots leave")
     p.add_argument("--record-routing", metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
+    p.add_argument("--routing", default="natural", metavar="SETTING",
+                   help="which experts tokens route to: natural (the model's routers; default) | uniform | skewed[:popularity=S,"
+                        "reuse=P,recall=Q] | trace:FILE[,recall=Q] (benchmarks: the router runs, its ids are drawn; "
+                        "storage/routing.py)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -149,6 +153,7 @@ def _open_engine(args):
         resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
         prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba,
+        routing=getattr(args, "routing", "natural"),
     )
 
 

@@ -94,6 +94,13 @@ class MoEBlock:
     # x [T,D], n -> ids [T,n] i64: the n experts the router ranks first, best first (the top_k it routes to among
     # them, ties aside), for reading guesses beyond the top-k (the direct stage's `guess_extra`); None: not offered
     ranked: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    # x [T,D] -> (weights [T,K], ids [T,K] i64) as `router` gives them: this layer's experts guessed from an earlier
+    # MoE layer's input (the predict stage, direct's lookahead); None: the router itself on that input (`guessed`)
+    guess: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def guessed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's experts guessed from another layer's input x [T,D]: (weights, ids) as the router gives them."""
+        return (self.guess or self.router)(x)
 
     def output(self, routed: torch.Tensor, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output before the residual from the routed sum [T,Dx]: finish, plus the shared term (`shared`

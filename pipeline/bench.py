@@ -64,7 +64,7 @@ def disk_bandwidth(engine, blocks: int = 128) -> float:
 def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm: bool = True, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
-    out: dict = {"prefill": {}, "decode": {}}
+    out: dict = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine), "prefill": {}, "decode": {}}
     sync = engine.rt.streams.synchronize
 
     def prefill(n: int) -> dict:
@@ -147,8 +147,26 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     return out
 
 
+def routing_name(engine) -> str:
+    """The routing a run's figures were measured under (storage/routing.py), as every bench table names it."""
+    return str(engine.routing.setting) if engine.routing is not None else "natural"
+
+
+def synthetic_weights(engine) -> bool:
+    return bool(getattr(engine.model.config, "sluice_synthetic", False))
+
+
+def routing_line(r: dict) -> str:
+    """The routing a result was measured under; on random weights' own routing, said to be no speed claim."""
+    line = f"routing: {r['routing']}"
+    if r["routing"] == "natural" and r.get("synthetic_weights"):
+        line += (" (random weights' own routing: not a speed claim; --routing uniform | skewed | trace:FILE for figures "
+                 "that stand for a real model)")
+    return line
+
+
 def format_bench(r: dict, block_bytes: int) -> str:
-    lines = [f"{'prompt':>8} {'prefill s':>10} {'tok/s':>10}   (a prompt on an empty VRAM tier; the next prompt, on the tier it left)"]
+    lines = [routing_line(r),f"{'prompt':>8} {'prefill s':>10} {'tok/s':>10}   (a prompt on an empty VRAM tier; the next prompt, on the tier it left)"]
     for n, p in r["prefill"].items():
         nxt = p["next"]
         lines.append(f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}   next: {nxt['s']:.3f} s, {nxt['tok_s']:.1f} tok/s, "
@@ -246,7 +264,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
     head = (f"{'schedule':14} {'median ms':>9} {'mean ms':>8} {'1st ms':>7} {'rest ms':>7} {'tok/s':>7} {'x roofline':>10} "
             + " ".join(f"{'prefill ' + str(n):>15}" for n in lengths)
             + f" {'VRAM/RAM/disk/CPU blocks per token':>36} {'to VRAM':>7} {'hit':>6} {'stall ms':>8} {'ids ms':>7} {'drive':>6}")
-    lines = [head]
+    lines = [routing_line(results[0][1]), head]
     for name, r in results:
         d = r["decode"]
         b = d["blocks_per_token"]

@@ -63,6 +63,7 @@ class EngineConfig:
     direct_io: bool = True
     trace: str | None = None  # path for Chrome trace JSON (+ .jsonl stage lines)
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
+    routing: str = "natural"  # natural | uniform | skewed[:...] | trace:FILE (storage/routing.py): benchmarks' routing
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
@@ -82,6 +83,9 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
         if self.vram_slots is not None and self.vram_budget is not None:
             raise ConfigError("vram_slots and vram_budget: give one (the budget sizes the slot bank itself)")
+        from sluice.storage.routing import parse_routing
+
+        parse_routing(self.routing)  # a bad setting is named before anything is opened
         for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk", "mixer_chunk"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -27,6 +27,7 @@ from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size, sluice_home
 from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.graphs import DecodeGraphs, FnGraphs
+from sluice.pipeline.routing import RoutingControl, controlled_routing
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
@@ -51,8 +52,9 @@ class Sequence:
 
 class Engine:
     def __init__(self, store: ExpertStore, model: ResidentModel, rt: Runtime, coordinator: Coordinator, config: EngineConfig,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, routing: RoutingControl | None = None):
         self.store, self.model, self.rt, self.coordinator, self.config = store, model, rt, coordinator, config
+        self.routing = routing  # controlled routing (`--routing`), or None: the model's own routers
         self.prefill_chunk = prefill_chunk or MAX_PREFILL_CHUNK  # longest prompt piece one step runs (`extend`)
         self.device = model.device
         graphs = self.device.type == "cuda" and config.resident_graphs
@@ -96,6 +98,7 @@ class Engine:
         arch = get_architecture(store.manifest.architecture)
         hf_config = AutoConfig.from_pretrained(store.path)
         model = arch.build(hf_config, load_file(store.path / store.manifest.resident), device, config.torch_dtype)
+        routing = controlled_routing(config.routing, model, device)
         schedule = load_schedule(config.schedule)
         fetch = schedule.stage("fetch")
         h2d = schedule.stage("h2d").knobs if schedule.stage("h2d") else H2DKnobs()
@@ -116,8 +119,9 @@ class Engine:
                               f"(direct-stream, overlap)")
         extra = direct_stage.knobs.guess_extra if direct_stage is not None else 0
         if extra and any(b.ranked is None for b in model.moe_blocks):
-            raise ConfigError(f"stage 'direct': 'guess_extra' reads guesses past the top-k as a router ranks them; this "
-                              f"model's routers ({store.manifest.architecture}) do not rank (MoEBlock.ranked)")
+            whose = f"routing {routing.setting} draws its ids" if routing is not None else \
+                f"this model's routers ({store.manifest.architecture}) do not rank (MoEBlock.ranked)"
+            raise ConfigError(f"stage 'direct': 'guess_extra' reads guesses past the top-k as a router ranks them; {whose}")
         if extra and (b := next((b for b in model.moe_blocks if b.top_k + extra > b.num_experts), None)) is not None:
             raise ConfigError(f"stage 'direct': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
                               f"{b.num_experts} experts a MoE layer has")
@@ -137,7 +141,7 @@ class Engine:
             # the GPU's tier code (copies are memcpy), for tests and for sizing experiments
             default = 4 * store.manifest.top_k if device.type == "cuda" else 0
             vram_blocks = min(store.total_blocks, config.vram_slots or default)
-        recorder = RoutingRecorder(config.record_routing, trace_header(store, schedule, ram_blocks, vram_blocks)) \
+        recorder = RoutingRecorder(config.record_routing, trace_header(store, schedule, ram_blocks, vram_blocks, str(routing.setting) if routing else "natural")) \
             if config.record_routing else None
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
                      down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy,
@@ -158,7 +162,7 @@ class Engine:
         except BaseException:
             rt.close()
             raise
-        return cls(store, model, rt, coordinator, config, config.prefill_chunk)
+        return cls(store, model, rt, coordinator, config, config.prefill_chunk, routing)
 
     # -- public, synchronous API ------------------------------------------------------------
 
@@ -347,6 +351,8 @@ class Engine:
                     li = LayerInput(block, nxt, x, residual, self._ahead[layer.moe.index])
                 h = (await self.coordinator.run_layer(li)).h
             logits = None if head == "none" else model.head(h[:, -1:] if head == "last" else h)
+            if self.routing is not None:
+                self.routing.advance(len(ids))
         seq.tokens.extend(ids)
         if recorder is not None:
             recorder.end_step()

@@ -150,10 +150,11 @@ class FnGraphs:
         return call
 
     def block(self, block, role: str):
-        """`block` with its router, expert input, finish and shared term replayed as graphs under names of this role."""
+        """`block` with its router, guess, expert input, finish and shared term replayed as graphs under names of this role."""
         tag = f"{role}:{block.layer}"
         shared = block.shared and self.wrap(block.shared, f"shared/{tag}")
-        return replace(block, router=self.wrap(block.router, f"router/{tag}"),
+        guess = block.guess and self.wrap(block.guess, f"guess/{tag}")
+        return replace(block, router=self.wrap(block.router, f"router/{tag}"), guess=guess,
                        expert_input=self.wrap(block.expert_input, f"expert_input/{tag}"),
                        finish=self.wrap(block.finish, f"finish/{tag}"), shared=shared)
 

@@ -195,7 +195,7 @@ class Direct(TokenSteps, PromptSteps, Stage):
             weights, ids = block.router(li.x)
             xe = block.expert_input(li.x)
             self.tier.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
-            both = torch.cat((ids, li.next_block.router(li.x)[1].to(ids.dtype)), dim=1) if ahead else ids
+            both = torch.cat((ids, li.next_block.guessed(li.x)[1].to(ids.dtype)), dim=1) if ahead else ids
         host, arrived = self.rt.streams.to_host(self.stream, both)
         shared = None
         if block.shared is not None and self.knobs.shared == "side":  # the GPU runs it while the host waits for the ids

@@ -103,8 +103,8 @@ class TokenSteps:
                 weights, ids = block.router(x)
                 if not ahead:
                     return weights, ids, ids
-                guesses = (ahead[0].ranked(x, block.top_k + extra) if extra else ahead[0].router(x)[1],
-                           *(b.router(x)[1] for b in ahead[1:]))
+                guesses = (ahead[0].ranked(x, block.top_k + extra) if extra else ahead[0].guessed(x)[1],
+                           *(b.guessed(x)[1] for b in ahead[1:]))
                 return weights, ids, torch.cat((ids, *(g.to(ids.dtype) for g in guesses)), dim=1)
 
             graphed = self._graphs is not None and all(b.graph_safe for b in ahead)
@@ -180,7 +180,7 @@ class TokenSteps:
             def beside(x):
                 """The next layer's guesses that VRAM lacks, then the shared term (None without)."""
                 if nxt is not None:
-                    select(nxt.router(x)[1][0], tier.in_vram[j], tier.table[j], j * E, self._guess_ids[j % 2],
+                    select(nxt.guessed(x)[1][0], tier.in_vram[j], tier.table[j], j * E, self._guess_ids[j % 2],
                            self._guess_src[j % 2], self.staged_copies)
                 return shared(x) if shared is not None else None
 

@@ -50,7 +50,7 @@ class Predict(Stage):
         blocks = (nxt, *li.ahead[: self.knobs.depth - 1])
         streams = self.rt.streams
         with streams.use(self.stream):
-            parts = [torch.stack((w.float(), i.float())) for w, i in (b.router(li.x) for b in blocks)]
+            parts = [torch.stack((w.float(), i.float())) for w, i in (b.guessed(li.x) for b in blocks)]
             both = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # one transfer (ids < 2**24 are exact)
         # a one-token step: the guesses into this layer's pinned buffer (Streams.host_buffer)
         host, arrived = streams.to_host(self.stream, both, reuse=("predict", li.block.layer) if li.x.shape[0] == 1 else None)

@@ -240,6 +240,7 @@ def synth(shape: str, fmt: str, out: str | Path, moe_layers: int | None = None, 
         weight_map.update({t[0]: name for t in shard})
     bar.close()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    cfg.sluice_synthetic = True  # benchmarks name runs on these weights' own routing as no speed claim
     cfg.save_pretrained(out)
     if fmt in ("nvfp4", "fp8"):
         algo = {"nvfp4": "NVFP4", "fp8": "FP8"}[fmt]

@@ -3,7 +3,7 @@ the tier each block came from. Written by `--record-routing FILE`, replayed by `
 
 Format: JSON lines (gzip when the name ends in .gz). The first line is a header (`trace_header`):
     {"sluice_routing_trace": 1, "architecture", "moe_layers", "num_experts", "top_k",
-     "block_bytes", "ram_blocks", "vram_blocks", "schedule", "prefetch", "vram_prefetch", "prefetch_depth",
+     "block_bytes", "ram_blocks", "vram_blocks", "schedule", "routing" (storage/routing.py), "prefetch", "vram_prefetch", "prefetch_depth",
      and "vram_tier": "recorded" for direct-stream's hot-set tier}
 then one line per (step, MoE layer), in execution order:
     {"s": step, "t": tokens in the step, "l": layer, "ids": [T*K routed ids, token-major],
@@ -26,14 +26,15 @@ from sluice.errors import SluiceError
 TIER_CODE = {"vram": "V", "ram": "R", "disk": "D"}
 
 
-def trace_header(store, schedule, ram_blocks: int, vram_blocks: int) -> dict:
+def trace_header(store, schedule, ram_blocks: int, vram_blocks: int, routing: str = "natural") -> dict:
     """A trace's header for a run of `schedule` on `store` with these tier sizes (blocks): what `sluice simulate`
     replays by default. `direct` (with hold: false; the only direct that records) reads its own guesses for the next
     MoE layer (and the `depth` - 1 after it), and its VRAM tier is a hot set refreshed from use counts, which the
     replay takes as recorded ("vram_tier": "recorded": the blocks the run read from VRAM are VRAM hits)."""
     m = store.manifest
     head = {"architecture": m.architecture, "moe_layers": list(store.moe_layers), "num_experts": m.num_experts, "top_k": m.top_k,
-            "block_bytes": m.block_bytes, "ram_blocks": ram_blocks, "vram_blocks": vram_blocks, "schedule": schedule.name}
+            "block_bytes": m.block_bytes, "ram_blocks": ram_blocks, "vram_blocks": vram_blocks, "schedule": schedule.name,
+            "routing": routing}
     fetch, predict, h2d, direct = (schedule.stage(n) for n in ("fetch", "predict", "h2d", "direct"))
     if direct is not None:
         guesses = direct.knobs.prefetch
