@@ -52,6 +52,10 @@ def add_bench_parser(sub) -> None:
     bc.add_argument("--int8", action="store_true", help="FP4 experts also with int8 activations (AVX-512 VNNI): a second row")
     bc.set_defaults(func=cmd_bench_cpu)
 
+    from sluice.benchmarks.peer import add_peer_parser
+
+    add_peer_parser(bsub)
+
     bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
     bk.add_argument("--shape", nargs="*", default=None, help="model shapes (default: all)")
     bk.add_argument("--format", nargs="*", default=None, help="nvfp4 fp8 bf16 (default: all)")
