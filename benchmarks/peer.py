@@ -21,6 +21,7 @@ from sluice.benchmarks.gpu_memory import PeakMemory
 from sluice.benchmarks.llama import gguf_sizes, ncmoe_for, run_llama_bench
 from sluice.errors import SluiceError
 from sluice.pipeline.config import parse_size
+from sluice.storage.routing import split_settings
 
 CPU_EXPERTS = ["-ot", "exps=CPU", "-lm", "none"]  # routed experts in RAM, computed by the CPU (not mmap'd: pinned)
 
@@ -42,12 +43,12 @@ def run_peer(args) -> dict:
     out["ram_read_gbps"] = ram_read_bandwidth() / 1e9
     if args.gguf:
         out["llama"] = [vars(r) for r in _llama_runs(args, budget, prompts)]
-    for routing in args.routing.split(","):
+    for routing in split_settings(args.routing):
         for schedule in args.schedules.split(","):
             out["sluice"].append(_sluice_run(args, routing, schedule))
             print(format_row(out["sluice"][-1]), flush=True)
     if args.resident_alone:
-        out["resident_alone"] = _sluice_run(args, args.routing.split(",")[0], "resident-alone")
+        out["resident_alone"] = _sluice_run(args, split_settings(args.routing)[0], "resident-alone")
     return out
 
 

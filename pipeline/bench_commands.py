@@ -53,8 +53,10 @@ def add_bench_parser(sub) -> None:
     bc.set_defaults(func=cmd_bench_cpu)
 
     from sluice.benchmarks.peer import add_peer_parser
+    from sluice.benchmarks.routing import add_routing_parser
 
     add_peer_parser(bsub)
+    add_routing_parser(bsub)
 
     bk = bsub.add_parser("kernels", help="achieved GB/s of each expert kernel vs HBM and host-to-device bandwidth")
     bk.add_argument("--shape", nargs="*", default=None, help="model shapes (default: all)")

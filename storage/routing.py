@@ -91,6 +91,18 @@ def parse_routing(text: str | RoutingSetting | None) -> RoutingSetting:
     return RoutingSetting(kind, **_options(rest.split(",") if rest else [], allowed, text))
 
 
+def split_settings(text: str) -> list[str]:
+    """'uniform,skewed:popularity=1,reuse=0.2' -> ['uniform', 'skewed:popularity=1,reuse=0.2']: a list of settings,
+    whose own options are comma-separated too (a new setting starts with a kind's name)."""
+    out: list[str] = []
+    for part in text.split(","):
+        if out and part.split(":")[0] not in KINDS:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return [p for p in out if p]
+
+
 def _options(parts: list[str], allowed: tuple[str, ...], text) -> dict:
     out = {}
     for part in parts:
