@@ -19,14 +19,14 @@ from sluice.kernels.down import down_relaid
 from sluice.kernels.dequant import FORMAT_CODES, SCALE_GROUPS
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
-from sluice.pipeline.graphs import shared_pool
+from sluice.kernels.graphs import GraphPools
 
 BM = 64  # prefill row tile: the H200 sweep's best for FP8 / BF16 at ~32 rows per expert (BENCHMARKS.md)
 
 
 class TritonExperts:
     def __init__(self, manifest, kind: str, act: str, device: torch.device, act_args: tuple[float, float] = (0.0, 0.0),
-                 graphs: bool = False, fp4_words: int = FP4_WORDS):
+                 graphs: bool = False, fp4_words: int = FP4_WORDS, pools: GraphPools | None = None):
         if act not in ACTS:
             raise NotImplementedError(f"Triton expert kernels support activations {sorted(ACTS)}, not {act!r}")
         self.layouts = proj_layouts(manifest.formats, manifest.slots)
@@ -37,6 +37,7 @@ class TritonExperts:
         self.live_groups = torch.zeros((), dtype=torch.int64, device=device)  # ReLU^2 groups read by the down kernel
         self.total_groups = 0
         self.graphs = graphs and device.type == "cuda"
+        self.pools = pools or GraphPools()  # the memory of the graphs it captures (the engine's, shared)
         self.fp4_words = fp4_words  # the one-token matvecs' FP4 formulation (kernels/decode.py matvec)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
 
@@ -138,7 +139,7 @@ class TritonExperts:
         meanwhile, which a global-mode capture would turn into an error."""
         out = run(static)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pools.current(), capture_error_mode="thread_local"):
             static["out"] = run(static)
         self._graphs[key] = (graph, static)
         return out
@@ -146,7 +147,7 @@ class TritonExperts:
     def _decode_graphed(self, bank, offs, down_bank, down_offs, x, wts, y_dtype, zero_skip) -> torch.Tensor:
         """`_decode` through a CUDA graph. The first call per key runs eagerly (compiling any kernel), then
         captures; the graph's output buffer is overwritten by the next replay, so callers copy it out (before any
-        other graph on the stream replays: its memory is in the stream's shared pool, pipeline/graphs.py)."""
+        other graph on the stream replays: its memory is in the stream's shared pool, kernels/graphs.py)."""
         key = (offs.numel(), bank.data_ptr(), down_bank.data_ptr(), x.dtype, wts.dtype, y_dtype, zero_skip)
         found = self._graphs.get(key)
         if found is None:

@@ -58,7 +58,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk or MAX_PREFILL_CHUNK  # longest prompt piece one step runs (`extend`)
         self.device = model.device
         graphs = self.device.type == "cuda" and config.resident_graphs
-        self.graphs = DecodeGraphs() if graphs else None
+        self.graphs = DecodeGraphs(rt.pools) if graphs else None
         self._loop = asyncio.new_event_loop()
         self._images = None  # the ImageEncoder, built on first use
         blocks = model.moe_blocks
@@ -69,7 +69,7 @@ class Engine:
         self._ahead: list[tuple[MoEBlock, ...]] = [tuple(blocks[i + 2 : i + 1 + depth]) for i in range(len(blocks))]
         # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
         # (the predict stage runs the next block's router under names of its own)
-        self.fn_graphs = FnGraphs() if graphs else None
+        self.fn_graphs = FnGraphs(rt.pools) if graphs else None
         self._decode_views: dict[int, tuple[Any, MoEBlock, MoEBlock | None]] = {}
         if self.fn_graphs is not None:
             fg = self.fn_graphs

@@ -19,31 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from sluice.kernels.graphs import GraphPools
 from sluice.log import get_logger
-
-
-_POOLS: dict[tuple, tuple[Any, torch.cuda.CUDAGraph]] = {}
-
-
-def shared_pool() -> Any:
-    """The memory pool for graphs captured on the current stream: one per stream for every graph Sluice captures.
-
-    A graph's temporaries are dead once its replay ends, and replays on one stream never overlap, so
-    graphs may reuse each other's temporary memory (per-graph pools cost ~12 MB each: 1.6 GiB for a
-    full Nemotron-3-Nano, which ran an 8 GiB budget out of memory). What must outlive a replay (the
-    outputs that later work reads) is copied inside the graph into buffers allocated outside the pool
-    (`_outside`); an output only read before the stream's next replay may stay in the pool."""
-    s = torch.cuda.current_stream()
-    key = (s.device, s.cuda_stream)
-    found = _POOLS.get(key)
-    if found is None:
-        # a pool is freed when its last graph is (an engine closed, a sequence's graphs cleared) and its handle
-        # cannot be used again: a one-op graph kept here holds it for the process
-        pool, keeper = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(keeper, pool=pool, capture_error_mode="thread_local"):
-            torch.zeros(1, device=s.device)
-        found = _POOLS[key] = (pool, keeper)
-    return found[0]
 
 
 def _outside(like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -60,7 +37,8 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self) -> None:
+    def __init__(self, pools: GraphPools) -> None:
+        self.pools = pools  # the engine's graph memory pools (kernels/graphs.py)
         self._graphs: dict[int, _Graph] = {}
         self._eager: set[int] = set()  # layers whose capture failed
         self.replays = 0
@@ -84,7 +62,7 @@ class DecodeGraphs:
             x = h.clone()
             (out,) = _outside([y])
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pools.current(), capture_error_mode="thread_local"):
                 out.copy_(layer.forward(x, ctx))
         except Exception as e:  # a layer that cannot be captured runs eagerly from then on
             self._eager.add(i)
@@ -110,7 +88,8 @@ class FnGraphs:
     use them within the step (the next replay of the same name is the next token's). A function whose
     capture fails runs eagerly from then on."""
 
-    def __init__(self) -> None:
+    def __init__(self, pools: GraphPools) -> None:
+        self.pools = pools  # the engine's graph memory pools (kernels/graphs.py)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
         self._eager: set[str] = set()
         self.replays = 0
@@ -136,7 +115,7 @@ class FnGraphs:
                 static = [a.clone() for a in args]
                 keep = _outside(_tensors(result))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=self.pools.current(), capture_error_mode="thread_local"):
                     for k, o in zip(keep, _tensors(fn(*static))):
                         k.copy_(o)
                 out = tuple(keep) if isinstance(result, (tuple, list)) else keep[0]

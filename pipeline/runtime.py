@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from sluice.kernels.graphs import GraphPools
 from sluice.errors import ScheduleError
 from sluice.kernels.layout import proj_layouts
 from sluice.pipeline.streams import Streams
@@ -127,6 +128,7 @@ class Runtime:
         self.store = store
         self.device = device
         self.streams = Streams(device)
+        self.pools = GraphPools()  # every CUDA graph this engine captures takes its memory from these (kernels/graphs.py)
         self.tracer = Tracer(self.streams, trace)
         self.reader = BlockReader(store, threads=readers, direct=direct_io, verify=verify, guesses=guess_reads,
                                   pieces=read_pieces)

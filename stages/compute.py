@@ -119,7 +119,7 @@ def triton_experts(made: dict, rt, block, graphs: bool, fp4_matvec: str = "auto"
         fp8 = rt.store.manifest.formats["up"].kind.startswith("fp8")
         words = 3 if fp4_formulation(fp4_matvec, block.kind, rt.device, fp8) == "f16x2" else FP4_WORDS
         kern = made[(block.kind, block.act_name)] = TritonExperts(rt.store.manifest, block.kind, block.act_name, rt.device,
-                                                                 block.act_args, graphs, words)
+                                                                 block.act_args, graphs, words, rt.pools)
         rt.stats.kernels.append(kern)
     return kern
 

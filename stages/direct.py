@@ -157,7 +157,7 @@ class Direct(TokenSteps, PromptSteps, Stage):
         if knobs.graphs and backend == "triton" and dev.type == "cuda":
             from sluice.pipeline.graphs import FnGraphs
 
-            self._graphs = FnGraphs()
+            self._graphs = FnGraphs(rt.pools)
         self._steppers = {}
         self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
         self._guessed: dict[int, tuple[int, ...]] = {}  # stream_ram, recording: MoE layer -> the guesses made for it
