@@ -102,10 +102,15 @@ class Grammars:
 
     def _tok(self):
         if self._ll is None:
+            import llguidance
             import llguidance.hf
 
-            eos = [i for i in {self.tokenizer.eos_token_id} if i is not None]
-            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos or None)
+            eos = [i for i in {self.tokenizer.eos_token_id} if i is not None] or None
+            try:
+                self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+            except Exception:  # a decoder llguidance does not read (a character tokenizer's Fuse): each id's bytes
+                wrapper = llguidance.TokenizerWrapper(_TokenBytes(self.tokenizer))
+                self._ll = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
         return self._ll
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -116,6 +121,21 @@ class Grammars:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _TokenBytes:
+    """A tokenizer as llguidance's TokenizerWrapper reads one: each id's bytes, the special ids, str -> ids."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        self.tokens = [tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
+        self.special_token_ids = list(tokenizer.all_special_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text, not bytes")  # tells the wrapper to pass strings
+        return self.tok(text, add_special_tokens=False)["input_ids"]
 
 
 class Constraint:

@@ -126,9 +126,13 @@ class Xml(ToolFormat):
         for i, (k, p) in enumerate(props.items()):
             r = f"{rule}_{i}"
             close = lit("\n</parameter>\n")
-            if p.get("type") == "string" or not p.get("type") and "enum" not in p:  # raw text up to the closing tag
+            if p.get("type") == "string" and "enum" in p:  # raw text: one of the values as written
+                values = " | ".join(lit(str(v)) for v in p["enum"])
+                rules.append(f"{r}: {lit(f'<parameter={k}>' + chr(10))} ({values}) {close}")
+            elif p.get("type") == "string" or not p.get("type") and "enum" not in p:  # raw text up to the closing tag
+                n = p.get("maxLength")
                 rules.append(f"{r}: {lit(f'<parameter={k}>' + chr(10))} {r}_v")
-                rules.append(f"{r}_v[lazy]: /(.|\\n)*/ {close}")
+                rules.append(f"{r}_v[lazy]: /(.|\\n){{0,{int(n)}}}/ {close}" if isinstance(n, int) else f"{r}_v[lazy]: /(.|\\n)*/ {close}")
             else:  # numbers, booleans, arrays, objects: JSON, as the templates write them
                 rules.append(f"{r}: {lit(f'<parameter={k}>' + chr(10))} %json {json.dumps(p)} {close}")
             parts.append(r if k in required else f"{r}?")
