@@ -22,12 +22,11 @@ from typing import Any
 import torch
 
 from sluice.api.protocol import APIError
-from sluice.api.toolcalls import ToolFormat
+from sluice.api.toolcalls import ToolFormat, json_lexeme
 from sluice.api.tools import ToolRequest
 from sluice.errors import SluiceError
 
-JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a small model cannot wander into endless whitespace
-THINK = r'think[lazy]: /(.|\n)*/ "</think>" /\n*/'  # the reasoning a template opened, free text up to its end
+THINK = 'think[lazy]: /(.|\\n)*/ "</think>"\nTHINK_END: /\\n*/'  # the reasoning a template opened: free text up to its end
 
 
 def parse_response_format(body: dict) -> dict | None:
@@ -72,8 +71,8 @@ class Grammars:
             body = fmt.calls_grammar("call", tools.parallel, self._lit)
         else:
             body = "answer"
-            rules.append(f"answer: %json {json.dumps(schema)}")
-        start = f"start: {'think ' if thinking else ''}{body}"
+            rules.append(f"answer: {json_lexeme(schema)}")
+        start = f"start: {'think THINK_END ' if thinking else ''}{body}"
         lark = "\n".join([start, *rules, *([THINK] if thinking else [])])
         where = "tool_choice" if forced else "response_format"
         return Constraint(self._matcher(lark, where), self.vocab_size, self.device, self._executor())

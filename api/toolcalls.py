@@ -89,7 +89,7 @@ class Hermes(ToolFormat):
 
     def call_grammar(self, tool, lit, rule):
         head = f'\n{{"name": {json.dumps(tool.name)}, "arguments": '
-        return [f"{rule}: {lit(self.open)} {lit(head)} %json {json.dumps(tool.parameters)} {lit(chr(10) + '}' + chr(10))} "
+        return [f"{rule}: {lit(self.open)} {lit(head)} {json_lexeme(tool.parameters)} {lit('}' + chr(10))} "
                 f"{lit(self.close)}"]
 
 
@@ -134,7 +134,7 @@ class Xml(ToolFormat):
                 rules.append(f"{r}: {lit(f'<parameter={k}>' + chr(10))} {r}_v")
                 rules.append(f"{r}_v[lazy]: /(.|\\n){{0,{int(n)}}}/ {close}" if isinstance(n, int) else f"{r}_v[lazy]: /(.|\\n)*/ {close}")
             else:  # numbers, booleans, arrays, objects: JSON, as the templates write them
-                rules.append(f"{r}: {lit(f'<parameter={k}>' + chr(10))} %json {json.dumps(p)} {close}")
+                rules.append(f"{r}: {lit(f'<parameter={k}>' + chr(10))} {json_lexeme(p)} {close}")
             parts.append(r if k in required else f"{r}?")
         body = " ".join(parts)
         head = [f"{rule}: {lit(self.open)} {lit(chr(10) + f'<function={tool.name}>' + chr(10))} {body} "
@@ -175,14 +175,21 @@ class DeepSeek(ToolFormat):
         return "\n".join(out)
 
     def call_grammar(self, tool, lit, rule):
-        schema = json.dumps(tool.parameters)
+        schema = json_lexeme(tool.parameters)
         if self.fenced:
             return [f"{rule}: {lit(self.open)} {lit('function')} {lit(self.SEP)} {lit(tool.name + chr(10) + '```json' + chr(10))} "
-                    f"%json {schema} {lit(chr(10) + '```')} {lit(self.close)}"]
-        return [f"{rule}: {lit(self.open)} {lit(tool.name)} {lit(self.SEP)} %json {schema} {lit(self.close)}"]
+                    f"{schema} {lit(chr(10) + '```')} {lit(self.close)}"]
+        return [f"{rule}: {lit(self.open)} {lit(tool.name)} {lit(self.SEP)} {schema} {lit(self.close)}"]
 
     def calls_grammar(self, call, parallel, lit):
         return f"{lit(self.BEGIN)} {call}{'+' if parallel else ''} {lit(self.END)}"
+
+
+def json_lexeme(schema: dict) -> str:
+    """A Lark lexeme matching JSON that `schema` validates, spaced as json.dumps and Jinja's tojson write it (what
+    models read in their templates), with no other whitespace: a small model cannot wander into endless blanks."""
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return f"%json {json.dumps({**schema, 'x-guidance': {**options, **schema.get('x-guidance', {})}})}"
 
 
 def detect_format(template: str, architecture: str) -> ToolFormat:
