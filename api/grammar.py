@@ -16,6 +16,7 @@ sampling had already (the matcher must see each token to compute the next mask).
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +55,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.device = tokenizer, vocab_size, device
         self._ll = None
         self._pool: ThreadPoolExecutor | None = None  # computes masks beside the engine's step
+        self._lock = threading.Lock()  # requests build their constraints on threads of their own
 
     def constraint(self, schema: dict | None, tools: ToolRequest | None, fmt: ToolFormat, thinking: bool) -> "Constraint | None":
         """The constraint of a chat reply: forced tool calls, else the response_format schema (or a tool call, when
@@ -100,22 +102,26 @@ class Grammars:
         return llguidance
 
     def _tok(self):
-        if self._ll is None:
-            import llguidance
-            import llguidance.hf
+        with self._lock:
+            return self._ll or self._make_tok()
 
-            eos = [i for i in {self.tokenizer.eos_token_id} if i is not None] or None
-            try:
-                self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
-            except Exception:  # a decoder llguidance does not read (a character tokenizer's Fuse): each id's bytes
-                wrapper = llguidance.TokenizerWrapper(_TokenBytes(self.tokenizer))
-                self._ll = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
+    def _make_tok(self):
+        llguidance = self._llguidance()
+        import llguidance.hf
+
+        eos = [i for i in {self.tokenizer.eos_token_id} if i is not None] or None
+        try:
+            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        except Exception:  # a decoder llguidance does not read (a character tokenizer's Fuse): each id's bytes
+            wrapper = llguidance.TokenizerWrapper(_TokenBytes(self.tokenizer))
+            self._ll = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
         return self._ll
 
     def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
-        return self._pool
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
+            return self._pool
 
     def close(self) -> None:
         if self._pool is not None:

@@ -106,3 +106,14 @@ def test_bundled_model_forced_tool_call(bundled):
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+
+
+def test_without_llguidance_a_request_for_structure_gets_one_clear_error(stores, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # as if not installed
+    g = Grammars(AutoTokenizer.from_pretrained(stores["nemotron_h"]), 99, torch.device("cpu"))
+    assert g.constraint(None, None, FORMATS["qwen"], False) is None  # free text needs none
+    with pytest.raises(APIError, match="needs llguidance: pip install llguidance") as e:
+        g.constraint({"type": "object"}, None, FORMATS["qwen"], False)
+    assert e.value.status == 501
+    with pytest.raises(APIError, match="needs llguidance"):
+        g.constraint(None, parse_tools({"tools": TOOLS, "tool_choice": "required"}), FORMATS["deepseek"], False)
