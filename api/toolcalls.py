@@ -82,10 +82,9 @@ class Hermes(ToolFormat):
 
     def describe(self, tools):
         specs = "\n".join(json.dumps(_spec(t), ensure_ascii=False) for t in tools)
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
-                f"signatures within <tools></tools> XML tags:\n<tools>\n{specs}\n</tools>\n\nFor each function call, return a "
-                "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+        return (f"# Tools\n\nFunctions you can call, as JSON schemas:\n<tools>\n{specs}\n</tools>\n\nTo call one, write a JSON "
+                'object with its name and arguments between <tool_call> tags:\n<tool_call>\n{"name": NAME, "arguments": '
+                "{...}}\n</tool_call>")
 
     def call_grammar(self, tool, lit, rule):
         head = f'\n{{"name": {json.dumps(tool.name)}, "arguments": '
@@ -115,8 +114,8 @@ class Xml(ToolFormat):
                 out.append(f"<parameter>\n<name>{k}</name>\n<type>{p.get('type', 'string')}</type>\n"
                            f"<description>{p.get('description', '')}</description>\n</parameter>")
             out.append(f"<required>{json.dumps(t.parameters.get('required', []))}</required>\n</parameters>\n</function>")
-        out.append("</tools>\n\nIf you choose to call a function, reply in this format:\n\n<tool_call>\n<function=NAME>\n"
-                   "<parameter=PARAMETER>\nVALUE\n</parameter>\n</function>\n</tool_call>")
+        out.append("</tools>\n\nTo call a function, write:\n<tool_call>\n<function=NAME>\n<parameter=PARAMETER>\nVALUE\n"
+                   "</parameter>\n</function>\n</tool_call>")
         return "\n".join(out)
 
     def call_grammar(self, tool, lit, rule):
@@ -165,13 +164,11 @@ class DeepSeek(ToolFormat):
         return new_call(name.strip(), obj) if isinstance(obj, dict) else None
 
     def describe(self, tools):
-        out = ["## Tools\nYou have access to the following tools:\n"]
+        out = ["## Tools\nFunctions you can call:\n"]
         for t in tools:
             out.append(f"### {t.name}\nDescription: {t.description}\n\nParameters: {json.dumps(t.parameters)}\n")
-        out.append(f"IMPORTANT: ALWAYS adhere to this exact format for tool use:\n{self.BEGIN}{self.open}tool_call_name{self.SEP}"
-                   f"tool_call_arguments{self.close}{{{{additional_tool_calls}}}}{self.END}\n\nWhere:\n- `tool_call_name` must be "
-                   "an exact match to one of the available tools\n- `tool_call_arguments` must be valid JSON that strictly "
-                   "follows the tool's Parameters Schema\n- For multiple tool calls, chain them directly without separators or spaces")
+        out.append(f"To call functions, write {self.BEGIN}, then for each call {self.open}NAME{self.SEP}ARGUMENTS{self.close} "
+                   f"(the arguments a JSON object that follows the function's Parameters schema), then {self.END}.")
         return "\n".join(out)
 
     def call_grammar(self, tool, lit, rule):

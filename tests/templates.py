@@ -7,9 +7,8 @@ with the rest of the conversation in ChatML or DeepSeek's turn markers.
 
 QWEN = (
     "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>"
-    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, return a json object "
-    "within <tool_call></tool_call> XML tags.<|im_end|>\n"
+    "# Tools\n\nFunctions:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "Call one as JSON inside <tool_call> tags.<|im_end|>\n"
     "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}\n<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
@@ -32,8 +31,8 @@ NEMOTRON = (
     "<description>{{ f.description }}</description>\n<parameters>"
     "{%- for name, p in f.parameters.properties | items %}\n<parameter>\n<name>{{ name }}</name>\n<type>{{ p.type }}</type>\n"
     "</parameter>{% endfor %}\n<required>{{ f.parameters.required | default([]) | tojson }}</required>\n</parameters>\n</function>{% endfor %}"
-    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format:\n<tool_call>\n<function=NAME>\n"
-    "<parameter=NAME>\nVALUE\n</parameter>\n</function>\n</tool_call>{% endif %}<|im_end|>\n{% endif %}"
+    "\n</tools>\n\nCall one as:\n<tool_call>\n<function=NAME>\n<parameter=NAME>\nVALUE\n</parameter>\n</function>\n"
+    "</tool_call>{% endif %}<|im_end|>\n{% endif %}"
     "{%- for m in loop_messages %}"
     "{%- if m.role == 'assistant' %}<|im_start|>assistant\n<think></think>{{ m.content | trim }}"
     "{%- if m.tool_calls %}{% if m.content | trim %}\n{% endif %}{% for tc in m.tool_calls %}"
@@ -46,7 +45,7 @@ NEMOTRON = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n<think></think>{% endif %}"
 )
 
-# DeepSeek V3.1's template renders no tools (its model card puts their description in the system prompt)
+# like DeepSeek V3.1's template, this one renders no tools (its model card puts their description in the system prompt)
 DEEPSEEK = (
     "{{ bos_token }}{% for m in messages if m.role == 'system' %}{{ m.content }}{% endfor %}"
     "{%- for m in messages %}"
