@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-id", help="the id clients use (default: the model folder's name)")
     sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots (LRU)")
     sv.add_argument("--context", type=int, help="context length limit (default: the model's max_position_embeddings)")
+    sv.add_argument("--default-max-tokens", type=int, metavar="N", help="reply length for requests that name no max_tokens "
+                    "(chat front ends' background tasks often do not; default: 1024, or half the context when that is "
+                    "shorter; 0: up to the end of the context)")
+    sv.add_argument("--truncate", choices=["error", "left"], default="error", help="a prompt that leaves its reply no room "
+                    "in the context: refused with context_length_exceeded (error), or cut from the left: a chat's oldest "
+                    "messages after the system prompt first (left)")
     sv.add_argument("--warm-up", type=int, metavar="TOKENS", help="before serving, run one prompt of this many random "
                     "tokens and a few one-token steps, so that the first request does not wait for kernel compiles and "
                     "graph captures (0: none; default: 512 on a GPU, 0 on a CPU)")
@@ -335,7 +341,7 @@ def cmd_serve(args) -> int:
         print(f"warm in {engine.warm_up(warm):.1f} s", file=sys.stderr)
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
     app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=parse_size(args.snapshot_ram, "--snapshot-ram"),
-                     context=args.context)
+                     context=args.context, default_max_tokens=args.default_max_tokens, truncate=args.truncate)
     print(f"serving {model_id} on http://{args.host}:{args.port} (OpenAI base URL: http://{args.host}:{args.port}/v1)", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

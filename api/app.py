@@ -24,10 +24,14 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from sluice.api.grammar import Grammars
+from sluice.api.limits import Limits
 from sluice.api.metrics import Metrics
 from sluice.api.protocol import APIError, Params, parse_chat, parse_completion
 from sluice.api.snapshots import SnapshotStore
 from sluice.api.text import THINK_OPEN, Detokenizer, ReasoningSplitter, StopMatcher
+from sluice.api.toolcalls import ToolCallSplitter, ToolFormat, detect_format
+from sluice.api.tools import with_tools
 from sluice.api.worker import EngineWorker, Job
 from sluice.pipeline.sampling import Sampler
 
@@ -46,10 +50,14 @@ class Served:
     snapshots: SnapshotStore
     doc_ids: frozenset[str] = frozenset()  # ids whose images use the processor's maximum resolution
     images: bool = False  # whether the model takes images (its store has an image encoder)
+    limits: Limits | None = None  # reply lengths and what a prompt over the context gets
+    grammars: Grammars | None = None  # constrained decoding (response_format, forced tool calls)
+    tool_format: ToolFormat | None = None  # how this model writes tool calls
+    markers: frozenset[int] = frozenset()  # the tool format's marker tokens, shown even where they are special
 
 
 def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, context: int | None = None,
-               prefill_chunk: int | None = None) -> Starlette:
+               prefill_chunk: int | None = None, default_max_tokens: int | None = None, truncate: str = "error") -> Starlette:
     metrics = Metrics()
     snapshots = SnapshotStore(snapshot_bytes)
     worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk)
@@ -60,7 +68,10 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
     doc = frozenset({f"{model_id}-doc"} if images else ())
     models.update(dict.fromkeys(doc, False))
     context = context or getattr(engine.model.config, "max_position_embeddings", None) or 4096
-    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, doc, images)
+    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, doc, images,
+               Limits.of(context, default_max_tokens, truncate), Grammars(tokenizer, engine.model.config.vocab_size, engine.device))
+    s.tool_format = detect_format(tokenizer.chat_template or "", engine.store.manifest.architecture)
+    s.markers = _marker_ids(tokenizer, s.tool_format)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -69,6 +80,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
             yield
         finally:
             worker.stop()
+            s.grammars.close()
 
     async def page(request):
         return HTMLResponse(PAGE.read_text())
@@ -96,16 +108,22 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    handlers = {APIError: lambda r, e: e.response(), HTTPException: _http_error, Exception: _server_error}
+    handlers = {APIError: lambda r, e: metrics.reject(e), HTTPException: lambda r, e: metrics.reject(_http_error(r, e)),
+                Exception: lambda r, e: metrics.reject(_server_error(r, e))}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
 
-def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code)).response()
+def _http_error(request: Request, exc: HTTPException) -> APIError:
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code))
 
 
-def _server_error(request: Request, exc: Exception) -> JSONResponse:
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").response()
+def _server_error(request: Request, exc: Exception) -> APIError:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+
+def _marker_ids(tokenizer, fmt: ToolFormat) -> frozenset[int]:
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[m] for m in (fmt.open, fmt.close, *fmt.wrappers) if m in vocab)
 
 
 def _metrics(s: Served) -> Response:
@@ -128,10 +146,12 @@ async def _json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _render_chat(s: Served, messages, think: bool) -> list[int]:
-    kwargs = {"enable_thinking": think} if len(s.models) > 1 else {}
+def _render_chat(s: Served, messages, think: bool, tools=None) -> list[int]:
+    messages, kwargs = with_tools(list(messages), tools, s.tool_format, s.tokenizer.chat_template or "")
+    if len(s.models) > 1:
+        kwargs["enable_thinking"] = think
     try:
-        out = s.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)
+        out = s.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)
     except Exception as e:  # templates raise on, e.g., roles out of order
         raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from None
     return list(out["input_ids"])
@@ -139,12 +159,15 @@ def _render_chat(s: Served, messages, think: bool) -> list[int]:
 
 async def _chat(s: Served, request: Request) -> Response:
     req = parse_chat(await _json(request), s.models, s.images)
-    ids = _render_chat(s, req.messages, req.think)
+    ids = s.limits.drop_messages(list(req.messages), lambda m: _render_chat(s, m, req.think, req.tools), req.params.max_tokens)
     thinking = s.tokenizer.decode(ids[-32:]).rstrip().endswith(THINK_OPEN)  # the template opened a think block
     images = key = None
     if req.images:
         images, ids, key = await asyncio.to_thread(_prompt_images, s, req, ids)
-    return await _generate(s, request, ids, req.params, req.model, chat=True, thinking=thinking, images=images, key=key)
+    constraint = await asyncio.to_thread(s.grammars.constraint, req.schema, req.tools, s.tool_format, thinking)
+    calls = ToolCallSplitter(s.tool_format, req.tools.by_name()) if req.tools is not None and req.tools.active else None
+    return await _generate(s, request, ids, req.params, req.model, chat=True, thinking=thinking, images=images, key=key,
+                           constraint=constraint, calls=calls)
 
 
 def _prompt_images(s: Served, req, ids: list[int]):
@@ -173,16 +196,13 @@ async def _completions(s: Served, request: Request) -> Response:
 
 
 async def _generate(s: Served, request: Request, ids: list[int], p: Params, model: str, chat: bool, thinking: bool,
-                    images=None, key: list[int] | None = None) -> Response:
+                    images=None, key: list[int] | None = None, constraint=None, calls: ToolCallSplitter | None = None) -> Response:
     if not ids:
         raise APIError(400, "the prompt is empty after tokenisation", "messages" if chat else "prompt")
-    if len(ids) >= s.context:
-        raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {s.context}", "messages" if chat else "prompt",
-                       "context_length_exceeded")
-    max_tokens = p.max_tokens or s.context - len(ids)
-    if len(ids) + max_tokens > s.context:
-        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {s.context}",
-                       "max_tokens", "context_length_exceeded")
+    n = len(ids)
+    ids, max_tokens = s.limits.fit(ids, p.max_tokens, "messages" if chat else "prompt")
+    if key is not None and len(ids) < n:
+        key = key[n - len(ids) :]
     try:
         sampler = Sampler(p.temperature, p.top_p, p.seed)
     except Exception as e:
@@ -190,9 +210,10 @@ async def _generate(s: Served, request: Request, ids: list[int], p: Params, mode
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     eos = {i for i in (s.tokenizer.eos_token_id, getattr(s.engine.model.config, "eos_token_id", None)) if isinstance(i, int)}
-    job = Job(ids, max_tokens, sampler, frozenset(eos), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), images, key)
+    job = Job(ids, max_tokens, sampler, frozenset(eos), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), images, key,
+              constraint)
     s.worker.submit(job)
-    text = _TextStream(s.tokenizer, p.stop, thinking if chat else None)
+    text = _TextStream(s.tokenizer, p.stop, thinking if chat else None, calls, s.markers)
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model}
     if p.stream:
         return EventSourceResponse(_sse(job, events, text, meta, chat, p.include_usage), ping=15)
@@ -200,24 +221,37 @@ async def _generate(s: Served, request: Request, ids: list[int], p: Params, mode
 
 
 class _TextStream:
-    """Token ids -> [(kind, text)] with kind content | reasoning; notices stop strings."""
+    """Token ids -> [(kind, payload)] with kind content | reasoning (text) | tool_call (the call's OpenAI dict, with
+    its index); notices stop strings."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], thinking: bool | None):
-        self.detok = Detokenizer(tokenizer)
+    def __init__(self, tokenizer, stops: tuple[str, ...], thinking: bool | None, calls: ToolCallSplitter | None = None,
+                 markers: frozenset[int] = frozenset()):
+        self.detok = Detokenizer(tokenizer, keep=markers if calls is not None else frozenset())
         self.stop = StopMatcher(stops)
         self.split = ReasoningSplitter(thinking) if thinking is not None else None
+        self.calls = calls
 
-    def push(self, token: int) -> list[tuple[str, str]]:
+    def push(self, token: int) -> list[tuple[str, Any]]:
         return self._route(self.stop.push(self.detok.push(token)))
 
-    def flush(self) -> list[tuple[str, str]]:
+    def flush(self) -> list[tuple[str, Any]]:
         out = self._route(self.stop.flush())
-        return out + (self.split.flush() if self.split else [])
+        out += self._tools(self.split.flush() if self.split else [])
+        return out + (self.calls.flush() if self.calls else [])
 
-    def _route(self, text: str) -> list[tuple[str, str]]:
+    def finish(self, reason: str) -> str:
+        """A reply that called tools and ended by itself finishes with "tool_calls", as OpenAI's do."""
+        return "tool_calls" if reason == "stop" and self.calls is not None and self.calls.calls else reason
+
+    def _route(self, text: str) -> list[tuple[str, Any]]:
         if self.split is None:
-            return [("content", text)] if text else []
-        return self.split.push(text)
+            return self._tools([("content", text)] if text else [])
+        return self._tools(self.split.push(text))
+
+    def _tools(self, pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+        if self.calls is None:
+            return pieces
+        return [out for kind, t in pieces for out in (self.calls.push(t) if kind == "content" else [(kind, t)])]
 
 
 async def _events(job: Job, events: asyncio.Queue, text: _TextStream) -> AsyncIterator[tuple[str, Any]]:
@@ -237,7 +271,7 @@ async def _events(job: Job, events: asyncio.Queue, text: _TextStream) -> AsyncIt
             pieces = text.flush()
             if pieces:
                 yield "text", pieces
-            yield "done", (finish or ev[1], ev[2])
+            yield "done", (text.finish(finish or ev[1]), ev[2])
             return
         else:
             yield "error", ev[1]
@@ -248,6 +282,9 @@ def _chunk(meta: dict, chat: bool, pieces: list[tuple[str, str]] | None, finish:
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if role else {}
         for kind, t in pieces or []:
+            if kind == "tool_call":
+                delta.setdefault("tool_calls", []).append(t)
+                continue
             key = "reasoning_content" if kind == "reasoning" else "content"
             delta[key] = delta.get(key, "") + t
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
@@ -282,14 +319,14 @@ async def _collect(request: Request, job, events, text, meta, chat: bool) -> JSO
         job.cancel()
 
     watcher = asyncio.create_task(watch())
-    content: dict[str, list[str]] = {"content": [], "reasoning": []}
+    content: dict[str, list] = {"content": [], "reasoning": [], "tool_call": []}
     try:
         async for kind, payload in _events(job, events, text):
             if kind == "text":
                 for k, t in payload:
                     content[k].append(t)
             elif kind == "error":
-                raise APIError(500, payload, kind="server_error")
+                raise APIError(500, payload, code="generation_failed", kind="server_error")
             else:
                 finish, usage = payload
     finally:
@@ -299,7 +336,10 @@ async def _collect(request: Request, job, events, text, meta, chat: bool) -> JSO
         job.cancel()
     body = "".join(content["content"])
     if chat:
-        message = {"role": "assistant", "content": body}
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in content["tool_call"]]
+        message = {"role": "assistant", "content": body.strip() or None if calls else body}
+        if calls:
+            message["tool_calls"] = calls
         if content["reasoning"]:
             message["reasoning_content"] = "".join(content["reasoning"])
         choice = {"index": 0, "message": message, "finish_reason": finish}

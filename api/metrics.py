@@ -12,7 +12,10 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.tokens = Counter("sluice_generated_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("sluice_requests", "Requests finished, by outcome", ["status"], registry=r)
+        self.requests = Counter("sluice_requests", "Requests, by outcome: ok, cancelled, error (failed while generating), "
+                                "rejected (answered with a 4xx before generating)", ["status"], registry=r)
+        self.errors = Counter("sluice_request_errors", "Error responses, by HTTP status and OpenAI error code",
+                              ["status", "code"], registry=r)
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "From submission to the first token", registry=r,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.decode_rate = Gauge("sluice_decode_tokens_per_second", "Decode rate of the last finished request", registry=r)
@@ -29,6 +32,14 @@ class Metrics:
         self._served = dict.fromkeys(TIERS, 0)
         self._stall = 0.0
         self._tokens = 0
+
+    def reject(self, error) -> "JSONResponse":
+        """Count an error response (api/protocol.APIError) and make it: a 4xx is a rejected request, a 5xx a failed one
+        (the worker has counted a generation that failed: code generation_failed)."""
+        self.errors.labels(status=str(error.status), code=error.code or error.kind).inc()
+        if error.status < 500 or error.code != "generation_failed":
+            self.requests.labels(status="rejected" if error.status < 500 else "error").inc()
+        return error.response()
 
     def observe_io(self, io: dict, block_bytes: int) -> None:
         """Add one request's expert I/O (worker thread)."""

@@ -41,6 +41,8 @@ class ChatRequest:
     params: Params
     think: bool
     images: tuple[bytes, ...] = ()  # the image parts' encoded bytes, in order
+    tools: Any = None  # api/tools.ToolRequest: the tools offered and tool_choice, or None
+    schema: dict | None = None  # the JSON schema `response_format` asks the reply to match, or None
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,10 @@ def parse_chat(body: Any, models: dict[str, bool], images: bool = False) -> Chat
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
-    out, found = [], [] if images else None
+    from sluice.api.grammar import parse_response_format
+    from sluice.api.tools import message_fields, parse_tools
+
+    out, found, calls = [], [] if images else None, {}
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -186,8 +191,9 @@ def parse_chat(body: Any, models: dict[str, bool], images: bool = False) -> Chat
         role = m.get("role")
         if role not in ROLES:
             raise APIError(400, f"{where}: 'role' must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where, found)})
-    return ChatRequest(model, tuple(out), _params(body), think, tuple(found or ()))
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where, found),
+                    **message_fields(m, where, calls)})
+    return ChatRequest(model, tuple(out), _params(body), think, tuple(found or ()), parse_tools(body), parse_response_format(body))
 
 
 def parse_completion(body: Any, models: dict[str, bool]) -> CompletionRequest:

@@ -11,16 +11,20 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class Detokenizer:
-    """Incremental decode: the text a new token adds, once its characters are complete."""
+    """Incremental decode: the text a new token adds, once its characters are complete. keep: special tokens
+    shown all the same (a tool-call format's markers, which some tokenizers mark special)."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()):
         self.tok = tokenizer
-        self.skip = skip_special_tokens
+        self.skip = skip_special_tokens and not keep
+        self.hide = frozenset(tokenizer.all_special_ids) - keep if keep and skip_special_tokens else frozenset()
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read] decode to text already shown
         self.read = 0
 
     def push(self, token: int) -> str:
+        if token in self.hide:
+            return ""
         self.ids.append(token)
         shown = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
         full = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
@@ -78,7 +82,7 @@ class ReasoningSplitter:
                 self.buf = self.buf[i + len(tag) :].lstrip("\n") if self.thinking else self.buf[i + len(tag) :]
                 self.thinking = not self.thinking
                 continue
-            keep = _partial_tag(self.buf, tag)
+            keep = partial_tag(self.buf, tag)
             out.append(("reasoning" if self.thinking else "content", self.buf[: len(self.buf) - keep]))
             self.buf = self.buf[len(self.buf) - keep :]
             return [(k, t) for k, t in out if t]
@@ -88,7 +92,7 @@ class ReasoningSplitter:
         return [("reasoning" if self.thinking else "content", out)] if out else []
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -31,6 +31,7 @@ class Job:
     emit: Callable[[tuple], None]  # ("token", id) | ("done", finish_reason, usage) | ("error", message)
     images: Any = None  # models/vision.PromptImages of the prompt's image tokens, or None
     key: list[int] | None = None  # the prompt as a snapshot key (image tokens told apart), default: the prompt
+    constraint: Any = None  # api/grammar.Constraint: the tokens a grammar allows, or None (free text)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker-owned
     seq: Any = None
@@ -111,6 +112,8 @@ class EngineWorker:
                     rows = engine.encode_images(job.images.pixel_values, job.images.image_grid_hw)
                     job.rows = rows[sum(1 for i in job.prompt[: job.cached] if i == token) :]
         before = engine.rt.stats.counters(device=True)  # the last turn's sample already waited for the GPU
+        if job.constraint is not None:
+            job.constraint.start()  # the grammar's mask is computed while the step runs
         try:
             if job.pending:
                 chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
@@ -121,7 +124,9 @@ class EngineWorker:
                     return None
             else:
                 job.logits = engine.extend(job.seq, [job.generated[-1]])[-1]
-            token = job.sampler(job.logits)
+            token = job.sampler(job.logits if job.constraint is None else job.constraint.apply(job.logits))
+            if job.constraint is not None:
+                job.constraint.advance(token)
         finally:
             _add(job.io, engine.rt.stats.counters_since(before, device=True))
         job.generated.append(token)
@@ -130,7 +135,7 @@ class EngineWorker:
             self.metrics.ttft.observe(job.t_first - job.t_submit)
         self.metrics.tokens.inc()
         job.emit(("token", token))
-        if token in job.stop_ids:
+        if token in job.stop_ids or job.constraint is not None and job.constraint.done:
             return "stop"
         if len(job.generated) >= job.max_tokens:
             return "length"

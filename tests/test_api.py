@@ -28,12 +28,18 @@ THINK_TEMPLATE = (
 
 
 class LiveServer:
-    def __init__(self, store, snapshot_bytes=1 << 30, context=None, template=None, schedule="overlap"):
+    """create_app on uvicorn in a thread. tokenizer: instead of the store's; script: replaces the engine's steps
+    (tests/test_tools.Script: canned replies); app: more create_app keywords."""
+
+    def __init__(self, store, snapshot_bytes=1 << 30, context=None, template=None, schedule="overlap", tokenizer=None,
+                 script=None, **app):
         self.engine = sluice.load(store, device=DEVICE, schedule=schedule)
-        tok = AutoTokenizer.from_pretrained(store)
+        tok = tokenizer or AutoTokenizer.from_pretrained(store)
         if template:
             tok.chat_template = template
-        app = create_app(self.engine, tok, MODEL, snapshot_bytes=snapshot_bytes, context=context, prefill_chunk=8)
+        if script is not None:
+            self.engine.extend = script
+        app = create_app(self.engine, tok, MODEL, snapshot_bytes=snapshot_bytes, context=context, prefill_chunk=8, **app)
         self.sock = socket.socket()  # bound here and handed to uvicorn: no other process can take the port meanwhile
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
