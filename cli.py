@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from sluice.errors import SluiceError
-from sluice.pipeline.bench_commands import add_bench_parser
+from sluice.benchmarks.commands import add_bench_parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ CPU_EXPERTS = ["-ot", "exps=CPU", "-lm", "none"]  # routed experts in RAM, compu
 
 
 def run_peer(args) -> dict:
-    from sluice.pipeline.bench import h2d_bandwidth, ram_read_bandwidth
+    from sluice.kernels.rates import h2d_bandwidth, ram_read_bandwidth
 
     budget = parse_size(args.vram_budget, "--vram-budget")
     prompts = [int(x) for x in args.prompt_lengths.split(",") if x]

@@ -208,7 +208,7 @@ class H2D(Stage):
     def _copy_seconds(self) -> float:
         rt = self.rt
         if rt.h2d_bps is None:
-            from sluice.pipeline.bench import h2d_bandwidth
+            from sluice.kernels.rates import h2d_bandwidth
 
             rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
         return rt.store.block_bytes / rt.h2d_bps  # with `copy: up` the GPU still reads `down` over PCIe

@@ -122,7 +122,7 @@ def test_snapshot_restores_exactly(stores):
 
 
 def test_bench_model_reports_io(stores):
-    from sluice.pipeline.bench import bench_model, format_bench
+    from sluice.benchmarks.model import bench_model, format_bench
 
     with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
         r = bench_model(engine, prompt_lengths=(8,), decode_tokens=4)
@@ -137,7 +137,7 @@ def test_bench_model_reports_io(stores):
 def test_bench_model_cold_times_from_empty_caches(stores):
     """`--cold`: each timed prompt and the decode start from empty expert caches (the untimed runs before them only
     compile), so every block a timed prompt routes to comes from disk; warm, none does."""
-    from sluice.pipeline.bench import bench_model
+    from sluice.benchmarks.model import bench_model
 
     with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
         cold = bench_model(engine, prompt_lengths=(8,), decode_tokens=4, warm=False)
@@ -159,7 +159,7 @@ def test_bench_model_cold_times_from_empty_caches(stores):
 def test_disk_bandwidth_reads_through_a_reader_of_its_own(stores, monkeypatch):
     """The roofline's disk rate: the engine's reader depth, reads that skip the checksums (not the drive's work), and
     neither the engine's read counters nor its cache touched."""
-    from sluice.pipeline.bench import disk_bandwidth
+    from sluice.benchmarks.model import disk_bandwidth
 
     with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
         before, cached = (engine.rt.reader.reads, engine.rt.reader.bytes_read), len(engine.rt.ram.entries())
@@ -308,7 +308,7 @@ def test_attention_runs_without_cudnn_plans(stores, monkeypatch):
 def test_profile_names_real_expert_kernels():
     """`bench model --profile` splits GPU time by these kernel names: each must be a kernel Sluice defines."""
     from sluice.kernels import decode, down, prefill
-    from sluice.pipeline.bench import EXPERT_KERNELS
+    from sluice.benchmarks.model import EXPERT_KERNELS
 
     assert all(any(hasattr(m, n) for m in (decode, down, prefill)) for n in EXPERT_KERNELS)
 
@@ -316,7 +316,7 @@ def test_profile_names_real_expert_kernels():
 def test_resident_roofline_adds_the_resident_part_to_the_pcie_time():
     """The performance issue's roofline: PCIe time of the bytes moved plus the resident part's own time, as GPU time
     (figures of an H200 run: 0.99 + 2.58 ms against a 4.67 ms median) or measured alone (kept apart in the JSON)."""
-    from sluice.pipeline.bench import resident_roofline
+    from sluice.benchmarks.model import resident_roofline
 
     d = {"roofline_ms_per_token": 0.99, "ms_per_token_median": 4.67}
     line = resident_roofline(d, 2.58)

@@ -510,7 +510,7 @@ def test_bench_reads_the_bytes_alone():
     xor of its words, so a byte out of place changes it."""
     import numpy as np
 
-    from sluice.kernels.bench import read_bytes
+    from sluice.benchmarks.kernels import read_bytes
 
     bank = torch.randint(0, 256, (3 * 8192,), dtype=torch.uint8, device=DEVICE)
     offs = torch.tensor([16384, 0, 8192], dtype=torch.int64, device=DEVICE)

@@ -18,21 +18,8 @@ import time
 
 import torch
 
+from sluice.kernels.rates import h2d_bandwidth
 from sluice.pipeline.runtime import TIERS
-
-
-def h2d_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
-    """Pinned host-to-device copy rate in bytes/s (median of a few copies)."""
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return nbytes / sorted(times)[len(times) // 2]
 
 
 def disk_bandwidth(engine, blocks: int = 128) -> float:
@@ -235,18 +222,6 @@ def resident_roofline(d: dict, resident_ms: float | None, how: str = "GPU time")
             line += (f"\n  without the guesses read or copied but never used ({unused:.2f} ms): {strict:.2f} ms/token; median step "
                      f"{d['ms_per_token_median'] / strict:.2f} x, mean step {d['ms_per_token_mean'] / strict:.2f} x")
     return line
-
-
-def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Host memory read rate (bytes/s) with torch's threads: the best of three sums over nbytes of fp32."""
-    big = torch.ones(nbytes // 4, dtype=torch.float32)
-    big.sum()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
 
 
 def read_times(d: dict) -> str:

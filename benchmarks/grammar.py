@@ -1,4 +1,4 @@
-"""What grammar-constrained decoding costs per token: `python -m sluice.api.bench_grammar [--model PATH] [--tokens N]`.
+"""What grammar-constrained decoding costs per token: `python -m sluice.benchmarks.grammar [--model PATH] [--tokens N]`.
 
 Decodes the same chat prompt greedily three ways, as the server's worker does: free, under a JSON schema with the
 mask computed before each step, and under the schema with the mask computed beside the step (the server's way).
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from sluice.api.toolcalls import Xml
     from sluice.models.tiny import default_model_path
 
-    p = argparse.ArgumentParser(prog="python -m sluice.api.bench_grammar", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sluice.benchmarks.grammar", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint or store (default: the bundled model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", type=int, default=64)

@@ -1,5 +1,5 @@
-"""`sluice bench model | baseline | images | cpu | kernels`: the benchmark commands' arguments and what they run (the
-measuring itself: pipeline/bench.py, kernels/bench.py)."""
+"""`sluice bench model | baseline | images | cpu | kernels | peer | routing`: the benchmark commands' arguments and what
+they run (the measuring itself: benchmarks/model.py, kernels.py, images.py, peer.py, routing.py)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def cmd_bench_model(args) -> int:
     import json
 
     from sluice.cli import _open_engine
-    from sluice.pipeline.bench import bench_model, format_bench, profile_decode, resident_roofline
+    from sluice.benchmarks.model import bench_model, format_bench, profile_decode, resident_roofline
 
     lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
     if args.compare:
@@ -123,7 +123,7 @@ def _resident_alone(args) -> float:
 
 def _resident_alone_run(args) -> float:
     from sluice.cli import _open_engine
-    from sluice.pipeline.bench import bench_model
+    from sluice.benchmarks.model import bench_model
 
     args.schedule, args.ram_cache = "resident-alone", None  # no expert blocks: one RAM slot
     with _open_engine(args) as engine:
@@ -134,7 +134,8 @@ def _bench_compare(args, lengths) -> int:
     import json
 
     from sluice.cli import _open_engine
-    from sluice.pipeline.bench import bench_model, format_compare, ram_read_bandwidth, resident_roofline
+    from sluice.benchmarks.model import bench_model, format_compare, resident_roofline
+    from sluice.kernels.rates import ram_read_bandwidth
 
     results, block = [], 0
     for name in [n for n in args.compare.split(",") if n]:
@@ -178,7 +179,7 @@ def cmd_bench_baseline(args) -> int:
 
     import torch
 
-    from sluice.pipeline.bench import accelerate_baseline
+    from sluice.benchmarks.model import accelerate_baseline
     from sluice.pipeline.config import parse_size
 
     if not torch.cuda.is_available():
@@ -195,7 +196,7 @@ def cmd_bench_baseline(args) -> int:
 def cmd_bench_images(args) -> int:
     import json
 
-    from sluice.pipeline.bench_images import bench_images, radio_h_checkpoint
+    from sluice.benchmarks.images import bench_images, radio_h_checkpoint
     from sluice.pipeline.config import EngineConfig
     from sluice.pipeline.engine import resolve_store
 
@@ -218,7 +219,7 @@ def cmd_bench_images(args) -> int:
 def cmd_bench_cpu(args) -> int:
     import torch
 
-    from sluice.kernels.bench import FORMATS, bench_cpu, format_table
+    from sluice.benchmarks.kernels import FORMATS, bench_cpu, format_table
 
     for threads in args.threads or [None]:
         read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), threads, not args.eager,
@@ -234,7 +235,7 @@ def cmd_bench_kernels(args) -> int:
     import torch
 
     from sluice.kernels import bench as kbench
-    from sluice.kernels.bench import FORMATS, SHAPES, bench, format_table, sweep
+    from sluice.benchmarks.kernels import FORMATS, SHAPES, bench, format_table, sweep
 
     if not torch.cuda.is_available():
         raise SluiceError("bench kernels needs a CUDA GPU")

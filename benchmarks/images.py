@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from sluice.pipeline.bench import h2d_bandwidth
+from sluice.kernels.rates import h2d_bandwidth
 
 
 def radio_h_checkpoint() -> Path:

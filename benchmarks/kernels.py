@@ -387,7 +387,7 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
 
     from sluice.kernels.cpu import CpuExperts
 
-    from sluice.pipeline.bench import ram_read_bandwidth
+    from sluice.kernels.rates import ram_read_bandwidth
 
     if threads:
         torch.set_num_threads(threads)
