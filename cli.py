@@ -207,6 +207,7 @@ def _stream_text(engine, tok, ids: list[int], args, seq=None, images=None) -> li
             sys.stdout.flush()
             shown = text
     sys.stdout.write("\n")
+    sys.stdout.flush()  # the text ends before the summary on stderr starts, also where both share a terminal
     _report(engine.rt.stats.since(before), len(ids), len(out), t0, first)
     return out
 

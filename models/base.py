@@ -24,6 +24,7 @@ from torch import nn
 from sluice.errors import CheckpointError
 from sluice.kernels.formats import detect_format
 from sluice.kernels.linear import GroupedQuantLinear, QuantLinear
+from sluice.models.fallbacks import announce_fallbacks
 from sluice.storage.safetensors_io import TORCH_TO_ST
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -309,6 +310,7 @@ def build_hf_model(
     _init_non_persistent_buffers(model)
     model.eval()
     model.requires_grad_(False)
+    announce_fallbacks(model, device)
     return model
 
 

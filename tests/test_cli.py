@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,13 @@ import pytest
 from sluice.cli import main
 
 
+def fresh_env(home) -> dict:
+    """A new user's environment: an empty SLUICE_HOME and HOME; PYTHONPATH kept, so `-m sluice.cli` runs this tree."""
+    return {"SLUICE_HOME": str(home), "PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+
+
 def test_generate_default_model_from_a_fresh_home(tmp_path):
-    env = {"SLUICE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    env = fresh_env(tmp_path)
     r = subprocess.run(
         [sys.executable, "-m", "sluice.cli", "generate", "--prompt", "Hello", "--max-new-tokens", "6", "--device", "cpu"],
         capture_output=True, text=True, env=env, timeout=300,
@@ -19,6 +25,20 @@ def test_generate_default_model_from_a_fresh_home(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "6 new tokens" in r.stderr and r.stdout.strip()  # the trained default model, repacked once
     assert list((tmp_path / "stores").glob("default-*/manifest.json"))
+
+
+def test_generated_text_holds_no_program_messages(tmp_path):
+    """stdout holds the text and nothing else; in a terminal (stdout and stderr on one stream) the text comes whole
+    after the program's messages, and transformers' advice to install CUDA kernel packages is not shown on a CPU."""
+    env = fresh_env(tmp_path)
+    cmd = [sys.executable, "-m", "sluice.cli", "generate", "--prompt", "The quick brown fox", "--max-new-tokens", "12", "--device", "cpu"]
+    alone = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert alone.returncode == 0, alone.stderr
+    one = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300).stdout
+    text = alone.stdout
+    assert text.strip() and "[transformers]" not in text and "falling back" not in alone.stderr
+    assert text in one and "falling back" not in one  # greedy: the same text, uninterrupted
+    assert one.endswith(text + one.split(text)[-1]) and one.split(text)[-1].startswith("[")  # after it, the run's summary only
 
 
 def test_random_fallback_model(tmp_path, monkeypatch):
