@@ -77,20 +77,20 @@ def _parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="memory and speed plan from config.json and file headers, without loading weights")
     pl.add_argument("path", type=Path)
-    pl.add_argument("--vram", default="8GiB")
-    pl.add_argument("--ram", default="32GiB")
-    pl.add_argument("--pcie-gbps", type=float, default=28.0)
-    pl.add_argument("--disk-gbps", type=float, default=7.0)
-    pl.add_argument("--context", type=int, default=4096)
+    pl.add_argument("--vram", default="8GiB", help="GPU memory (default: %(default)s)")
+    pl.add_argument("--ram", default="32GiB", help="host RAM (default: %(default)s)")
+    pl.add_argument("--pcie-gbps", type=float, default=28.0, help="host-to-GPU copy rate in GB/s (default: %(default)s)")
+    pl.add_argument("--disk-gbps", type=float, default=7.0, help="drive read rate in GB/s (default: %(default)s)")
+    pl.add_argument("--context", type=int, default=4096, help="tokens of context the KV cache holds (default: %(default)s)")
     pl.add_argument("--trace", type=Path, help="a routing trace: hit rates simulated from it")
     pl.set_defaults(func=cmd_plan)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and conversation snapshots")
     _engine_args(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--model-id", help="the id clients use (default: the model folder's name)")
-    sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots (LRU)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    sv.add_argument("--model-id", help="the id clients use (default: the model folder's name; sluice-default for the bundled model)")
+    sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots, LRU (default: %(default)s)")
     sv.add_argument("--context", type=int, help="context length limit (default: the model's max_position_embeddings)")
     sv.add_argument("--default-max-tokens", type=int, metavar="N", help="reply length for requests that name no max_tokens "
                     "(chat front ends' background tasks often do not; default: 1024, or half the context when that is "
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint or expert store (default: the bundled default model)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s: a GPU if there is one)")
     p.add_argument("--ram-cache", help="host RAM for expert blocks, e.g. 8GiB (default: a quarter of free RAM)")
     p.add_argument("--vram-slots", type=int, help="expert slots on the GPU (default: 4 x top-k)")
     p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
@@ -124,7 +124,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
     p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
-                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:direct.depth=2")
+                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:direct.depth=2 (default: %(default)s)")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
@@ -143,10 +143,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate at most; --max-tokens is the OpenAI name (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: sample among the likeliest tokens whose "
+                                                            "probabilities sum to this; 1 keeps all (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="seed of the sampler (default: a new one each run; greedy needs none)")
 
 
 def _open_engine(args):

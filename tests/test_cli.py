@@ -101,3 +101,22 @@ def test_bench_kernels_sweep_names_its_kernels(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "kernels", "--sweep", "--only", "prefil-up"])
     assert e.value.code == 2 and "invalid choice: 'prefil-up'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_help_shows_the_defaults(command, capsys):
+    """Each command's --help names its defaults; generate and chat take --max-tokens (the OpenAI name) as
+    --max-new-tokens."""
+    from sluice.cli import _parser
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--device DEVICE auto | cpu | cuda | cuda:N (default: auto" in text and "(default: overlap)" in text
+    if command == "serve":
+        assert "(default: 127.0.0.1" in text and "(default: 8000)" in text and "LRU (default: 2GiB)" in text
+        return
+    for default in ("name (default: 64)", "0 is greedy (default: 0.0)", "1 keeps all (default: 1.0)", "seed of the sampler (default: a new one"):
+        assert default in text, default
+    args = _parser().parse_args([command, "--max-tokens", "5"] + (["--prompt", "x"] if command == "generate" else []))
+    assert args.max_new_tokens == 5
