@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--sweep", type=Path, metavar="PREFIX", help="hit rate vs RAM size: write PREFIX.csv and PREFIX.png")
     sm.set_defaults(func=cmd_simulate)
 
-    pl = sub.add_parser("plan", help="memory and speed plan from config.json and file headers, without loading weights")
+    pl = sub.add_parser("plan", help="memory and speed plan from config.json and file headers, without loading weights; "
+                                     "from config.json alone, an estimate for each weight format")
     pl.add_argument("path", type=Path)
     pl.add_argument("--vram", default="8GiB", help="GPU memory (default: %(default)s)")
     pl.add_argument("--ram", default="32GiB", help="host RAM (default: %(default)s)")
@@ -325,9 +326,14 @@ def cmd_plan(args) -> int:
     from sluice.storage.plan import format_plan, plan
     from sluice.storage.trace import read_trace
 
+    from sluice.storage.estimate import estimate, format_estimate, has_weights
+
     trace = read_trace(args.trace) if args.trace else None
-    p = plan(args.path, parse_size(args.vram, "--vram"), parse_size(args.ram, "--ram"), args.pcie_gbps, args.disk_gbps, args.context, trace)
-    print(format_plan(p))
+    sizes = (parse_size(args.vram, "--vram"), parse_size(args.ram, "--ram"), args.pcie_gbps, args.disk_gbps, args.context, trace)
+    if args.path.is_dir() and not has_weights(args.path):  # before the download: every format estimated
+        print(format_estimate(estimate(args.path, *sizes)))
+    else:
+        print(format_plan(plan(args.path, *sizes)))
     return 0
 
 

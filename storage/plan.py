@@ -19,9 +19,10 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sluice.errors import CheckpointError
-from sluice.models import get_architecture
+from sluice.models import ExpertSpec, get_architecture
 from sluice.storage.checkpoint import Checkpoint
 from sluice.storage.store import PAGE, round_up
 
@@ -83,54 +84,79 @@ class Plan:
         return 1000 / self.ms_per_token if self.ms_per_token else float("inf")
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What a model's tensors weigh, by role: the input of a plan (read from headers, or estimated from config.json)."""
+
+    hf: Any  # the transformers config
+    arch: Any  # models/ Architecture
+    spec: ExpertSpec
+    block_bytes: int  # one routed expert's block, 4 KiB-rounded as the store lays it out
+    resident_bytes: int  # everything that is not a routed expert or the image encoder
+    tiers: dict[str, int]  # format -> bytes of the tensors stored in it (experts unrounded)
+    encoder_bytes: int = 0  # a vision-language model's image encoder
+
+
 def plan(path: str | Path, vram: int, ram: int, pcie_gbps: float = 28.0, disk_gbps: float = 7.0, context: int = 4096,
          trace=None, vram_slots: int | None = None) -> Plan:
     path = Path(path)
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if ggufs:
-        from sluice.storage.checkpoint import read_config
-        from transformers import AutoConfig
+    sizes = _gguf(path, ggufs) if ggufs else _safetensors(path)
+    return plan_of(sizes, vram, ram, pcie_gbps, disk_gbps, context, trace, vram_slots)
 
-        read_config(path)
-        hf = AutoConfig.from_pretrained(path)
-        arch = get_architecture(hf.model_type)
-        spec = arch.expert_spec(hf)
-        block_bytes, total, resident, tiers = _gguf_sizes(ggufs, spec)
-        encoder = 0
-    else:
-        from sluice.storage.repack import classify
 
-        ckpt = Checkpoint.open(path, headers_only=True)
-        hf = ckpt.hf_config()
-        arch = get_architecture(ckpt.model_type)
-        spec = arch.expert_spec(hf)
-        ex = classify(ckpt, spec, arch.ignored(hf), arch.encoder(hf))
-        encoder = sum(i.nbytes for i in ex.encoder.values())
-        block_bytes = ex.block_bytes
-        total = block_bytes * spec.num_experts * len(spec.moe_layers)
-        resident = sum(i.nbytes for i in ex.resident.values())
-        tiers = defaultdict(int)
-        n_blocks = spec.num_experts * len(spec.moe_layers)
-        for proj, fmt in ex.formats.items():
-            first = ex.blocks[(spec.moe_layers[0], 0)]
-            tiers[_tier(fmt.kind, first[f"{proj}.{fmt.weight}"].dtype)] += n_blocks * sum(i.nbytes for k, i in first.items() if k.startswith(proj + "."))
-        for info in ex.resident.values():
-            tiers[_tier_of_dtype(info.dtype)] += info.nbytes
+def plan_of(sizes: Sizes, vram: int, ram: int, pcie_gbps: float = 28.0, disk_gbps: float = 7.0, context: int = 4096,
+            trace=None, vram_slots: int | None = None) -> Plan:
+    """The plan of a model whose tensors weigh `sizes`: KV and state from its config, the RAM hit rate, the rates."""
+    hf, arch, spec = sizes.hf, sizes.arch, sizes.spec
+    total = sizes.block_bytes * spec.num_experts * len(spec.moe_layers)
     dtype_bytes = 2 if str(getattr(hf, "dtype", "bfloat16")) not in ("float32", "torch.float32") else 4
-    p = Plan(hf.model_type, len(spec.moe_layers), spec.num_experts, spec.top_k, block_bytes, total, resident,
-             arch.kv_bytes_per_token(hf, dtype_bytes), arch.recurrent_bytes(hf, dtype_bytes), dict(tiers),
+    p = Plan(hf.model_type, len(spec.moe_layers), spec.num_experts, spec.top_k, sizes.block_bytes, total, sizes.resident_bytes,
+             arch.kv_bytes_per_token(hf, dtype_bytes), arch.recurrent_bytes(hf, dtype_bytes), dict(sizes.tiers),
              vram, ram, context, vram_slots if vram_slots is not None else 2 * spec.top_k, pcie_gbps=pcie_gbps, disk_gbps=disk_gbps,
-             encoder_bytes=encoder)
-    cache = max(0, ram - resident)  # host RAM left for the expert cache once the resident copy is loaded
-    p.ram_blocks = min(total // block_bytes, cache // block_bytes)
+             encoder_bytes=sizes.encoder_bytes)
+    cache = max(0, ram - sizes.resident_bytes)  # host RAM left for the expert cache once the resident copy is loaded
+    p.ram_blocks = min(total // sizes.block_bytes, cache // sizes.block_bytes)
     if trace is not None:
         from sluice.storage.simulate import simulate
 
         p.ram_hit_rate = simulate(trace, p.ram_blocks, decode_only=True, vram_as_recorded=False).hit_rate  # RAM alone
         p.hit_source = "simulated from the routing trace"
     else:
-        p.ram_hit_rate = min(1.0, p.ram_blocks * block_bytes / total) if total else 1.0
+        p.ram_hit_rate = min(1.0, p.ram_blocks * sizes.block_bytes / total) if total else 1.0
     return p
+
+
+def _gguf(path: Path, ggufs: list[Path]) -> Sizes:
+    from transformers import AutoConfig
+
+    from sluice.storage.checkpoint import read_config
+
+    read_config(path)
+    hf = AutoConfig.from_pretrained(path)
+    arch = get_architecture(hf.model_type)
+    spec = arch.expert_spec(hf)
+    block_bytes, resident, tiers = _gguf_sizes(ggufs, spec)
+    return Sizes(hf, arch, spec, block_bytes, resident, tiers)
+
+
+def _safetensors(path: Path) -> Sizes:
+    from sluice.storage.repack import classify
+
+    ckpt = Checkpoint.open(path, headers_only=True)
+    hf = ckpt.hf_config()
+    arch = get_architecture(ckpt.model_type)
+    spec = arch.expert_spec(hf)
+    ex = classify(ckpt, spec, arch.ignored(hf), arch.encoder(hf))
+    tiers: dict[str, int] = defaultdict(int)
+    n_blocks = spec.num_experts * len(spec.moe_layers)
+    first = ex.blocks[(spec.moe_layers[0], 0)]
+    for proj, fmt in ex.formats.items():
+        tiers[_tier(fmt.kind, first[f"{proj}.{fmt.weight}"].dtype)] += n_blocks * sum(i.nbytes for k, i in first.items() if k.startswith(proj + "."))
+    for info in ex.resident.values():
+        tiers[_tier_of_dtype(info.dtype)] += info.nbytes
+    return Sizes(hf, arch, spec, ex.block_bytes, sum(i.nbytes for i in ex.resident.values()), dict(tiers),
+                 sum(i.nbytes for i in ex.encoder.values()))
 
 
 def _tier(kind: str, weight_dtype: str) -> str:
@@ -141,14 +167,14 @@ def _tier_of_dtype(dtype: str) -> str:
     return {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8", "U8": "u8"}.get(dtype, dtype.lower())
 
 
-def _gguf_sizes(files: list[Path], spec) -> tuple[int, int, int, dict[str, int]]:
-    """Block bytes, all experts' bytes, resident bytes and bytes per quantisation type of GGUF files."""
+def _gguf_sizes(files: list[Path], spec) -> tuple[int, int, dict[str, int]]:
+    """Block bytes, resident bytes and bytes per quantisation type of GGUF files."""
     try:
         from gguf import GGMLQuantizationType, GGUFReader
     except ImportError:
         raise CheckpointError("planning a GGUF checkpoint needs the `gguf` package (pip install gguf)") from None
     per_expert: dict[int, int] = defaultdict(int)
-    total = resident = 0
+    resident = 0
     tiers: dict[str, int] = defaultdict(int)
     for f in files:
         for t in GGUFReader(f).tensors:
@@ -158,12 +184,10 @@ def _gguf_sizes(files: list[Path], spec) -> tuple[int, int, int, dict[str, int]]
             if m is None:
                 resident += n
                 continue
-            total += n
             per_expert[int(m["layer"])] += n // spec.num_experts
     if not per_expert:
         raise CheckpointError(f"{files[0]}: no routed-expert tensors (blk.N.ffn_*_exps.weight) found")
-    block = round_up(max(per_expert.values()), PAGE)
-    return block, block * spec.num_experts * len(spec.moe_layers), resident, tiers
+    return round_up(max(per_expert.values()), PAGE), resident, dict(tiers)
 
 
 def format_plan(p: Plan) -> str:

@@ -64,6 +64,40 @@ def test_plan_nemotron_nano_from_headers(tmp_path):
     assert not small.fits_vram
 
 
+def test_plan_from_config_alone_sizes_every_format(tmp_path, capsys):
+    """A folder with only config.json (Nemotron-3-Nano-30B-A3B's shape, storage/synth.py SHAPES): weights per format
+    from the model built on the meta device, KV at the context and the Mamba state from the config, the same NVFP4
+    block as its checkpoint's headers give, GGUF rows at their types' bits per weight; `sluice plan` prints the table."""
+    from transformers import AutoConfig
+
+    from sluice.cli import main
+    from sluice.storage.estimate import estimate
+    from sluice.storage.synth import SHAPES
+
+    model_type, kw = SHAPES["nemotron-3-nano-30b-a3b"]
+    AutoConfig.for_model(model_type, **kw, dtype="bfloat16").save_pretrained(tmp_path / "nano")
+    rows = {r.name: r for r in estimate(tmp_path / "nano", vram=24 * GiB, ram=32 * GiB, context=262_144)}
+    nano = rows["nvfp4"].plan
+    assert nano.kv_bytes_per_token == 6 * 1024 and nano.kv_bytes_per_token * nano.context == 1.5 * GiB
+    ssm, conv = 23 * 64 * 64 * 128 * 4, 23 * (64 * 64 + 2 * 8 * 128) * 4 * 2  # fp32 SSM state 46 MiB; bf16 conv state
+    assert nano.recurrent_bytes == ssm + conv and 46.5 * MiB < nano.recurrent_bytes < 47.5 * MiB
+    headers = plan(nano_headers(tmp_path / "headers"), vram=24 * GiB, ram=32 * GiB)
+    assert nano.block_bytes == headers.block_bytes and nano.expert_bytes_per_token == headers.expert_bytes_per_token
+    assert 31.5e9 < rows["bf16"].weights / 2 < 31.7e9  # 31.6 B parameters
+    assert [round(rows[f].bits, 3) for f in ("bf16", "fp8", "nvfp4", "mxfp4")] == [16, 8.002, 4.5, 4.25]  # + scales (fp8: one fp32 per 128 x 128)
+    assert rows["gguf Q4_K"].bits == 4.5 and rows["gguf Q8_0"].bits == 8.5
+    assert rows["bf16"].fits == "streamed" and rows["nvfp4"].fits == "all in VRAM"
+    assert rows["gguf Q8_0"].total > 24 * GiB > rows["gguf Q4_K"].total
+    for r in rows.values():
+        assert r.total == r.weights + 1.5 * GiB + nano.recurrent_bytes and r.plan.tokens_per_s > 0
+    assert main(["plan", str(tmp_path / "nano"), "--vram", "24GiB", "--context", "262144"]) == 0
+    out = capsys.readouterr().out
+    assert "from config.json alone" in out and "1.50 GiB at 262,144 tokens" in out and "47.1 MiB per sequence" in out
+    table = [line.split()[0] + (" " + line.split()[1] if line.startswith("gguf") else "") for line in out.splitlines()
+             if line.startswith(("bf16", "fp8", "nvfp4", "mxfp4", "gguf"))]
+    assert table[:4] == ["bf16", "fp8", "nvfp4", "mxfp4"] and "gguf Q4_K" in table
+
+
 def test_plan_reads_gguf_through_the_gguf_package(tmp_path):
     import gguf
     import numpy as np
