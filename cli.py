@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--truncate", choices=["error", "left"], default="error", help="a prompt that leaves its reply no room "
                     "in the context: refused with context_length_exceeded (error), or cut from the left: a chat's oldest "
                     "messages after the system prompt first (left)")
+    sv.add_argument("--log-format", choices=["console", "json"], default="console",
+                    help="request log lines on stderr, one per request: key=value text or JSON objects (default: %(default)s)")
     sv.add_argument("--warm-up", type=int, metavar="TOKENS", help="before serving, run one prompt of this many random "
                     "tokens and a few one-token steps, so that the first request does not wait for kernel compiles and "
                     "graph captures (0: none; default: 512 on a GPU, 0 on a CPU)")
@@ -341,17 +343,20 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from sluice.api.app import create_app
+    from sluice.log import get_logger
     from sluice.pipeline.config import parse_size
 
+    log = get_logger(args.log_format)
     engine = _open_engine(args)
     warm = args.warm_up if args.warm_up is not None else 512 if engine.device.type == "cuda" else 0
     if warm > 0:
-        print(f"warming up ({warm}-token prompt)...", file=sys.stderr)
-        print(f"warm in {engine.warm_up(warm):.1f} s", file=sys.stderr)
+        log.info("warming up", prompt_tokens=warm)
+        log.info("warm", seconds=round(engine.warm_up(warm), 1))
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
     app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=parse_size(args.snapshot_ram, "--snapshot-ram"),
-                     context=args.context, default_max_tokens=args.default_max_tokens, truncate=args.truncate)
-    print(f"serving {model_id} on http://{args.host}:{args.port} (OpenAI base URL: http://{args.host}:{args.port}/v1)", file=sys.stderr)
+                     context=args.context, default_max_tokens=args.default_max_tokens, truncate=args.truncate,
+                     log_format=args.log_format)
+    log.info("serving", model=model_id, url=f"http://{args.host}:{args.port}", openai_base_url=f"http://{args.host}:{args.port}/v1")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

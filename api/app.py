@@ -28,6 +28,7 @@ from sluice.api.grammar import Grammars
 from sluice.api.limits import Limits
 from sluice.api.metrics import Metrics
 from sluice.api.protocol import APIError, Params, parse_chat, parse_completion
+from sluice.api.requestlog import RequestLog
 from sluice.api.snapshots import SnapshotStore
 from sluice.api.text import THINK_OPEN, Detokenizer, ReasoningSplitter, StopMatcher
 from sluice.api.toolcalls import ToolCallSplitter, ToolFormat, detect_format
@@ -48,6 +49,7 @@ class Served:
     worker: EngineWorker
     metrics: Metrics
     snapshots: SnapshotStore
+    log: RequestLog
     doc_ids: frozenset[str] = frozenset()  # ids whose images use the processor's maximum resolution
     images: bool = False  # whether the model takes images (its store has an image encoder)
     limits: Limits | None = None  # reply lengths and what a prompt over the context gets
@@ -57,7 +59,9 @@ class Served:
 
 
 def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, context: int | None = None,
-               prefill_chunk: int | None = None, default_max_tokens: int | None = None, truncate: str = "error") -> Starlette:
+               prefill_chunk: int | None = None, default_max_tokens: int | None = None, truncate: str = "error",
+               log_format: str = "console") -> Starlette:
+    log = RequestLog(log_format)
     metrics = Metrics()
     snapshots = SnapshotStore(snapshot_bytes)
     worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk)
@@ -68,7 +72,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
     doc = frozenset({f"{model_id}-doc"} if images else ())
     models.update(dict.fromkeys(doc, False))
     context = context or getattr(engine.model.config, "max_position_embeddings", None) or 4096
-    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, doc, images,
+    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, log, doc, images,
                Limits.of(context, default_max_tokens, truncate), Grammars(tokenizer, engine.model.config.vocab_size, engine.device))
     s.tool_format = detect_format(tokenizer.chat_template or "", engine.store.manifest.architecture)
     s.markers = _marker_ids(tokenizer, s.tool_format)
@@ -108,8 +112,13 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    handlers = {APIError: lambda r, e: metrics.reject(e), HTTPException: lambda r, e: metrics.reject(_http_error(r, e)),
-                Exception: lambda r, e: metrics.reject(_server_error(r, e))}
+    def rejected(request: Request, e: APIError) -> JSONResponse:
+        if e.code != "generation_failed":  # a reply that failed in the worker has its line already
+            log.rejected(request.method, request.url.path, e.status, e.message, e.code)
+        return metrics.reject(e)
+
+    handlers = {APIError: rejected, HTTPException: lambda r, e: rejected(r, _http_error(r, e)),
+                Exception: lambda r, e: rejected(r, _server_error(r, e))}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
 
@@ -215,9 +224,11 @@ async def _generate(s: Served, request: Request, ids: list[int], p: Params, mode
     s.worker.submit(job)
     text = _TextStream(s.tokenizer, p.stop, thinking if chat else None, calls, s.markers)
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model}
+    record = s.log.request(meta, job)
+    replies = _events(job, events, text, record)
     if p.stream:
-        return EventSourceResponse(_sse(job, events, text, meta, chat, p.include_usage), ping=15)
-    return await _collect(request, job, events, text, meta, chat)
+        return EventSourceResponse(_sse(job, replies, record, meta, chat, p.include_usage), ping=15)
+    return await _collect(request, job, replies, record, meta, chat)
 
 
 class _TextStream:
@@ -254,8 +265,9 @@ class _TextStream:
         return [out for kind, t in pieces for out in (self.calls.push(t) if kind == "content" else [(kind, t)])]
 
 
-async def _events(job: Job, events: asyncio.Queue, text: _TextStream) -> AsyncIterator[tuple[str, Any]]:
-    """("text", pieces) per token, then ("done", (finish_reason, usage)) or ("error", message)."""
+async def _events(job: Job, events: asyncio.Queue, text: _TextStream, record) -> AsyncIterator[tuple[str, Any]]:
+    """("text", pieces) per token, then ("done", (finish_reason, usage)) or ("error", message), the request's log
+    line recorded before the last."""
     finish = None
     while True:
         ev = await events.get()
@@ -271,9 +283,12 @@ async def _events(job: Job, events: asyncio.Queue, text: _TextStream) -> AsyncIt
             pieces = text.flush()
             if pieces:
                 yield "text", pieces
-            yield "done", (text.finish(finish or ev[1]), ev[2])
+            finish = text.finish(finish or ev[1])
+            record("cancelled" if finish == "cancelled" else "ok", finish, ev[2])
+            yield "done", (finish, ev[2])
             return
         else:
+            record("error")
             yield "error", ev[1]
             return
 
@@ -293,11 +308,11 @@ def _chunk(meta: dict, chat: bool, pieces: list[tuple[str, str]] | None, finish:
     return {**meta, "object": "text_completion", "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": finish}]}
 
 
-async def _sse(job, events, text, meta, chat: bool, include_usage: bool):
+async def _sse(job, replies, record, meta, chat: bool, include_usage: bool):
     try:
         if chat:
             yield {"data": json.dumps(_chunk(meta, chat, None, role=True))}
-        async for kind, payload in _events(job, events, text):
+        async for kind, payload in replies:
             if kind == "text":
                 yield {"data": json.dumps(_chunk(meta, chat, payload))}
             elif kind == "error":
@@ -310,9 +325,10 @@ async def _sse(job, events, text, meta, chat: bool, include_usage: bool):
         yield {"data": "[DONE]"}
     finally:
         job.cancel()  # a client that left: drop the job and free its state
+        record("cancelled")  # (a reply that ended has its line already)
 
 
-async def _collect(request: Request, job, events, text, meta, chat: bool) -> JSONResponse:
+async def _collect(request: Request, job, replies, record, meta, chat: bool) -> JSONResponse:
     async def watch():
         while not await request.is_disconnected():
             await asyncio.sleep(0.25)
@@ -321,7 +337,7 @@ async def _collect(request: Request, job, events, text, meta, chat: bool) -> JSO
     watcher = asyncio.create_task(watch())
     content: dict[str, list] = {"content": [], "reasoning": [], "tool_call": []}
     try:
-        async for kind, payload in _events(job, events, text):
+        async for kind, payload in replies:
             if kind == "text":
                 for k, t in payload:
                     content[k].append(t)
@@ -334,6 +350,7 @@ async def _collect(request: Request, job, events, text, meta, chat: bool) -> JSO
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         job.cancel()
+        record("cancelled")  # (a reply that ended has its line already)
     body = "".join(content["content"])
     if chat:
         calls = [{k: v for k, v in c.items() if k != "index"} for c in content["tool_call"]]

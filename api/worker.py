@@ -152,9 +152,9 @@ class EngineWorker:
             job.emit(("done", "cancelled", self._usage(job)))
         else:
             self.metrics.requests.labels(status="ok").inc()
-            elapsed = time.perf_counter() - (job.t_first or job.t_submit)
-            if len(job.generated) > 1 and elapsed > 0:
-                self.metrics.decode_rate.set((len(job.generated) - 1) / elapsed)
+            rate = _decode_rate(job)
+            if rate is not None:
+                self.metrics.decode_rate.set(rate)
             job.emit(("done", finish, self._usage(job)))
         job.seq = None  # free the state now
 
@@ -172,8 +172,16 @@ class EngineWorker:
                 "hit_rate": round((total - blocks["disk"]) / total, 4) if total else None,
                 "prefetch_accuracy": round(io["predicted_right"] / io["predicted"], 4) if io.get("predicted") else None,
                 "stall_s": round(io.get("stall_s", 0.0), 4),
+                "time_to_first_token_s": round(job.t_first - job.t_submit, 4) if job.t_first is not None else None,
+                "decode_tokens_per_s": None if (rate := _decode_rate(job)) is None else round(rate, 2),
             },
         }
+
+
+def _decode_rate(job: Job) -> float | None:
+    """Tokens per second after the first one, until now; None with fewer than two tokens."""
+    elapsed = time.perf_counter() - job.t_first if job.t_first is not None else 0.0
+    return (len(job.generated) - 1) / elapsed if len(job.generated) > 1 and elapsed > 0 else None
 
 
 def _add(acc: dict, delta: dict) -> None:

@@ -260,3 +260,46 @@ def test_chat_page_streams_in_headless_chromium(server, tmp_path):
     subprocess.run(["chromium", *flags, "--window-size=900,700", f"--screenshot={shot}", url], capture_output=True, timeout=120)
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_one_json_log_line_per_request(stores, capsys):
+    """--log-format json: each request is one JSON line on stderr with its id, model, status, tokens (prompt, cached,
+    generated), time to first token and duration: replies streamed or not, a follow-up served from a snapshot, and a
+    request refused before any work."""
+    import json
+
+    s = LiveServer(stores["nemotron_h_latent"], context=512, log_format="json")
+    try:
+        capsys.readouterr()
+        first = [{"role": "user", "content": "Hello there."}]
+        reply, _, _ = chat(s, first, max_tokens=6)
+        r = s.client.chat.completions.create(model=MODEL, messages=first + [{"role": "assistant", "content": reply},
+                                             {"role": "user", "content": "More?"}], max_tokens=4, temperature=0)
+        streamed = chat(s, first, stream=True, max_tokens=5)
+        assert httpx.post(s.url + "/v1/chat/completions", json={"model": "nope", "messages": first}).status_code == 404
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on forever."}], "max_tokens": 400, "stream": True,
+                "temperature": 0}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            for n, _ in enumerate(response.iter_lines()):
+                if n >= 4:
+                    break  # leave mid-stream
+        err, deadline = "", time.time() + 30
+        while err.count('"event": "request"') < 5:
+            assert time.time() < deadline, err
+            time.sleep(0.1)
+            err += capsys.readouterr().err
+    finally:
+        s.close()
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    requests = [x for x in lines if x["event"] == "request"]
+    assert len(requests) == 5, lines
+    one, follow, stream, refused, left = requests
+    assert left["status"] == "cancelled" and left["generated_tokens"] < 400 and left["finish_reason"] is None
+    for x in (one, follow, stream):
+        assert x["id"].startswith("chatcmpl-") and x["model"] == MODEL and x["status"] == "ok" and x["http_status"] == 200
+        assert 0 < x["time_to_first_token_s"] <= x["duration_s"] and x["finish_reason"] == "length" and "timestamp" in x
+    assert one["id"] != stream["id"] and one["generated_tokens"] == 6 and stream["generated_tokens"] == 5
+    assert follow["id"] == r.id and follow["prompt_tokens"] == r.usage.prompt_tokens and follow["cached_tokens"] > 0
+    assert follow["cached_tokens"] == r.usage.prompt_tokens_details.cached_tokens and one["cached_tokens"] == 0
+    assert refused["status"] == "rejected" and refused["http_status"] == 404 and "'nope' does not exist" in refused["error"]
+    assert streamed[2].model_extra["sluice"]["decode_tokens_per_s"] > 0 and streamed[2].model_extra["sluice"]["time_to_first_token_s"] > 0
