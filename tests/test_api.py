@@ -251,15 +251,33 @@ def test_reasoning_model_id_splits_thinking(stores):
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_chat_page_streams_in_headless_chromium(server, tmp_path):
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000"]
-    url = server.url + "/?q=Hello%20page"
-    dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
-    assert "Hello page" in dom and "cached) +" in dom  # the user's message and the usage line after the streamed reply
-    shot = tmp_path / "page.png"
-    subprocess.run(["chromium", *flags, "--window-size=900,700", f"--screenshot={shot}", url], capture_output=True, timeout=120)
-    data = shot.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    """The chat page (?q= sends a first message) streams the reply and shows its usage under it (speed, cached
+    prompt tokens, expert hit rate); its input sits at the bottom of the window, with no blank space below, and
+    stays there when the conversation outgrows the window (the conversation scrolls above it)."""
+    from tests.chromium import Chromium
+
+    browser = Chromium(tmp_path / "profile", 900, 700)
+    try:
+        browser.open(server.url + "/?q=Hello%20page&max_tokens=8")
+        done = "new Promise(ok => { const t = setInterval(() => { if (document.getElementById('status').textContent === 'done') " \
+               "{ clearInterval(t); ok(true); } }, 50); })"
+        assert browser.evaluate(done)
+        assert browser.evaluate("document.querySelector('.msg.user').textContent") == "Hello page"
+        usage = browser.evaluate("[...document.querySelectorAll('.msg.assistant .usage')].map(u => u.textContent)")
+        assert len(usage) == 1 and usage[0].startswith("8 tokens · ") and " tok/s · first token " in usage[0], usage
+        assert "prompt tokens cached · expert hit rate " in usage[0] and usage[0].endswith("%"), usage
+        bottom = "[document.getElementById('form').getBoundingClientRect().bottom, window.innerHeight]"
+        form, height = browser.evaluate(bottom)
+        assert height > 500 and height - 40 < form <= height, (form, height)  # not mid-screen
+        for i in range(3):  # more replies than the window holds
+            browser.evaluate(f"document.getElementById('status').textContent = ''; send('Tell me more, part {i}.')")
+            assert browser.evaluate(done)
+        assert browser.evaluate("document.querySelectorAll('.msg.assistant .usage').length") == 4
+        assert browser.evaluate("document.getElementById('scroll').scrollHeight > document.getElementById('scroll').clientHeight")
+        form, height = browser.evaluate(bottom)
+        assert height - 40 < form <= height and browser.evaluate("document.documentElement.scrollHeight") == height
+    finally:
+        browser.close()
 
 
 def test_one_json_log_line_per_request(stores, capsys):
