@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     sv.add_argument("--model-id", help="the id clients use (default: the model folder's name; sluice-default for the bundled model)")
     sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots, LRU (default: %(default)s)")
+    sv.add_argument("--snapshot-dir", type=Path, help="a folder for conversation snapshots beyond --snapshot-ram, and for all of "
+                    "them when the server stops: a restarted server continues the conversations (default: none, RAM only)")
+    sv.add_argument("--snapshot-disk", default="8GiB", help="disk space --snapshot-dir may take, LRU (default: %(default)s)")
     sv.add_argument("--context", type=int, help="context length limit (default: the model's max_position_embeddings)")
     sv.add_argument("--default-max-tokens", type=int, metavar="N", help="reply length for requests that name no max_tokens "
                     "(chat front ends' background tasks often do not; default: 1024, or half the context when that is "
@@ -347,15 +350,16 @@ def cmd_serve(args) -> int:
     from sluice.pipeline.config import parse_size
 
     log = get_logger(args.log_format)
+    ram, disk = parse_size(args.snapshot_ram, "--snapshot-ram"), parse_size(args.snapshot_disk, "--snapshot-disk")  # before loading
     engine = _open_engine(args)
     warm = args.warm_up if args.warm_up is not None else 512 if engine.device.type == "cuda" else 0
     if warm > 0:
         log.info("warming up", prompt_tokens=warm)
         log.info("warm", seconds=round(engine.warm_up(warm), 1))
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
-    app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=parse_size(args.snapshot_ram, "--snapshot-ram"),
-                     context=args.context, default_max_tokens=args.default_max_tokens, truncate=args.truncate,
-                     log_format=args.log_format)
+    app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=ram, context=args.context,
+                     default_max_tokens=args.default_max_tokens, truncate=args.truncate, log_format=args.log_format,
+                     snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk)
     log.info("serving", model=model_id, url=f"http://{args.host}:{args.port}", openai_base_url=f"http://{args.host}:{args.port}/v1")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

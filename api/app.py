@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import anyio
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,6 +30,8 @@ from sluice.api.limits import Limits
 from sluice.api.metrics import Metrics
 from sluice.api.protocol import APIError, Params, parse_chat, parse_completion
 from sluice.api.requestlog import RequestLog
+from sluice.api.snapshot_disk import DiskSnapshots
+from sluice.api.snapshot_file import cache_classes, model_identity
 from sluice.api.snapshots import SnapshotStore
 from sluice.api.text import THINK_OPEN, Detokenizer, ReasoningSplitter, StopMatcher
 from sluice.api.toolcalls import ToolCallSplitter, ToolFormat, detect_format
@@ -50,6 +53,7 @@ class Served:
     metrics: Metrics
     snapshots: SnapshotStore
     log: RequestLog
+    disk: DiskSnapshots | None  # --snapshot-dir: the snapshots' spill tier
     doc_ids: frozenset[str] = frozenset()  # ids whose images use the processor's maximum resolution
     images: bool = False  # whether the model takes images (its store has an image encoder)
     limits: Limits | None = None  # reply lengths and what a prompt over the context gets
@@ -60,10 +64,13 @@ class Served:
 
 def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, context: int | None = None,
                prefill_chunk: int | None = None, default_max_tokens: int | None = None, truncate: str = "error",
-               log_format: str = "console") -> Starlette:
+               log_format: str = "console", snapshot_dir: Path | None = None, snapshot_disk_bytes: int = 8 << 30) -> Starlette:
     log = RequestLog(log_format)
     metrics = Metrics()
-    snapshots = SnapshotStore(snapshot_bytes)
+    disk = None
+    if snapshot_dir is not None:
+        disk = DiskSnapshots(snapshot_dir, snapshot_disk_bytes, model_identity(engine), cache_classes(engine.model.new_cache()), log.log)
+    snapshots = SnapshotStore(snapshot_bytes, on_evict=disk.spill if disk else None)
     worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk)
     models = {model_id: False}
     if "enable_thinking" in (tokenizer.chat_template or ""):
@@ -72,19 +79,26 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
     doc = frozenset({f"{model_id}-doc"} if images else ())
     models.update(dict.fromkeys(doc, False))
     context = context or getattr(engine.model.config, "max_position_embeddings", None) or 4096
-    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, log, doc, images,
+    s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, log, disk, doc, images,
                Limits.of(context, default_max_tokens, truncate), Grammars(tokenizer, engine.model.config.vocab_size, engine.device))
     s.tool_format = detect_format(tokenizer.chat_template or "", engine.store.manifest.architecture)
     s.markers = _marker_ids(tokenizer, s.tool_format)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        worker.start()
-        try:
-            yield
-        finally:
-            worker.stop()
-            s.grammars.close()
+        async with anyio.create_task_group() as tg:
+            if disk is not None:
+                await disk.open()
+                tg.start_soon(disk.run)
+            worker.start()
+            try:
+                yield
+            finally:
+                worker.stop()
+                s.grammars.close()
+                if disk is not None:
+                    with anyio.CancelScope(shield=True):  # what RAM holds reaches the disk, also on a cancelled shutdown
+                        await disk.close(snapshots)
 
     async def page(request):
         return HTMLResponse(PAGE.read_text())
@@ -221,6 +235,8 @@ async def _generate(s: Served, request: Request, ids: list[int], p: Params, mode
     eos = {i for i in (s.tokenizer.eos_token_id, getattr(s.engine.model.config, "eos_token_id", None)) if isinstance(i, int)}
     job = Job(ids, max_tokens, sampler, frozenset(eos), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), images, key,
               constraint)
+    if s.disk is not None:
+        job.snapshot = await s.disk.lookup(key or ids, s.snapshots)
     s.worker.submit(job)
     text = _TextStream(s.tokenizer, p.stop, thinking if chat else None, calls, s.markers)
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model}

@@ -32,6 +32,7 @@ class Job:
     images: Any = None  # models/vision.PromptImages of the prompt's image tokens, or None
     key: list[int] | None = None  # the prompt as a snapshot key (image tokens told apart), default: the prompt
     constraint: Any = None  # api/grammar.Constraint: the tokens a grammar allows, or None (free text)
+    snapshot: Any = None  # a snapshot read from disk for this prompt (api/snapshot_disk.py): used if it covers more than RAM's
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker-owned
     seq: Any = None
@@ -103,6 +104,9 @@ class EngineWorker:
         engine = self.engine
         if job.seq is None:
             snap = self.snapshots.longest_prefix(job.key or job.prompt)
+            if job.snapshot is not None and (snap is None or len(job.snapshot.tokens) > len(snap.tokens)):
+                snap = job.snapshot
+            job.snapshot = None  # the sequence holds its own copy
             job.seq = engine.restore(snap) if snap is not None else engine.new_sequence()
             job.cached = len(job.seq.tokens)
             job.pending = job.prompt[job.cached :]
