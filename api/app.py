@@ -69,7 +69,8 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
     metrics = Metrics()
     disk = None
     if snapshot_dir is not None:
-        disk = DiskSnapshots(snapshot_dir, snapshot_disk_bytes, model_identity(engine), cache_classes(engine.model.new_cache()), log.log)
+        classes = cache_classes(engine.model.new_cache())
+        disk = DiskSnapshots(snapshot_dir, snapshot_disk_bytes, model_identity(engine), classes, log.log)
     snapshots = SnapshotStore(snapshot_bytes, on_evict=disk.spill if disk else None)
     worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk)
     models = {model_id: False}

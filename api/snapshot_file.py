@@ -55,7 +55,8 @@ def model_identity(engine) -> str:
     import transformers
 
     manifest = (engine.store.path / "manifest.json").read_bytes()
-    return f"{xxhash.xxh3_64_hexdigest(manifest)}-{str(engine.model.dtype).removeprefix('torch.')}-transformers{transformers.__version__}"
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    return f"{xxhash.xxh3_64_hexdigest(manifest)}-{dtype}-transformers{transformers.__version__}"
 
 
 def cache_classes(cache) -> tuple[type, ...]:

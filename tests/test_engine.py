@@ -262,7 +262,7 @@ def test_mamba_prefill_runs_in_pieces_within_one_step(stores, refs, monkeypatch)
 
 def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
     """transformers' PyTorch Mamba-2 prefill of a Nemotron-3-Nano layer needs a [chunks, 128, 128, 64, 128] fp32
-    temporary (2 GiB for 512 tokens, as measured on the H200). The full model at 8 GiB keeps the default 2 GiB
+    temporary (2 GiB for 512 tokens). The full model at 8 GiB keeps the default 2 GiB
     reserve and prefills 128 tokens a piece; a 4-MoE-layer slice, whose blocks all fit with room to spare, 256;
     24 GiB, 512; a piece asked for grows the reserve at the slots' expense; no Mamba layer, no limit."""
     from sluice.models import get_architecture
@@ -315,7 +315,7 @@ def test_profile_names_real_expert_kernels():
 
 def test_resident_roofline_adds_the_resident_part_to_the_pcie_time():
     """The performance issue's roofline: PCIe time of the bytes moved plus the resident part's own time, as GPU time
-    (figures of an H200 run: 0.99 + 2.58 ms against a 4.67 ms median) or measured alone (kept apart in the JSON)."""
+    (figures of a GPU run as the inputs: 0.99 + 2.58 ms against a 4.67 ms median) or measured alone (kept apart in the JSON)."""
     from sluice.benchmarks.model import resident_roofline
 
     d = {"roofline_ms_per_token": 0.99, "ms_per_token_median": 4.67}
@@ -327,7 +327,7 @@ def test_resident_roofline_adds_the_resident_part_to_the_pcie_time():
     assert "(alone)" in line and "is 1.15 x" in line
     assert resident_roofline({"ms_per_token_median": 4.67}, None) == ""  # a CPU run: no PCIe roofline
     cold = {"roofline_ms_per_token": 1.02, "disk_roofline_ms_per_token": 5.56, "ms_per_token_median": 8.88,
-            "ms_per_token_mean": 20.46}  # run 1, 9th session: the disk reads are the run's mean, so is the mean step compared
+            "ms_per_token_mean": 20.46}  # the disk reads are the run's mean, so is the mean step compared
     line = resident_roofline(cold, 2.24, "alone")
     assert abs(cold["disk_plus_resident_alone_ms_per_token"] - 7.80) < 1e-9
     assert "= 7.80 ms/token; median step 1.14 x, mean step 2.62 x" in line

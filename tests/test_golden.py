@@ -136,7 +136,7 @@ TRITON_CASES += [("nemotron_h_latent", "overlap")]
 
 
 # in CI's suite: a ReLU^2 latent model with zero-skip and a SwiGLU one; the others (gpt-oss's MXFP4 GLU and
-# DeepSeek-V4's clamped SwiGLU among them, 45-70 s each interpreted) are marked slow
+# DeepSeek-V4's clamped SwiGLU among them, each slow interpreted) are marked slow
 TRITON_CORE = {("nemotron_h_latent", "zero-skip"), ("qwen3_moe", "overlap")}
 
 

@@ -470,7 +470,7 @@ def test_up_epilogue_packs_h_as_h_pairs(words, A, Dx, I, fmt):
     assert torch.equal(part, part2) and torch.equal(live, live2)
 
 
-@pytest.mark.parametrize("fmt, A, Dx, I, scale", [  # the three-tile case once per suite: ~25 s interpreted
+@pytest.mark.parametrize("fmt, A, Dx, I, scale", [  # the three-tile case once per suite: slow interpreted
     (f, *c) for f in ("nvfp4", "nvfp4_ct") for c in [(1, 64, 32, 1.0), (3, 96, 48, 1e-20)]]
     + [("nvfp4", 2, 1040, 80, 1e20), pytest.param("nvfp4_ct", 2, 1040, 80, 1e20, marks=pytest.mark.slow)]
     + [(f, 3, 96, 48, 1e-20) for f in ("fp8", "fp8_row", "fp8_block", "fp8_block_e8m0")] + [("fp8", 1, 64, 32, 1e20)]

@@ -347,7 +347,7 @@ def test_bad_routing_traces_are_named(tmp_path):
         read_trace(tmp_path / "missing.jsonl")
 
 
-# prompts copy the next layer's blocks ahead: into free slots, or a bank (24 slots: ~20 s interpreted, marked slow)
+# prompts copy the next layer's blocks ahead: into free slots, or a bank (24 slots: slow interpreted, marked so)
 @pytest.mark.parametrize("vram_slots, depth", [(8, 1), pytest.param(24, 1, marks=pytest.mark.slow), (8, 2)])
 def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slots, depth, capsys):
     """direct-stream (`direct: {hold: false}`) records its routing: per layer the tier each block came from, and the
