@@ -132,7 +132,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
                    "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:direct.depth=2 (default: %(default)s)")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
-                   help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM")
+                   help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM "
+                        "(default: %(default)s: resident when it fits twice over in the VRAM left)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
     p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
