@@ -142,7 +142,10 @@ class DiskSnapshots:
     def spill(self, key: tuple[int, ...], snap: Snapshot) -> None:
         """From the worker thread (the RAM store's on_evict): queue the snapshot for writing."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._queue, key, snap)
+            try:
+                self._loop.call_soon_threadsafe(self._queue, key, snap)
+            except RuntimeError:  # the loop has closed (a worker that outlived the server's stop): nothing to write to
+                pass
 
     def _queue(self, key: tuple[int, ...], snap: Snapshot) -> None:
         try:
