@@ -18,9 +18,9 @@ class RequestLog:
     def __init__(self, log_format: str = "console"):
         self.log = get_logger(log_format)
 
-    def request(self, meta: dict, job: Any) -> "Served":
+    def request(self, meta: dict, job: Any) -> "RequestRecord":
         """The log line of a request the worker took, written once by whichever end of it comes first."""
-        return Served(self.log, meta, job)
+        return RequestRecord(self.log, meta, job)
 
     def rejected(self, method: str, path: str, status: int, message: str, code: str | None) -> None:
         """A request answered with an error before the worker took it: refused (a 4xx: bad input, an unknown model, a
@@ -30,7 +30,10 @@ class RequestLog:
               error=message, code=code)
 
 
-class Served:
+class RequestRecord:
+    """One served request's log line, written by the first of its ends to come (the reply's last event, or the
+    client leaving)."""
+
     def __init__(self, log, meta: dict, job: Any):
         self.log, self.meta, self.job = log, meta, job
         self.written = False
