@@ -67,9 +67,9 @@ class NemotronH(Architecture):
     def prefill_scratch_bytes(self, config, tokens: int, broadcast: bool | None = None) -> int:
         """transformers' PyTorch Mamba-2 prefill (without mamba_ssm's kernels) contracts C and B per chunk through
         a broadcast product [chunks, chunk, chunk, heads, state] in fp32 in versions before its `mamba2_chunk_scan`
-        (5.17: 2 GiB for a 512-token prompt of a Nemotron-3-Nano layer, more than an 8 GiB budget leaves; BENCHMARKS.md);
-        with it (einsums), three [chunks, chunk, chunk, heads] fp32 tensors. `broadcast` None:
-        the installed version's."""
+        (5.17: 2 GiB for a 512-token prompt of a Nemotron-3-Nano layer, more than an 8 GiB budget leaves;
+        docs/benchmarks/2026-11-30.md); with it (einsums), three [chunks, chunk, chunk, heads] fp32 tensors.
+        `broadcast` None: the installed version's."""
         if not any(t in MAMBA for t in config.layers_block_type):
             return 0
         if broadcast is None:
@@ -99,12 +99,12 @@ _SCAN_KWARGS = {"chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "
 @contextmanager
 def scan_swapped(mixer):
     """transformers' Mamba-2 mixer with its chunked scan (`mamba2_chunk_scan` of its module, many small kernels a
-    call in PyTorch, no mamba_ssm installed; BENCHMARKS.md) replaced by kernels/mamba.py's one-launch scan for the
-    duration of a call: the projections, the conv and its state, the gated norm and the cache's updates stay
-    transformers' own. The same call in both transformers versions we run (5.17, 5.24); a module without it, a
-    batch, a gate z inside the scan, or arguments it does not know (packed sequences) keep the original. The swap is of a module global: one
-    thread at a time swaps (a lock), and a transformers Mamba-2 model run by another thread meanwhile would get the
-    kernel too (the engine runs its layers on one thread)."""
+    call in PyTorch, no mamba_ssm installed; docs/benchmarks/2026-12-01.md) replaced by kernels/mamba.py's
+    one-launch scan for the duration of a call: the projections, the conv and its state, the gated norm and the cache's
+    updates stay transformers' own. The same call in both transformers versions we run (5.17, 5.24); a module
+    without it, a batch, a gate z inside the scan, or arguments it does not know (packed sequences) keep the
+    original. The swap is of a module global: one thread at a time swaps (a lock), and a transformers Mamba-2 model
+    run by another thread meanwhile would get the kernel too (the engine runs its layers on one thread)."""
     from sluice.kernels import triton_runs_on
     from sluice.kernels.mamba import chunk_scan
 

@@ -8,8 +8,8 @@ block) are verified after each read unless switched off.
 
 A block can be read in `pieces` page-aligned parts, each one pread by whichever thread takes it, the next
 block's pieces queued behind: a lone block then has the drive's parallel rate, not one read's, and blocks land
-in the order they were asked for instead of together (a drive whose rate needs several reads at once; BENCHMARKS.md).
-Its checksum is checked once its last piece lands, and its future completes then.
+in the order they were asked for instead of together (a drive whose rate needs several reads at once;
+docs/benchmarks/2026-12-02.md). Its checksum is checked once its last piece lands, and its future completes then.
 
 Two queues: demand reads (a layer is waiting for them) and guesses (prefetches). A reader takes a guess's piece
 only while no demand read's piece is queued or running, and at most `guesses` of them run at once (fewer than the
@@ -292,7 +292,7 @@ class BlockReader:
         """Seconds so far during which at least one block read was on the drive (from its pread's start to its end):
         how much of a run the drive worked, whatever the number of reads at once. An upper bound: a read's end is
         seen once its thread has the interpreter lock back, which a busy main thread hands over only every switch
-        interval (5 ms by default; a shorter one did not change the reads, BENCHMARKS.md)."""
+        interval (5 ms by default; a shorter one did not change the reads, docs/benchmarks/2026-12-02.md)."""
         with self._lock:
             return self._busy()
 

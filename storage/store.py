@@ -29,7 +29,7 @@ FORMAT = "sluice-expert-store"
 VERSION = 3  # 2: per-projection weight formats in the manifest; 3: the checksum named (xxh3_64 by default)
 READS = (2, 3)  # versions this code opens (a version 2 store's checksums are xxh64)
 # a block's checksum, by the manifest's name for it: new stores take the faster xxh3_64, as a checksum is part of each
-# disk read's latency (BENCHMARKS.md)
+# disk read's latency (docs/benchmarks/2026-12-02.md)
 CHECKSUMS = {"xxh64": xxhash.xxh64_intdigest, "xxh3_64": xxhash.xxh3_64_intdigest}
 CHECKSUM = "xxh3_64"  # what new stores use
 PAGE = 4096
