@@ -96,10 +96,10 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
                 yield
             finally:
                 worker.stop()
-                s.grammars.close()
                 if disk is not None:
                     with anyio.CancelScope(shield=True):  # what RAM holds reaches the disk, also on a cancelled shutdown
                         await disk.close(snapshots)
+                s.grammars.close()
 
     async def page(request):
         return HTMLResponse(PAGE.read_text())
