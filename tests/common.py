@@ -1,4 +1,4 @@
-"""Constants the tests share (imported as tests.common)."""
+"""Constants the tests share (imported as `common`: pytest puts tests/ on the path)."""
 
 import os
 

@@ -17,7 +17,7 @@ import torch
 from sluice.models.base import cache_kw
 from sluice.models.tiny import make_tiny_checkpoint
 from sluice.storage.repack import repack
-from tests.common import VARIANTS
+from common import VARIANTS
 
 
 

@@ -1,4 +1,4 @@
-"""Chat templates in each family's tool format, for the tiny checkpoints (imported as tests.templates).
+"""Chat templates in each family's tool format, for the tiny checkpoints (imported as `templates`).
 
 Written for these tests after the families' published templates: they render the tools and the calls the way
 those do (Qwen3's JSON in <tool_call>, Nemotron 3's <function=...> parameters, DeepSeek V3.1's special markers),

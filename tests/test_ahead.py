@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sluice.kernels.ahead import resolve, resolve_ref, select, select_ref, stage_copy
-from tests.common import DEVICE
+from common import DEVICE
 
 E, BB = 24, 4096 * 3  # experts a layer, block bytes
 

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 import sluice
 from sluice.api.app import create_app
-from tests.common import DEVICE
+from common import DEVICE
 
 MODEL = "tiny"
 THINK_TEMPLATE = (
@@ -254,7 +254,7 @@ def test_chat_page_streams_in_headless_chromium(server, tmp_path):
     """The chat page (?q= sends a first message) streams the reply and shows its usage under it (speed, cached
     prompt tokens, expert hit rate); its input sits at the bottom of the window, with no blank space below, and
     stays there when the conversation outgrows the window (the conversation scrolls above it)."""
-    from tests.chromium import Chromium
+    from chromium import Chromium
 
     browser = Chromium(tmp_path / "profile", 900, 700)
     try:

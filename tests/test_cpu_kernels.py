@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from sluice.kernels.cpu import CpuExperts
 from sluice.kernels.experts_ref import expert_ref
-from tests.quant import FORMATS, make_bank
-from tests.test_kernels import fit
+from quant import FORMATS, make_bank
+from test_kernels import fit
 
 SIZES = [(64, 96), (96, 160)]  # (Dx, I)
 

@@ -9,7 +9,7 @@ import torch
 import sluice
 from sluice.models.base import cache_kw
 from sluice.models.tiny import DEFAULT_MODEL, default_model_path
-from tests.common import DEVICE
+from common import DEVICE
 
 
 def test_default_model_is_the_trained_one():

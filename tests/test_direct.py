@@ -9,8 +9,8 @@ import torch
 
 import sluice
 from sluice.pipeline.schedule import SCHEDULES_DIR
-from tests.common import DEVICE, PROMPT, VARIANTS, greedy_logits
-from tests.test_golden import LOGIT_ATOL, ram_sizes, triton_schedule
+from common import DEVICE, PROMPT, VARIANTS, greedy_logits
+from test_golden import LOGIT_ATOL, ram_sizes, triton_schedule
 
 
 def direct_schedule(tmp_path, name: str = "direct-edited", **knobs) -> str:

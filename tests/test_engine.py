@@ -12,7 +12,7 @@ from sluice.errors import ConfigError, SluiceError, StoreError
 from sluice.pipeline.config import parse_size
 from sluice.pipeline.sampling import Sampler
 from sluice.stages import STAGES
-from tests.common import DEVICE, PROMPT
+from common import DEVICE, PROMPT
 
 
 def test_checkpoint_path_is_repacked_once(checkpoints):
@@ -224,7 +224,7 @@ def test_long_prompts_run_in_chunks(variant, stores, refs):
     """A prompt longer than prefill_chunk runs as several steps: the logits of every position are those of the
     whole prompt in one step (within the golden tolerance: Mamba's chunked scan resumes from a state), and the
     greedy continuation is the reference's."""
-    from tests.test_golden import LOGIT_ATOL
+    from test_golden import LOGIT_ATOL
 
     whole = refs.logits(variant, PROMPT)
     with sluice.load(stores[variant], device=DEVICE, prefill_chunk=5) as engine:
@@ -243,7 +243,7 @@ def test_mamba_prefill_runs_in_pieces_within_one_step(stores, refs, monkeypatch)
     mixer_chunk tokens, its state carried between them: logits within the golden tolerance, greedy tokens the
     reference's."""
     from sluice.models import nemotron_h
-    from tests.test_golden import LOGIT_ATOL
+    from test_golden import LOGIT_ATOL
 
     runs = []
     call = nemotron_h._MixerLayer._call

@@ -23,7 +23,7 @@ from sluice.models.base import cache_kw
 from sluice.errors import CorruptBlockError
 from sluice.pipeline.schedule import SCHEDULES_DIR
 from sluice.stages.compute import GIL_SWITCH_S
-from tests.common import DEVICE, PROMPT, VARIANTS
+from common import DEVICE, PROMPT, VARIANTS
 
 LOGIT_ATOL = 1e-4
 # every bundled schedule but those that differ from one of these only in a tier a CPU run lacks (the VRAM

@@ -14,9 +14,9 @@ from sluice.api.grammar import Grammars
 from sluice.api.protocol import APIError
 from sluice.api.tools import parse_tools
 from sluice.models.tiny import default_model_path
-from tests.templates import DEEPSEEK_TOKENS, WEATHER
-from tests.test_api import MODEL, LiveServer
-from tests.test_tools import CALLS, FORMATS, TOOLS
+from templates import DEEPSEEK_TOKENS, WEATHER
+from test_api import MODEL, LiveServer
+from test_tools import CALLS, FORMATS, TOOLS
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["word", "count", "kind"],
           "properties": {"word": {"type": "string", "maxLength": 24}, "count": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -11,8 +11,8 @@ import torch
 
 import sluice
 from sluice.errors import SluiceError
-from tests.common import DEVICE
-from tests.test_golden import LOGIT_ATOL, PROMPT
+from common import DEVICE
+from test_golden import LOGIT_ATOL, PROMPT
 
 pytest.importorskip("transformers.models.nemotron_h_omni", reason="nemotron_h_omni needs transformers 5.23+")
 
@@ -134,7 +134,7 @@ def _url(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def server(omni):
-    from tests.test_api import LiveServer
+    from test_api import LiveServer
 
     srv = LiveServer(omni)  # prefill in chunks of 8 tokens: image runs are cut across chunks
     yield srv

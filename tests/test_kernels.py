@@ -14,8 +14,8 @@ from sluice.kernels.decode import matvec
 from sluice.kernels.down import down_relaid
 from sluice.kernels.formats import mxfp4_dequant_ref, nvfp4_dequant_ref
 from sluice.kernels.layout import proj_layouts
-from tests.common import DEVICE
-from tests.quant import make_bank, modelopt_dequant, need_modelopt, quantize
+from common import DEVICE
+from quant import make_bank, modelopt_dequant, need_modelopt, quantize
 
 SIZES = [(1, 64, 32), (3, 96, 48), (2, 32, 80)]  # (A, Dx, I)
 FORMATS = ["fp32", "bf16", "fp8", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "nvfp4_ct", "mxfp4", "mxfp4_ds"]
@@ -47,7 +47,7 @@ def test_plain_nvfp4_quantiser_is_modelopts():
     """The round-to-nearest NVFP4 quantiser a GPU run without modelopt uses (tests/quant.py) gives modelopt's own codes
     and scales, over groups of unlike size and an all-zero group."""
     need_modelopt()
-    from tests.quant import _nvfp4_nearest, modelopt_nvfp4
+    from quant import _nvfp4_nearest, modelopt_nvfp4
 
     g = torch.Generator().manual_seed(2)
     w = torch.randn(40, 128, generator=g) * torch.tensor([1.0, 8.0, 0.5, 30.0]).repeat_interleave(32)

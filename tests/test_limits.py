@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 from sluice.api.limits import Limits
 from sluice.api.protocol import APIError
 from sluice.errors import ConfigError
-from tests.test_api import MODEL, LiveServer
-from tests.test_tools import Script
+from test_api import MODEL, LiveServer
+from test_tools import Script
 
 CHATML_HEADER = "<|im_start|>assistant\n"
 

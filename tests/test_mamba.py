@@ -11,7 +11,7 @@ import triton.language as tl
 import sluice
 from sluice.errors import ConfigError
 from sluice.kernels.mamba import _softplus, mamba_step, mamba_step_ref
-from tests.common import DEVICE, PROMPT, greedy_logits
+from common import DEVICE, PROMPT, greedy_logits
 
 
 def case(heads, head_dim, groups, state, K, norm_groups, dtype, state_dtype, bias, seed=0):
@@ -110,7 +110,7 @@ def test_fused_mamba_prefill_follows_transformers(stores, refs, monkeypatch):
     unfused engine's within fp32 rounding (this tiny model's heads decay fast: the two scans agree to the bit here;
     test_ssm_scan_matches_its_reference_and_transformers is where their histories differ)."""
     from sluice.kernels import mamba
-    from tests.test_golden import LOGIT_ATOL
+    from test_golden import LOGIT_ATOL
 
     variant = "nemotron_h_latent"
     ref = refs.logits(variant, PROMPT)

@@ -15,9 +15,9 @@ import sluice
 from sluice.kernels.linear import QuantLinear
 from sluice.storage.repack import repack
 from sluice.storage.store import ExpertStore
-from tests.common import DEVICE, PROMPT
-from tests.quant import quantize, quantize_checkpoint
-from tests.test_golden import LOGIT_ATOL, mean_kl, triton_schedule
+from common import DEVICE, PROMPT
+from quant import quantize, quantize_checkpoint
+from test_golden import LOGIT_ATOL, mean_kl, triton_schedule
 
 CASES = {  # name -> (tiny variant, experts' format, resident linears quantised too: False, True (same format) or a format)
     "nemotron_nvfp4_all": ("nemotron_h_latent", "nvfp4", True),
@@ -62,7 +62,7 @@ def quantized(checkpoints, tmp_path_factory):
 
 
 def _reference(ref_path, n):
-    from tests.conftest import References
+    from conftest import References
 
     r = References({"m": ref_path})
     return r.logits("m", PROMPT), r.greedy("m", PROMPT, n)
@@ -178,7 +178,7 @@ def test_fp4_matvec_f16x2_keeps_the_reference_tokens(case, base, quantized, tmp_
         step = engine.extend(seq, [int(first.argmax())])[-1].cpu()  # a one-token step: the f16x2 matvecs
         kern = engine.rt.stats.kernels[0]
     assert kern.fp4_words == 3 and tokens == ref_tokens, f"{case}: greedy tokens differ"
-    ref_model = __import__("tests.conftest", fromlist=["References"]).References({"m": ref_path})
+    ref_model = __import__("conftest", fromlist=["References"]).References({"m": ref_path})
     ref_step = ref_model.logits("m", PROMPT + [int(first.argmax())])[-1]
     print(f"{case}: f16x2 step max |dlogit| {(step - ref_step).abs().max().item():.2e}, KL {mean_kl(ref_step[None], step[None]):.2e}")
     assert mean_kl(ref_step[None], step[None]) < 1e-5 and (step - ref_step).abs().max().item() < 1e-2

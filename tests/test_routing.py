@@ -10,7 +10,7 @@ from sluice.errors import ConfigError, SluiceError
 from sluice.storage import routing as R
 from sluice.storage.simulate import guess_recall, simulate
 from sluice.storage.trace import read_trace
-from tests.common import DEVICE, PROMPT
+from common import DEVICE, PROMPT
 
 
 @pytest.mark.parametrize("text, culprit", [

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.test_api import LiveServer, chat
+from test_api import LiveServer, chat
 
 FIRST = [{"role": "user", "content": "Hello there."}]
 OTHER = [{"role": "user", "content": "What is a river?"}]

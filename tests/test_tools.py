@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from sluice.api.app import _render_chat
 from sluice.api.protocol import parse_chat
 from sluice.api.toolcalls import DeepSeek, Hermes, ToolCallSplitter, Tool, Xml, detect_format
-from tests.templates import CLOCK, DEEPSEEK, DEEPSEEK_TOKENS, NEMOTRON, QWEN, WEATHER
-from tests.test_api import MODEL, LiveServer
+from templates import CLOCK, DEEPSEEK, DEEPSEEK_TOKENS, NEMOTRON, QWEN, WEATHER
+from test_api import MODEL, LiveServer
 
 TOOLS = [WEATHER, CLOCK]
 
