@@ -16,7 +16,7 @@ def radio_h_checkpoint() -> Path:
     1280 wide, 32 layers; projector 4096) in front of a tiny NemotronH LM, random weights, made once under
     SLUICE_HOME: what `sluice bench images` times when no model is given."""
     from sluice.models.tiny import make_tiny_checkpoint
-    from sluice.pipeline.config import sluice_home
+    from sluice.storage.home import sluice_home
 
     path = sluice_home() / "models" / "radio-h-tiny-lm"
     if not (path / "config.json").is_file():

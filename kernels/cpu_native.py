@@ -42,7 +42,7 @@ def native_kernels():
     if _NATIVE:
         return _NATIVE[0]
     from sluice.log import get_logger
-    from sluice.pipeline.config import sluice_home
+    from sluice.storage.home import sluice_home
 
     lib = None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

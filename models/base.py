@@ -90,7 +90,7 @@ class MoEBlock:
     shared: Callable[[torch.Tensor], torch.Tensor] | None = None
     # router, expert_input, finish, shared and the layer's moe_input are pure functions of their tensor arguments
     # (no state read or written, no host sync; moe_input does not read its ctx): their one-token calls
-    # may be replayed as CUDA graphs (pipeline/graphs.py FnGraphs)
+    # may be replayed as CUDA graphs (kernels/graphs.py FnGraphs)
     graph_safe: bool = False
     # x [T,D], n -> ids [T,n] i64: the n experts the router ranks first, best first (the top_k it routes to among
     # them, ties aside), for reading guesses beyond the top-k (the direct stage's `guess_extra`); None: not offered
@@ -134,7 +134,7 @@ class Layer(ABC):
 
     def decode_state(self, ctx: Any) -> tuple[torch.Tensor, ...] | None:
         """The tensors a one-token `forward` reads and updates in place besides h, when that step may be
-        replayed as a CUDA graph (pipeline/graphs.py); None (the default) when it may not."""
+        replayed as a CUDA graph (kernels/graphs.py); None (the default) when it may not."""
         return None
 
 

@@ -165,7 +165,7 @@ class _MixerLayer(Layer):
         return h + m.out_proj(y.view(1, 1, -1))
 
     def decode_state(self, ctx):
-        """A Mamba-2 mixer's one-token step updates its conv and SSM states in place (pipeline/graphs.py)."""
+        """A Mamba-2 mixer's one-token step updates its conv and SSM states in place (kernels/graphs.py)."""
         i, kind = self.block.layer_idx, self.block.block_type
         if kind not in MAMBA or ctx.masks.get(kind) is not None or not ctx.cache.has_previous_state(i):
             return None

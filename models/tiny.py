@@ -201,7 +201,7 @@ def default_model_path() -> Path:
 def random_model_path() -> Path:
     """A deterministic tiny random NemotronH made on first use under SLUICE_HOME."""
     from sluice.log import get_logger
-    from sluice.pipeline.config import sluice_home
+    from sluice.storage.home import sluice_home
 
     path = sluice_home() / "models" / "tiny-random-nemotron_h"
     if (path / "config.json").is_file():

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -33,10 +31,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
-
-
-def sluice_home() -> Path:
-    return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
 
 
 def available_ram() -> int:

@@ -6,6 +6,9 @@ iterates the channel it consumes, and `after` edges add only the waits the sched
 Disk reads are thread-pool futures; GPU work is enqueued on streams ordered by events; so the
 host blocks only on the routed ids (route) and on reads that have not landed (fetch). Stages run
 in a TaskGroup: the first failure cancels the rest of the layer and is re-raised as itself.
+
+`moe` is the engine's one call per MoE layer: it builds the layer's input (with the graph views of a one-token
+step), or hands a one-token layer whole to a stage that runs it so (`Needs.whole_layer`).
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+import torch
+
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.schedule import Schedule, StageSpec
-from sluice.stages import ALONE, STAGES, Stage, StageIO
+from sluice.stages import STAGES, Stage, StageIO
 from sluice.stages.types import LayerInput, LayerOutput
 
 _WAVE = object()
@@ -106,11 +111,44 @@ class Coordinator:
         self.stages: list[tuple[StageSpec, Stage]] = [
             (spec, STAGES[spec.name](spec.knobs, spec.stream, rt)) for spec in schedule.stages
         ]
+        needs = schedule.needs
+        self._whole = self.stages[0][1] if needs.whole_layer else None  # runs a one-token layer by itself
+        self._depth = needs.depth
+        self._next: list = []  # per MoE index: the next MoE block (None after the last)
+        self._ahead: list[tuple] = []  # per MoE index: the blocks guessed past the next one (`Needs.depth`)
+        self._views: dict[int, tuple] = {}  # model layer -> (MoE input, block, next block) replaying graphs
 
-    @property
-    def whole(self) -> Stage | None:
-        """The schedule's one stage when it runs a MoE layer's whole step by itself (direct), else None."""
-        return self.stages[0][1] if len(self.stages) == 1 and self.stages[0][0].name in ALONE else None
+    def bind(self, model, fn_graphs=None) -> None:
+        """The model whose MoE layers this runs; with `fn_graphs` (CUDA), one-token steps of graph-safe blocks run
+        their pure parts as graph replays (the predict stage's router of the next block under names of its own)."""
+        blocks = model.moe_blocks
+        self._next = blocks[1:] + [None]
+        self._ahead = [tuple(blocks[i + 2 : i + 1 + self._depth]) for i in range(len(blocks))]
+        self._views = {}
+        if fn_graphs is None:
+            return
+        whole = self._whole is not None  # such a stage captures each layer's step whole: plain blocks
+        for i, layer in enumerate(model.layers):
+            b = layer.moe
+            if b is not None and b.graph_safe:
+                nxt = self._next[b.index]
+                moe_input = fn_graphs.wrap(lambda h, f=layer.moe_input: f(h, None), f"moe_input:{b.layer}")
+                self._views[i] = (moe_input, b if whole else fn_graphs.block(b, "route"),
+                                  nxt if whole or nxt is None or not nxt.graph_safe else fn_graphs.block(nxt, "predict"))
+
+    async def moe(self, i: int, layer, h: torch.Tensor, ctx, graphs: bool) -> torch.Tensor:
+        """Model layer i (a MoE layer) on h [B, T, D]: its output h. `graphs`: a one-token step replaying graphs."""
+        block = layer.moe
+        nxt, ahead = self._next[block.index], self._ahead[block.index]
+        if h.shape[1] == 1 and self._whole is not None and (out := self._whole.token(layer, h, nxt)) is not None:
+            return out
+        view = self._views.get(i) if graphs else None
+        if view is None:
+            x, residual = layer.moe_input(h, ctx)
+        else:
+            moe_input, block, nxt = view
+            x, residual = moe_input(h)
+        return (await self.run_layer(LayerInput(block, nxt, x, residual, ahead))).h
 
     def close(self) -> None:
         for _, stage in self.stages:

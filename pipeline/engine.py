@@ -22,19 +22,17 @@ from sluice.errors import ConfigError, SluiceError, StoreError
 from sluice.kernels import triton_runs_on
 from sluice.log import get_logger
 from sluice.models import get_architecture
-from sluice.models.base import MoEBlock, ResidentModel
+from sluice.models.base import ResidentModel
 from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
-from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size, sluice_home
+from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
+from sluice.storage.home import sluice_home
 from sluice.pipeline.coordinator import Coordinator
-from sluice.pipeline.graphs import DecodeGraphs, FnGraphs
+from sluice.kernels.graphs import DecodeGraphs, FnGraphs
 from sluice.pipeline.routing import RoutingControl, controlled_routing
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
 from sluice.pipeline.snapshot import Snapshot, restore, take
-from sluice.stages.fetch import FetchKnobs
-from sluice.stages.h2d import H2DKnobs
-from sluice.stages.types import LayerInput
 from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder, trace_header
 
@@ -61,26 +59,9 @@ class Engine:
         self.graphs = DecodeGraphs(rt.pools) if graphs else None
         self._loop = asyncio.new_event_loop()
         self._images = None  # the ImageEncoder, built on first use
-        blocks = model.moe_blocks
-        self._next: list[MoEBlock | None] = blocks[1:] + [None]
-        predict, direct = (coordinator.schedule.stage(n) for n in ("predict", "direct"))
-        # the MoE layers guessed ahead from one input, the next one first: the predict stage's (or direct's) depth
-        depth = predict.knobs.depth if predict is not None else direct.knobs.depth if direct is not None else 1
-        self._ahead: list[tuple[MoEBlock, ...]] = [tuple(blocks[i + 2 : i + 1 + depth]) for i in range(len(blocks))]
         # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
-        # (the predict stage runs the next block's router under names of its own)
         self.fn_graphs = FnGraphs(rt.pools) if graphs else None
-        self._decode_views: dict[int, tuple[Any, MoEBlock, MoEBlock | None]] = {}
-        if self.fn_graphs is not None:
-            fg = self.fn_graphs
-            whole = coordinator.schedule.stage("direct") is not None  # captures each layer's step whole: plain blocks
-            for i, layer in enumerate(model.layers):
-                b = layer.moe
-                if b is not None and b.graph_safe:
-                    nxt = self._next[b.index]
-                    self._decode_views[i] = (
-                        fg.wrap(lambda h, f=layer.moe_input: f(h, None), f"moe_input:{b.layer}"), b if whole else fg.block(b, "route"),
-                        nxt if whole or nxt is None or not nxt.graph_safe else fg.block(nxt, "predict"))
+        coordinator.bind(model, self.fn_graphs)
 
     @classmethod
     def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":
@@ -100,31 +81,18 @@ class Engine:
         model = arch.build(hf_config, load_file(store.path / store.manifest.resident), device, config.torch_dtype)
         routing = controlled_routing(config.routing, model, device)
         schedule = load_schedule(config.schedule)
-        fetch = schedule.stage("fetch")
-        h2d = schedule.stage("h2d").knobs if schedule.stage("h2d") else H2DKnobs()
-        direct_stage = schedule.stage("direct")
-        # the stage that reads blocks from disk sizes the engine's reader pool: fetch, or direct
-        reads = fetch.knobs if fetch else direct_stage.knobs if direct_stage is not None else FetchKnobs()
-        readers = config.readers or reads.readers
-        # every block held in RAM (by default as much RAM as that takes), unless the stage skips the routed experts
-        direct = direct_stage is not None and direct_stage.knobs.routed and direct_stage.knobs.hold
-        no_blocks = direct_stage is not None and not direct_stage.knobs.routed  # routed experts skipped: one RAM slot will do
+        needs = schedule.needs
+        readers = config.readers or needs.readers
+        # every block held in RAM (by default as much RAM as that takes), or one slot where routed experts are skipped
+        whole = store.total_blocks * store.block_bytes
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
-            store.total_blocks * store.block_bytes if direct else store.block_bytes if no_blocks else available_ram() // 4
+            whole if needs.ram == "all" else store.block_bytes if needs.ram == "one" else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
-        if direct and store.total_blocks * store.block_bytes > available_ram():
-            raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: "
-                              f"{format_bytes(store.total_blocks * store.block_bytes)}, more than the "
-                              f"{format_bytes(available_ram())} this machine has available; use a schedule that streams "
-                              f"(direct-stream, overlap)")
-        extra = direct_stage.knobs.guess_extra if direct_stage is not None else 0
-        if extra and any(b.ranked is None for b in model.moe_blocks):
-            whose = f"routing {routing.setting} draws its ids" if routing is not None else \
-                f"this model's routers ({store.manifest.architecture}) do not rank (MoEBlock.ranked)"
-            raise ConfigError(f"stage 'direct': 'guess_extra' reads guesses past the top-k as a router ranks them; {whose}")
-        if extra and (b := next((b for b in model.moe_blocks if b.top_k + extra > b.num_experts), None)) is not None:
-            raise ConfigError(f"stage 'direct': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
-                              f"{b.num_experts} experts a MoE layer has")
+        if needs.ram == "all" and whole > available_ram():
+            raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: {format_bytes(whole)}, more "
+                              f"than the {format_bytes(available_ram())} this machine has available; use a schedule "
+                              f"that streams (direct-stream, overlap)")
+        _check_guess_extra(needs.guess_extra, model, routing, store.manifest.architecture)
         if config.fused_mamba and not triton_runs_on(device):
             raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         # by default on CUDA (1.2-1.4 x faster decode on an H200, BENCHMARKS.md); a CPU keeps transformers' step (the
@@ -144,17 +112,17 @@ class Engine:
         recorder = RoutingRecorder(config.record_routing, trace_header(store, schedule, ram_blocks, vram_blocks, str(routing.setting) if routing else "natural")) \
             if config.record_routing else None
         rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
-                     down_in_ram=h2d.copy == "up", record_routing=recorder, vram_policy=h2d.vram_policy,
-                     guess_reads=reads.guess_reads, read_pieces=reads.read_pieces)
-        if h2d.hot_set and rt.vram is not None:
+                     down_in_ram=needs.down_in_ram, record_routing=recorder, vram_policy=needs.vram_policy,
+                     guess_reads=needs.guess_reads, read_pieces=needs.read_pieces)
+        if needs.hot_set and rt.vram is not None:
             try:
-                held = rt.load_hot_set(h2d.hot_set, reserve=2 * store.manifest.top_k)
+                held = rt.load_hot_set(needs.hot_set, reserve=2 * store.manifest.top_k)
             except BaseException:
                 rt.close()
                 raise
-            get_logger().info("VRAM hot set loaded", blocks=held, trace=h2d.hot_set)
-        elif h2d.hot_set:
-            get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=h2d.hot_set)
+            get_logger().info("VRAM hot set loaded", blocks=held, trace=needs.hot_set)
+        elif needs.hot_set:
+            get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=needs.hot_set)
         for layer in model.layers:
             layer.prefill_piece, layer.fused_decode, layer.fused_prefill = piece, fused_mamba, fused_mamba
         try:
@@ -333,23 +301,11 @@ class Engine:
                 mask = torch.tensor(ids, device=self.device) == self._images.image_token_id
                 h[0, mask] = images.to(h.device, h.dtype)
             graphs = self.graphs if len(ids) == 1 else None
-            whole = self.coordinator.whole if len(ids) == 1 else None
             for i, layer in enumerate(model.layers):
-                if layer.moe is None:
-                    h = graphs.run(i, layer, h, ctx) if graphs is not None else layer.forward(h, ctx)
-                    continue
-                if whole is not None and (out := whole.token(layer, h, self._next[layer.moe.index])) is not None:  # the layer's step in one call
-                    h = out
-                    continue
-                view = self._decode_views.get(i) if graphs is not None else None
-                if view is None:
-                    x, residual = layer.moe_input(h, ctx)
-                    li = LayerInput(layer.moe, self._next[layer.moe.index], x, residual, self._ahead[layer.moe.index])
+                if layer.moe is not None:
+                    h = await self.coordinator.moe(i, layer, h, ctx, graphs is not None)
                 else:
-                    moe_input, block, nxt = view
-                    x, residual = moe_input(h)
-                    li = LayerInput(block, nxt, x, residual, self._ahead[layer.moe.index])
-                h = (await self.coordinator.run_layer(li)).h
+                    h = graphs.run(i, layer, h, ctx) if graphs is not None else layer.forward(h, ctx)
             logits = None if head == "none" else model.head(h[:, -1:] if head == "last" else h)
             if self.routing is not None:
                 self.routing.advance(len(ids))
@@ -360,6 +316,19 @@ class Engine:
         self.rt.stats.tokens += len(ids)
         self.rt.tracer.flush()
         return logits
+
+
+def _check_guess_extra(extra: int, model: ResidentModel, routing: RoutingControl | None, architecture: str) -> None:
+    """Guesses past the top-k need routers that rank, and no more experts than a layer has."""
+    if not extra:
+        return
+    if any(b.ranked is None for b in model.moe_blocks):
+        whose = f"routing {routing.setting} draws its ids" if routing is not None else \
+            f"this model's routers ({architecture}) do not rank (MoEBlock.ranked)"
+        raise ConfigError(f"stage 'direct': 'guess_extra' reads guesses past the top-k as a router ranks them; {whose}")
+    if (b := next((b for b in model.moe_blocks if b.top_k + extra > b.num_experts), None)) is not None:
+        raise ConfigError(f"stage 'direct': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
+                          f"{b.num_experts} experts a MoE layer has")
 
 
 def split_image_rows(part: list[int], rows: torch.Tensor | None, token: int | None):

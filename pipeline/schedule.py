@@ -31,6 +31,7 @@ import yaml
 from sluice.errors import ScheduleError
 from sluice.pipeline.streams import STREAM_NAMES
 from sluice.stages import ALONE, REQUIRED, STAGES
+from sluice.stages.base import Needs
 
 SCHEDULES_DIR = Path(__file__).resolve().parent.parent / "schedules"
 COMMON_KEYS = ("after", "stream")
@@ -54,6 +55,14 @@ class Schedule:
 
     def stage(self, name: str) -> StageSpec | None:
         return next((s for s in self.stages if s.name == name), None)
+
+    @property
+    def needs(self) -> Needs:
+        """What the engine must set up for this schedule, from its stages' knobs (`Stage.needs`, in stage order)."""
+        fields: dict[str, Any] = {}
+        for spec in self.stages:
+            fields.update(STAGES[spec.name].needs(spec.knobs))
+        return Needs(**fields)
 
 
 def load_schedule(ref: str | Path) -> Schedule:

@@ -20,6 +20,25 @@ class NoKnobs:
     pass
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a schedule asks of the engine when it opens (the runtime's sizes and tiers), merged from its stages'
+    `Stage.needs`: the engine reads these, never a stage's name or knobs."""
+
+    readers: int = 8  # reader threads of the engine's one pool (the stage that reads blocks from disk sizes it)
+    guess_reads: int = 2  # guess reads in flight at most
+    read_pieces: int = 1  # a block read as this many parts at once
+    ram: str = "cache"  # cache: an LRU cache of --ram-cache | all: every block held (RAM for the whole store) |
+    # one: routed experts skipped, one slot will do
+    depth: int = 1  # MoE layers guessed ahead from one layer's input (1: the next one)
+    guess_extra: int = 0  # guesses past the next layer's top-k, as its router ranks them (needs `MoEBlock.ranked`)
+    down_in_ram: bool = False  # `down` stays in pinned RAM, read zero-copy
+    vram_policy: str = "lru"  # what the VRAM tier evicts
+    hot_set: str = ""  # routing trace whose most routed blocks are held in VRAM from the start
+    whole_layer: bool = False  # a stage runs a one-token MoE layer whole from its input (`Stage.token`): it gets the
+    # model's own blocks, not the engine's graph views of their parts
+
+
 class StageIO(ABC):
     """How a running stage reaches its inputs and outputs (implemented by the coordinator)."""
 
@@ -59,6 +78,16 @@ class Stage(ABC):
         self.knobs = knobs
         self.stream = stream
         self.rt = rt
+
+    @classmethod
+    def needs(cls, knobs: Any) -> dict[str, Any]:
+        """The `Needs` fields this stage sets from its knobs (none by default)."""
+        return {}
+
+    def token(self, layer: Any, h: Any, next_block: Any = None) -> Any:
+        """A one-token step of MoE `layer` whole from its input h [1, 1, D], or None where the stage cannot run it so
+        (the engine then runs the layer through the graph); stages with `Needs.whole_layer` implement it."""
+        return None
 
     @abstractmethod
     async def run(self, io: StageIO) -> Any:

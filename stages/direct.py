@@ -113,6 +113,12 @@ class Direct(TokenSteps, PromptSteps, Stage):
     produces = "output"
     Knobs = DirectKnobs
 
+    @classmethod
+    def needs(cls, k: DirectKnobs) -> dict:
+        ram = "one" if not k.routed else "all" if k.hold else "cache"
+        return {"readers": k.readers, "guess_reads": k.guess_reads, "read_pieces": k.read_pieces, "ram": ram,
+                "depth": k.depth, "guess_extra": k.guess_extra, "whole_layer": True}
+
     def __init__(self, knobs: DirectKnobs, stream: str, rt):
         super().__init__(knobs, stream, rt)
         backend = expert_backend(self.name, knobs.backend, rt.device)
@@ -155,7 +161,7 @@ class Direct(TokenSteps, PromptSteps, Stage):
         self._kernels = {}
         self._graphs = None
         if knobs.graphs and backend == "triton" and dev.type == "cuda":
-            from sluice.pipeline.graphs import FnGraphs
+            from sluice.kernels.graphs import FnGraphs
 
             self._graphs = FnGraphs(rt.pools)
         self._steppers = {}

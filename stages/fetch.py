@@ -50,6 +50,10 @@ class Fetch(Stage):
     channel = True
     Knobs = FetchKnobs
 
+    @classmethod
+    def needs(cls, knobs: FetchKnobs) -> dict:
+        return {"readers": knobs.readers, "guess_reads": knobs.guess_reads, "read_pieces": knobs.read_pieces}
+
     async def run(self, io: StageIO) -> None:
         routing: Routing = await io.value("routing")
         layer = (await io.value("layer")).block.layer

@@ -92,6 +92,10 @@ class H2D(Stage):
     channel = True
     Knobs = H2DKnobs
 
+    @classmethod
+    def needs(cls, knobs: H2DKnobs) -> dict:
+        return {"down_in_ram": knobs.copy == "up", "vram_policy": knobs.vram_policy, "hot_set": knobs.hot_set}
+
     def __init__(self, knobs, stream, rt):
         super().__init__(knobs, stream, rt)
         if knobs.copy not in ("all", "up"):

@@ -37,6 +37,10 @@ class Predict(Stage):
     produces = "prediction"
     Knobs = PredictKnobs
 
+    @classmethod
+    def needs(cls, knobs: PredictKnobs) -> dict:
+        return {"depth": knobs.depth}
+
     def __init__(self, knobs: PredictKnobs, stream: str, rt):
         if knobs.depth < 1:
             raise ScheduleError(f"predict: 'depth' must be >= 1 (the next MoE layer), got {knobs.depth}")
