@@ -92,12 +92,11 @@ class Engine:
         config = EngineConfig(**{k: v for k, v in settings.items() if v is not None})
         store = ExpertStore.open(resolve_store(path, progress))
         device = config.torch_device
-        from safetensors.torch import load_file
         from transformers import AutoConfig
 
         arch = get_architecture(store.manifest.architecture)
         hf_config = AutoConfig.from_pretrained(store.path)
-        model = arch.build(hf_config, load_file(store.path / store.manifest.resident), device, config.torch_dtype)
+        model = arch.build(hf_config, store.resident_tensors(config.verify_checksums), device, config.torch_dtype)
         routing = controlled_routing(config.routing, model, device)
         schedule = load_schedule(config.schedule)
         fetch = schedule.stage("fetch")
