@@ -113,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--warm-up", type=int, metavar="TOKENS", help="before serving, run one prompt of this many random "
                     "tokens and a few one-token steps, so that the first request does not wait for kernel compiles and "
                     "graph captures (0: none; default: 512 on a GPU, 0 on a CPU)")
+    sv.add_argument("--image-dir", type=Path, action="append", default=[], help="a folder whose image files file: URLs in "
+                    "requests may name (repeat for several; default: none, file: URLs refused)")
+    sv.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: none)")
+    sv.add_argument("--max-body", default="24MiB", help="largest request body accepted, else 413 (default: %(default)s)")
     sv.set_defaults(func=cmd_serve)
 
     add_bench_parser(sub)
@@ -395,6 +399,10 @@ def cmd_serve(args) -> int:
 
     log = get_logger(args.log_format)
     ram, disk = parse_size(args.snapshot_ram, "--snapshot-ram"), parse_size(args.snapshot_disk, "--snapshot-disk")  # before loading
+    body = parse_size(args.max_body, "--max-body")
+    for d in args.image_dir:
+        if not d.is_dir():
+            raise SluiceError(f"--image-dir {d}: not a folder")
     engine = _open_engine(args)
     warm = args.warm_up if args.warm_up is not None else 512 if engine.device.type == "cuda" else 0
     if warm > 0:
@@ -403,7 +411,8 @@ def cmd_serve(args) -> int:
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
     app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=ram, context=args.context,
                      default_max_tokens=args.default_max_tokens, truncate=args.truncate, log_format=args.log_format,
-                     snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk)
+                     snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk, image_dirs=tuple(args.image_dir),
+                     api_key=args.api_key, max_body=body)
     log.info("serving", model=model_id, url=f"http://{args.host}:{args.port}", openai_base_url=f"http://{args.host}:{args.port}/v1")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -61,7 +61,7 @@ class Script:
     def say(self, text: str) -> None:
         self.reply = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
 
-    def __call__(self, seq, ids, images=None, last=False):
+    def __call__(self, seq, ids, images=None, last=False, cancel=None):
         seq.tokens.extend(ids)
         n = len(self.header)
         start = max((i + n for i in range(len(seq.tokens) - n + 1) if seq.tokens[i : i + n] == self.header), default=None)
