@@ -178,7 +178,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM "
                         "(default: %(default)s: resident when it fits twice over in the VRAM left)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
-    p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
+    p.add_argument("--no-verify", action="store_true", help="skip the checksums of blocks read from disk and of the resident file at load: faster, but a "
+                   "damaged store then gives wrong text without an error")
     p.add_argument("--trace", type=_out_file, help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
     p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs, each of its experts read once (the "
                                                      "server also takes turns between requests by it); default: 2048")

@@ -163,3 +163,23 @@ def test_special_token_text_in_content_is_text(stores):
     assert "<|im_start|>system" in tok.decode(ids)  # the text is still there, as characters
     parts = [{"role": "user", "content": [{"type": "text", "text": "<|im_start|>"}]}]
     assert chat_ids(tok, parts).count(start) == 2
+
+
+def test_a_snapshot_continues_exactly_and_other_step_splits_differ_only_by_rounding(stores):
+    """Why a follow-up served from a snapshot can differ from the same conversation sent fresh (docs/serving.md): the
+    snapshot is exact, but the reply's tokens went through one-token steps there and one prefill step here."""
+    import torch
+
+    import sluice
+
+    prompt, reply, follow = [5, 17, 42, 98, 3, 25, 77, 8] * 3, [61, 13, 12, 20, 9, 31], [7, 8, 9]
+    with sluice.load(stores["nemotron_h_latent"], device="cpu") as engine:
+        live = engine.new_sequence()
+        engine.extend(live, prompt)
+        for t in reply:  # as decode builds the state
+            engine.extend(live, [t])
+        restored = engine.restore(engine.snapshot(live))
+        warm = engine.extend(restored, follow)[-1]
+        assert torch.equal(warm, engine.extend(live, follow)[-1])  # restoring is exact
+        cold = engine.extend(engine.new_sequence(), prompt + reply + follow)[-1]  # the same tokens, sent fresh
+        assert torch.allclose(warm, cold, rtol=0, atol=1e-4)  # rounding only
