@@ -31,6 +31,7 @@ from sluice.api.grammar import Grammars
 from sluice.api.guard import Guard
 from sluice.api.image_files import ImageFiles
 from sluice.api.limits import Limits
+from sluice.api.memory import limit_arenas
 from sluice.api.metrics import Metrics
 from sluice.api.protocol import APIError, Params, parse_chat, parse_completion
 from sluice.api.render import chat_ids
@@ -73,6 +74,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
                prefill_chunk: int | None = None, default_max_tokens: int | None = None, truncate: str = "error",
                log_format: str = "console", snapshot_dir: Path | None = None, snapshot_disk_bytes: int = 8 << 30,
                image_dirs: tuple[Path, ...] = (), api_key: str | None = None, max_body: int = Guard.max_body) -> Starlette:
+    limit_arenas()  # before the worker and thread pools allocate (api/memory.py)
     log = RequestLog(log_format)
     metrics = Metrics()
     disk = None

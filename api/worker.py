@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from sluice.api.memory import trim
 from sluice.api.snapshots import SnapshotStore
 from sluice.errors import StoreError
 from sluice.pipeline.engine import split_image_rows
@@ -76,6 +77,8 @@ class EngineWorker:
     def _run(self) -> None:
         jobs: deque[Job] = deque()
         while not self._stop.is_set():
+            if not jobs:  # going idle: what the requests freed goes back to the system (bounds the RSS)
+                trim()
             try:
                 while True:  # take everything that arrived; block only when idle
                     job = self._inbox.get(block=not jobs)
