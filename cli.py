@@ -22,15 +22,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args) or 0
-    except SluiceError as e:
-        print(f"sluice: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # one line naming the culprit; the traceback only when asked for
+        if getattr(args, "debug", False):
+            raise
+        what = str(e).splitlines()[0][:500] if str(e) else type(e).__name__
+        kind = "" if isinstance(e, SluiceError) else f"{type(e).__name__}: "
+        print(f"sluice: error: {kind}{what}" + ("" if isinstance(e, SluiceError) else " (--debug shows the traceback)"),
+              file=sys.stderr)
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description="Run MoE models larger than the GPU by streaming routed experts.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(metavar="COMMAND")
 
     r = sub.add_parser("repack", help="turn a Hugging Face checkpoint into an expert store")
@@ -58,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     sy.add_argument("out", type=Path)
     sy.add_argument("--shape", required=True, help="nemotron-3.5-super | nemotron-3-nano-30b-a3b | qwen3-30b-a3b | qwen3-next-80b-a3b | deepseek-v3")
     sy.add_argument("--format", default="nvfp4", help="routed experts in nvfp4 | fp8 (128x128 blocks) | bf16")
-    sy.add_argument("--moe-layers", type=int, help="keep the layers up to the N-th MoE layer (a slice that fits the disk)")
+    sy.add_argument("--moe-layers", type=_at_least(1), help="keep the layers up to the N-th MoE layer (a slice that fits the disk)")
     sy.add_argument("--headers-only", action="store_true", help="write only the shards' headers (for `sluice plan`)")
     sy.set_defaults(func=cmd_synth)
 
@@ -89,13 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and conversation snapshots")
     _engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
-    sv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    sv.add_argument("--port", type=_port, default=8000, help="port to listen on (default: %(default)s)")
     sv.add_argument("--model-id", help="the id clients use (default: the model folder's name; sluice-default for the bundled model)")
     sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots, LRU (default: %(default)s)")
     sv.add_argument("--snapshot-dir", type=Path, help="a folder for conversation snapshots beyond --snapshot-ram, and for all of "
                     "them when the server stops: a restarted server continues the conversations (default: none, RAM only)")
     sv.add_argument("--snapshot-disk", default="8GiB", help="disk space --snapshot-dir may take, LRU (default: %(default)s)")
-    sv.add_argument("--context", type=int, help="context length limit (default: the model's max_position_embeddings)")
+    sv.add_argument("--context", type=_at_least(2), help="context length limit (default: the model's max_position_embeddings)")
     sv.add_argument("--default-max-tokens", type=int, metavar="N", help="reply length for requests that name no max_tokens "
                     "(chat front ends' background tasks often do not; default: 1024, or half the context when that is "
                     "shorter; 0: up to the end of the context)")
@@ -107,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--warm-up", type=int, metavar="TOKENS", help="before serving, run one prompt of this many random "
                     "tokens and a few one-token steps, so that the first request does not wait for kernel compiles and "
                     "graph captures (0: none; default: 512 on a GPU, 0 on a CPU)")
+    sv.add_argument("--image-dir", type=Path, action="append", default=[], help="a folder whose image files file: URLs in "
+                    "requests may name (repeat for several; default: none, file: URLs refused)")
+    sv.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: none)")
+    sv.add_argument("--max-body", default="24MiB", help="largest request body accepted, else 413 (default: %(default)s)")
     sv.set_defaults(func=cmd_serve)
 
     add_bench_parser(sub)
@@ -115,7 +125,40 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    for command in sub.choices.values():  # also after the command (SUPPRESS: it does not undo one given before it)
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return p
+
+
+def _int(text: str, low: int, high: float = float("inf")) -> int:
+    """argparse type check: an integer in [low, high] (a negative count or length is a mistake, not "all")."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not low <= n <= high:
+        raise argparse.ArgumentTypeError(f"must be {'>= %d' % low if high == float('inf') else f'in [{low}, {high}]'}, got {n}")
+    return n
+
+
+def _at_least(low: int):
+    return lambda text: _int(text, low)
+
+
+def _seed(text: str) -> int:
+    return _int(text, 0, 2**63 - 1)  # what torch's generator takes
+
+
+def _port(text: str) -> int:
+    return _int(text, 0, 65535)
+
+
+def _out_file(text: str) -> str:
+    """argparse type: a file to write, whose folder exists (checked before a model loads, not at the first write)."""
+    folder = Path(text).expanduser().absolute().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist")
+    return text
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -135,14 +178,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM "
                         "(default: %(default)s: resident when it fits twice over in the VRAM left)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
-    p.add_argument("--no-verify", action="store_true", help="skip checksum verification of blocks read from disk")
-    p.add_argument("--trace", help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
+    p.add_argument("--no-verify", action="store_true", help="skip the checksums of blocks read from disk and of the resident file at load: faster, but a "
+                   "damaged store then gives wrong text without an error")
+    p.add_argument("--trace", type=_out_file, help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
     p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs, each of its experts read once (the "
                                                      "server also takes turns between requests by it); default: 2048")
     p.add_argument("--mixer-chunk", type=int, help="longest run of a prompt piece a Mamba-2 mixer prefills at once; default: 512, "
                                                    "or under --vram-budget the largest power of two <= 512 whose scratch fits "
                                                    "what the expert slots leave")
-    p.add_argument("--record-routing", metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
+    p.add_argument("--record-routing", type=_out_file, metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
     p.add_argument("--routing", default="natural", metavar="SETTING",
                    help="which experts tokens route to: natural (the model's routers; default) | uniform | skewed[:popularity=S,"
                         "reuse=P,recall=Q] | trace:FILE[,recall=Q] (benchmarks: the router runs, its ids are drawn; "
@@ -150,12 +194,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=64, metavar="N",
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=_at_least(1), default=64, metavar="N",
                    help="tokens to generate at most; --max-tokens is the OpenAI name (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: sample among the likeliest tokens whose "
                                                             "probabilities sum to this; 1 keeps all (default: %(default)s)")
-    p.add_argument("--seed", type=int, help="seed of the sampler (default: a new one each run; greedy needs none)")
+    p.add_argument("--seed", type=_seed, help="seed of the sampler (default: a new one each run; greedy needs none)")
 
 
 def _open_engine(args):
@@ -204,6 +248,10 @@ def _stream_text(engine, tok, ids: list[int], args, seq=None, images=None) -> li
     out: list[int] = []
     shown = ""
     stop = tuple(i for i in (tok.eos_token_id,) if i is not None)
+    context = getattr(engine.model.config, "max_position_embeddings", None)
+    if context and len(ids) + args.max_new_tokens > context:
+        print(f"warning: the prompt ({len(ids)} tokens) and --max-new-tokens {args.max_new_tokens} exceed the model's context "
+              f"of {context} tokens; the output past it is not reliable", file=sys.stderr)
     t0 = time.perf_counter()
     before = engine.rt.stats.snapshot()
     first = None
@@ -352,6 +400,10 @@ def cmd_serve(args) -> int:
 
     log = get_logger(args.log_format)
     ram, disk = parse_size(args.snapshot_ram, "--snapshot-ram"), parse_size(args.snapshot_disk, "--snapshot-disk")  # before loading
+    body = parse_size(args.max_body, "--max-body")
+    for d in args.image_dir:
+        if not d.is_dir():
+            raise SluiceError(f"--image-dir {d}: not a folder")
     engine = _open_engine(args)
     warm = args.warm_up if args.warm_up is not None else 512 if engine.device.type == "cuda" else 0
     if warm > 0:
@@ -360,7 +412,8 @@ def cmd_serve(args) -> int:
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
     app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=ram, context=args.context,
                      default_max_tokens=args.default_max_tokens, truncate=args.truncate, log_format=args.log_format,
-                     snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk)
+                     snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk, image_dirs=tuple(args.image_dir),
+                     api_key=args.api_key, max_body=body)
     log.info("serving", model=model_id, url=f"http://{args.host}:{args.port}", openai_base_url=f"http://{args.host}:{args.port}/v1")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

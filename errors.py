@@ -28,3 +28,7 @@ class ScheduleError(SluiceError):
 
 class ConfigError(SluiceError):
     """A user setting (size, device, budget) is invalid."""
+
+
+class StepCancelled(SluiceError):
+    """A step stopped part-way because its request was cancelled (the client left); its sequence is broken."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -21,14 +22,19 @@ import anyio
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from sluice.api.grammar import Grammars
+from sluice.api.guard import Guard
+from sluice.api.image_files import ImageFiles
 from sluice.api.limits import Limits
+from sluice.api.memory import limit_arenas
 from sluice.api.metrics import Metrics
 from sluice.api.protocol import APIError, Params, parse_chat, parse_completion
+from sluice.api.render import chat_ids
 from sluice.api.requestlog import RequestLog
 from sluice.api.snapshot_disk import DiskSnapshots
 from sluice.api.snapshot_file import cache_classes, model_identity
@@ -60,11 +66,15 @@ class Served:
     grammars: Grammars | None = None  # constrained decoding (response_format, forced tool calls)
     tool_format: ToolFormat | None = None  # how this model writes tool calls
     markers: frozenset[int] = frozenset()  # the tool format's marker tokens, shown even where they are special
+    files: ImageFiles = ImageFiles()  # the local files file: image URLs may name (--image-dir; none by default)
+    tokenizing: threading.Lock = field(default_factory=threading.Lock)  # a fast tokenizer is not safe in two threads at once
 
 
 def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, context: int | None = None,
                prefill_chunk: int | None = None, default_max_tokens: int | None = None, truncate: str = "error",
-               log_format: str = "console", snapshot_dir: Path | None = None, snapshot_disk_bytes: int = 8 << 30) -> Starlette:
+               log_format: str = "console", snapshot_dir: Path | None = None, snapshot_disk_bytes: int = 8 << 30,
+               image_dirs: tuple[Path, ...] = (), api_key: str | None = None, max_body: int = Guard.max_body) -> Starlette:
+    limit_arenas()  # before the worker and thread pools allocate (api/memory.py)
     log = RequestLog(log_format)
     metrics = Metrics()
     disk = None
@@ -84,6 +94,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
                Limits.of(context, default_max_tokens, truncate), Grammars(tokenizer, engine.model.config.vocab_size, engine.device))
     s.tool_format = detect_format(tokenizer.chat_template or "", engine.store.manifest.architecture)
     s.markers = _marker_ids(tokenizer, s.tool_format)
+    s.files = ImageFiles.of(image_dirs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -105,6 +116,8 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
         return HTMLResponse(PAGE.read_text())
 
     async def health(request):
+        if worker.fault is not None:  # a store that failed a read fails the next ones too: take this server out
+            return JSONResponse({"status": "store_fault", "model": model_id, "error": worker.fault}, status_code=503)
         return JSONResponse({"status": "ok", "model": model_id, "images": s.images})
 
     async def metrics_route(request):
@@ -134,7 +147,8 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
 
     handlers = {APIError: rejected, HTTPException: lambda r, e: rejected(r, _http_error(r, e)),
                 Exception: lambda r, e: rejected(r, _server_error(r, e))}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    guard = Middleware(Guard, api_key=api_key, max_body=max_body)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=[guard])
 
 
 def _http_error(request: Request, exc: HTTPException) -> APIError:
@@ -163,11 +177,23 @@ def _models(s: Served) -> JSONResponse:
 
 
 async def _json(request: Request) -> Any:
-    raw = await request.body()
+    return await anyio.to_thread.run_sync(_parse_json, await request.body())  # a big body parses off the event loop
+
+
+def _parse_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate (\ud800) is no text a tokenizer takes
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the request body holds a lone surrogate ({e.object[e.start:e.end]!a}): not valid Unicode") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    return body
 
 
 def _render_chat(s: Served, messages, think: bool, tools=None) -> list[int]:
@@ -175,15 +201,18 @@ def _render_chat(s: Served, messages, think: bool, tools=None) -> list[int]:
     if len(s.models) > 1:
         kwargs["enable_thinking"] = think
     try:
-        out = s.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)
+        with s.tokenizing:
+            return chat_ids(s.tokenizer, messages, **kwargs)
     except Exception as e:  # templates raise on, e.g., roles out of order
         raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from None
-    return list(out["input_ids"])
 
 
 async def _chat(s: Served, request: Request) -> Response:
-    req = parse_chat(await _json(request), s.models, s.images)
-    ids = s.limits.drop_messages(list(req.messages), lambda m: _render_chat(s, m, req.think, req.tools), req.params.max_tokens)
+    body = await _json(request)
+    # parsing (image files are read), rendering and tokenising run in a thread: /health and streams go on meanwhile
+    req = await anyio.to_thread.run_sync(parse_chat, body, s.models, s.images, s.files)
+    render = lambda m: _render_chat(s, m, req.think, req.tools)  # noqa: E731
+    ids = await anyio.to_thread.run_sync(s.limits.drop_messages, list(req.messages), render, req.params.max_tokens)
     thinking = s.tokenizer.decode(ids[-32:]).rstrip().endswith(THINK_OPEN)  # the template opened a think block
     images = key = None
     if req.images:
@@ -215,8 +244,13 @@ def _prompt_images(s: Served, req, ids: list[int]):
 
 async def _completions(s: Served, request: Request) -> Response:
     req = parse_completion(await _json(request), s.models)
-    ids = list(s.tokenizer(req.prompt)["input_ids"])
+    ids = await anyio.to_thread.run_sync(_tokenize, s, req.prompt)
     return await _generate(s, request, ids, req.params, req.model, chat=False, thinking=False)
+
+
+def _tokenize(s: Served, text: str) -> list[int]:
+    with s.tokenizing:
+        return list(s.tokenizer(text)["input_ids"])
 
 
 async def _generate(s: Served, request: Request, ids: list[int], p: Params, model: str, chat: bool, thinking: bool,

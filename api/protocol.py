@@ -72,12 +72,12 @@ def _params(body: dict) -> Params:
         max_tokens = _field(body, "max_tokens", (int,), None, lambda v: v >= 1, "an integer >= 1")
     temperature = float(_field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]"))
     top_p = float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"))
-    seed = _field(body, "seed", (int,), None)
+    seed = _field(body, "seed", (int,), None, lambda v: -(2**63) <= v < 2**64, "an integer in [-2**63, 2**64)")
     stop = body.get("stop")
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
-        stop = (stop,)
+        stop = (stop,) if stop else ()  # an empty stop string would end every reply before it starts
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
         stop = tuple(s for s in stop if s)
     else:
@@ -109,9 +109,10 @@ def _model(body: dict, models: dict[str, bool]) -> tuple[str, bool]:
 IMAGE_PARTS = ("image_url", "input_image")  # OpenAI's chat and responses spellings
 
 
-def image_bytes(url: Any, where: str) -> bytes:
-    """An image part's URL -> encoded bytes: data: URLs (base64) and local file: URLs; remote URLs are refused
-    (the server may have no network, and fetching for a client is not its job)."""
+def image_bytes(url: Any, where: str, files=None) -> bytes:
+    """An image part's URL -> encoded bytes: data: URLs (base64) and file: URLs of files under the server's
+    --image-dir folders (files: api/image_files.ImageFiles; None: none); remote URLs are refused (the server may
+    have no network, and fetching for a client is not its job). Reads files: call it off the event loop."""
     import base64
     import binascii
     from urllib.parse import unquote, urlparse
@@ -128,19 +129,18 @@ def image_bytes(url: Any, where: str) -> bytes:
             raise APIError(400, f"{where}: the data: URL's base64 payload is malformed", "messages") from None
     u = urlparse(url)
     if u.scheme == "file":
-        path = unquote(u.path)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise APIError(400, f"{where}: cannot read {path}: {e.strerror}", "messages") from None
+        data = files.read(u.netloc, unquote(u.path)) if files is not None else None
+        if data is None:  # one answer for every cause: a client learns nothing about which paths exist
+            raise APIError(400, f"{where}: cannot read this file: URL (the server reads only regular image files under "
+                                "its --image-dir folders; send the image inline as a data: URL)", "messages")
+        return data
     if u.scheme in ("http", "https"):
         raise APIError(400, f"{where}: remote image URLs are not fetched (this server may have no network); "
                             "send the image inline as a data: URL", "messages")
     raise APIError(400, f"{where}: unsupported image URL scheme {u.scheme or url[:16]!r} (use data: or file:)", "messages")
 
 
-def _content(value: Any, where: str, images: list | None) -> str | list[dict]:
+def _content(value: Any, where: str, images: list | None, files=None) -> str | list[dict]:
     """A message's content: a string, or (with image parts, when `images` collects them) a list of
     {"type": "text"} / {"type": "image"} parts for the chat template."""
     if value is None:
@@ -159,7 +159,7 @@ def _content(value: Any, where: str, images: list | None) -> str | list[dict]:
             elif part["type"] in IMAGE_PARTS and images is not None:
                 ref = part.get(part["type"])
                 url = ref.get("url") if isinstance(ref, dict) else ref
-                images.append(image_bytes(url, f"{where}.content[{i}]"))
+                images.append(image_bytes(url, f"{where}.content[{i}]", files))
                 parts.append({"type": "image"})
             elif part["type"] in IMAGE_PARTS:
                 raise APIError(400, f"{where}: this model takes no images (text only)", "messages")
@@ -173,8 +173,9 @@ def _content(value: Any, where: str, images: list | None) -> str | list[dict]:
     raise APIError(400, f"{where}: 'content' must be a string or a list of content parts", "messages")
 
 
-def parse_chat(body: Any, models: dict[str, bool], images: bool = False) -> ChatRequest:
-    """models: served model id -> whether it is the reasoning (-think) id; images: whether the model takes them."""
+def parse_chat(body: Any, models: dict[str, bool], images: bool = False, files=None) -> ChatRequest:
+    """models: served model id -> whether it is the reasoning (-think) id; images: whether the model takes them;
+    files: the local image files file: URLs may name (api/image_files.ImageFiles), None: none."""
     body = _body(body)
     model, think = _model(body, models)
     messages = body.get("messages")
@@ -191,7 +192,7 @@ def parse_chat(body: Any, models: dict[str, bool], images: bool = False) -> Chat
         role = m.get("role")
         if role not in ROLES:
             raise APIError(400, f"{where}: 'role' must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where, found),
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where, found, files),
                     **message_fields(m, where, calls)})
     return ChatRequest(model, tuple(out), _params(body), think, tuple(found or ()), parse_tools(body), parse_response_format(body))
 

@@ -16,7 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from sluice.api.memory import trim
 from sluice.api.snapshots import SnapshotStore
+from sluice.errors import StoreError
 from sluice.pipeline.engine import split_image_rows
 from sluice.pipeline.runtime import TIERS
 from sluice.pipeline.sampling import Sampler
@@ -59,6 +61,7 @@ class EngineWorker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self.active = 0
+        self.fault: str | None = None  # the first store fault a step met (a corrupt block): /health reports it
 
     def start(self) -> None:
         self._thread.start()
@@ -74,6 +77,8 @@ class EngineWorker:
     def _run(self) -> None:
         jobs: deque[Job] = deque()
         while not self._stop.is_set():
+            if not jobs:  # going idle: what the requests freed goes back to the system (bounds the RSS)
+                trim()
             try:
                 while True:  # take everything that arrived; block only when idle
                     job = self._inbox.get(block=not jobs)
@@ -90,8 +95,14 @@ class EngineWorker:
                 try:
                     finished = self._turn(job)
                 except Exception as e:  # the job fails; the server keeps serving
+                    if job.cancelled.is_set():  # its client left during the step, which stopped there
+                        self._close(job, None)
+                        continue
+                    if isinstance(e, StoreError) and self.fault is None:
+                        self.fault = str(e)
                     self.metrics.requests.labels(status="error").inc()
                     job.emit(("error", f"{type(e).__name__}: {e}"))
+                    job.seq = None  # free the state now
                 else:
                     if finished is None:
                         jobs.append(job)
@@ -123,7 +134,7 @@ class EngineWorker:
                 chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
                 token = engine.image_encoder.image_token_id if job.rows is not None else None
                 rows, job.rows = split_image_rows(chunk, job.rows, token)
-                job.logits = engine.extend(job.seq, chunk, rows, last=True)[-1]
+                job.logits = engine.extend(job.seq, chunk, rows, last=True, cancel=job.cancelled)[-1]
                 if job.pending:
                     return None
             else:

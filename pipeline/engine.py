@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from sluice.errors import ConfigError, SluiceError, StoreError
+from sluice.errors import ConfigError, SluiceError, StepCancelled, StoreError
 from sluice.kernels import triton_runs_on
 from sluice.log import get_logger
 from sluice.models import get_architecture
@@ -73,12 +74,11 @@ class Engine:
         config = EngineConfig(**{k: v for k, v in settings.items() if v is not None})
         store = ExpertStore.open(resolve_store(path, progress))
         device = config.torch_device
-        from safetensors.torch import load_file
         from transformers import AutoConfig
 
         arch = get_architecture(store.manifest.architecture)
         hf_config = AutoConfig.from_pretrained(store.path)
-        model = arch.build(hf_config, load_file(store.path / store.manifest.resident), device, config.torch_dtype)
+        model = arch.build(hf_config, store.resident_tensors(config.verify_checksums), device, config.torch_dtype)
         routing = controlled_routing(config.routing, model, device)
         schedule = load_schedule(config.schedule)
         needs = schedule.needs
@@ -149,15 +149,17 @@ class Engine:
         """Logits [T, V] (fp32, CPU) for a fresh sequence of input_ids."""
         return self.extend(self.new_sequence(), input_ids).cpu()
 
-    def extend(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+    def extend(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None, last: bool = False,
+               cancel: threading.Event | None = None) -> torch.Tensor:
         """Append ids to seq; returns their logits [T, V] fp32 on the device, or with `last` only the last
         position's [1, V] (what generation needs: the head then runs on one row). images: `encode_images`
         rows, one per image token in ids, in order; they replace those tokens' embeddings. A prompt longer
         than `prefill_chunk` runs as several steps of at most that many tokens (bounded activation memory; each
-        step reads its experts once). Inside a step a Mamba-2 mixer takes the piece in runs of its `prefill_piece`."""
+        step reads its experts once). Inside a step a Mamba-2 mixer takes the piece in runs of its `prefill_piece`.
+        cancel: once set, the step stops at its next layer with StepCancelled (the sequence is then broken)."""
         n = self.prefill_chunk
         if len(ids) <= n:
-            return self._run(seq, ids, images, "last" if last else "all")
+            return self._run(seq, ids, images, "last" if last else "all", cancel)
         if images is not None:
             self._check_images(ids, images)
         token = self.image_encoder.image_token_id if images is not None else None
@@ -166,12 +168,12 @@ class Engine:
             part = ids[start : start + n]
             rows, images = split_image_rows(part, images, token)
             final = start + n >= len(ids)
-            logits.append(self._run(seq, part, rows, "all" if not last else "last" if final else "none"))
+            logits.append(self._run(seq, part, rows, "all" if not last else "last" if final else "none", cancel))
         return logits[-1] if last else torch.cat(logits)
 
-    def _run(self, seq: Sequence, ids: list[int], images: torch.Tensor | None, head: str) -> torch.Tensor | None:
+    def _run(self, seq: Sequence, ids: list[int], images: torch.Tensor | None, head: str, cancel=None) -> torch.Tensor | None:
         with self._on_device(), attention_backends():
-            return self._loop.run_until_complete(self._guarded_step(seq, ids, images, head))
+            return self._loop.run_until_complete(self._guarded_step(seq, ids, images, head, cancel))
 
     def _on_device(self):
         """The engine's GPU as the calling thread's current device (a server's engine thread starts on device 0): Triton
@@ -268,13 +270,13 @@ class Engine:
     # -- the token step -----------------------------------------------------------------------
 
     async def _guarded_step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None,
-                            head: str = "all") -> torch.Tensor | None:
+                            head: str = "all", cancel=None) -> torch.Tensor | None:
         if seq.broken:
             raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
         if images is not None:
             self._check_images(ids, images)
         try:
-            return await self._step(seq, ids, images, head)
+            return await self._step(seq, ids, images, head, cancel)
         except BaseException:
             seq.broken = True
             await self.rt.recover()
@@ -288,7 +290,7 @@ class Engine:
             raise SluiceError(f"the prompt has {n} image tokens (id {token}); image rows must be [{n}, {D}], got {tuple(images.shape)}")
 
     async def _step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None,
-                    head: str = "all") -> torch.Tensor | None:
+                    head: str = "all", cancel=None) -> torch.Tensor | None:
         """Embed ids (image rows in place of image tokens), run every layer (MoE layers through the stage
         graph), return logits: every position's [T, V] (`head` "all"), the last one's [1, V] ("last"), or
         None ("none": a prompt piece before the last)."""
@@ -302,6 +304,8 @@ class Engine:
                 h[0, mask] = images.to(h.device, h.dtype)
             graphs = self.graphs if len(ids) == 1 else None
             for i, layer in enumerate(model.layers):
+                if cancel is not None and cancel.is_set():  # its client left: a long prefill stops here, not at its end
+                    raise StepCancelled(f"step cancelled at layer {i}")
                 if layer.moe is not None:
                     h = await self.coordinator.moe(i, layer, h, ctx, graphs is not None)
                 else:

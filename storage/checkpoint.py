@@ -47,6 +47,9 @@ class Checkpoint:
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory")
+        if not (path / "manifest.json").exists() and ((path / "resident.safetensors").is_file() or (path / "experts").is_dir()):
+            raise CheckpointError(f"{path}: an expert store whose manifest.json is missing (damaged, or its repack did not "
+                                  "finish); repack it from its checkpoint with --force")
         config = read_config(path)
         shards = _shard_files(path)
         tensors: dict[str, TensorInfo] = {}

@@ -23,7 +23,8 @@ from sluice.models import get_architecture
 from sluice.models.base import ExpertSpec
 from sluice.storage.checkpoint import Checkpoint
 from sluice.storage.safetensors_io import RawTensor, TensorInfo, TensorPart, read_bytes, write_file
-from sluice.storage.store import CHECKSUM, CHECKSUMS, ExpertStore, Manifest, StoreLayer, TensorSlot, plan_layout, relay
+from sluice.storage.replace import check_replaceable
+from sluice.storage.store import CHECKSUM, CHECKSUMS, ExpertStore, Manifest, StoreLayer, TensorSlot, file_checksum, plan_layout, relay
 
 # inside a block, each projection's tensors in this order (weights first, then scales)
 SUFFIX_ORDER = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale",
@@ -125,16 +126,26 @@ def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, p
     source = ckpt.fingerprint()
     store_path = Path(store_path)
 
-    if store_path.exists():
+    if store_path.exists() or store_path.is_symlink():
         current = _existing_source(store_path)
         if current is not None and current.get("sha256") == source["sha256"] and not force:
             return ExpertStore.open(store_path)  # up to date: opening checks sizes and files
         if not force:
             raise StoreError(f"{store_path} already exists{' and holds another checkpoint' if current else ''}; pass --force to replace it")
+        check_replaceable(store_path, ckpt.path, "--force replaces only a Sluice store")
 
     work = store_path.with_name(store_path.name + ".partial")
-    done = _resume_state(work, source)
+    try:
+        return _repack(ckpt, arch, spec, ex, source, store_path, work, progress)
+    except OSError as e:  # disk full, file size limit, permissions: the work so far stays for a rerun to resume
+        raise StoreError(f"{e.filename or work}: cannot write the store: {e.strerror or e}") from None
+
+
+def _repack(ckpt: Checkpoint, arch, spec: ExpertSpec, ex: ExpertTensors, source: dict, store_path: Path, work: Path,
+            progress: bool) -> ExpertStore:
+    done = _resume_state(work, source, ckpt.path, spec.num_experts, ex.block_bytes)
     (work / "experts").mkdir(parents=True, exist_ok=True)
+    _write_json(work / "progress.json", done)  # marks the folder as this repack's from its first byte
 
     layers = []
     total = len(spec.moe_layers) * spec.num_experts * ex.block_bytes
@@ -166,15 +177,17 @@ def repack(ckpt_path: str | Path, store_path: str | Path, force: bool = False, p
         for fd in fds.values():
             os.close(fd)
 
+    files = {}
     for name, part in (("resident.safetensors", ex.resident), ("encoder.safetensors", ex.encoder)):
         if part or name == "resident.safetensors":
             tmp = work / (name + ".tmp")
             write_file(tmp, [RawTensor(i.name, i.dtype, i.shape, source=i) for i in part.values()], {"format": "pt"})
+            files[name] = file_checksum(tmp)
             os.replace(tmp, work / name)
     for f in ckpt.side_files():
         shutil.copyfile(f, work / f.name)
     manifest = Manifest(arch.model_type, spec.kind, spec.num_experts, spec.top_k, ex.block_bytes, ex.slots, ex.formats, tuple(layers), source,
-                        encoder="encoder.safetensors" if ex.encoder else None)
+                        encoder="encoder.safetensors" if ex.encoder else None, files=files)
     _write_json(work / "manifest.json", manifest.to_json())
     (work / "progress.json").unlink()
     _swap_into_place(work, store_path)
@@ -188,23 +201,26 @@ def _existing_source(store_path: Path) -> dict | None:
         return None
 
 
-def _resume_state(work: Path, source: dict) -> dict:
-    """progress.json of an interrupted repack of the same source, or a fresh one."""
+def _resume_state(work: Path, source: dict, ckpt_path: Path, num_experts: int, block_bytes: int) -> dict:
+    """progress.json of an interrupted repack of the same source (its layers whose files are whole), or a fresh
+    one. Work it cannot resume (another source, no or garbled progress.json) is deleted if it is a store's."""
     fresh = {"source": source, "checksum": CHECKSUM, "layers": {}}
-    if not work.exists():
+    if not work.exists() and not work.is_symlink():
         return fresh
-    progress = work / "progress.json"
     try:
-        state = json.loads(progress.read_text())
-    except (OSError, json.JSONDecodeError):
+        state = json.loads((work / "progress.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         state = None
-    if state is None:
-        if any(work.iterdir()):
-            raise StoreError(f"{work} exists but is not an unfinished Sluice repack (no progress.json); move it away")
+    ours = isinstance(state, dict) and isinstance(state.get("layers"), dict) and isinstance(state.get("source"), dict)
+    if not ours or state["source"].get("sha256") != source["sha256"] or state.get("checksum", "xxh64") != CHECKSUM:
+        check_replaceable(work, ckpt_path, "an unfinished repack it cannot resume is cleared")
+        shutil.rmtree(work)  # our own unfinished work: for a different checkpoint, other checksums, or killed early
         return fresh
-    if state.get("source", {}).get("sha256") != source["sha256"] or state.get("checksum", "xxh64") != CHECKSUM:
-        shutil.rmtree(work)  # our own unfinished work for a different checkpoint (or with other checksums)
-        return fresh
+    for layer, sums in list(state["layers"].items()):  # a layer whose file is missing or cut is built again
+        f = work / f"experts/layer_{layer:0>3}.bin"
+        if not layer.isdigit() or not isinstance(sums, list) or len(sums) != num_experts or not f.is_file() \
+                or f.stat().st_size != num_experts * block_bytes:
+            del state["layers"][layer]
     return state
 
 

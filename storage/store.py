@@ -15,7 +15,7 @@ the 16-neuron groups that are live after ReLU^2.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -135,6 +135,7 @@ class Manifest:
     resident: str = "resident.safetensors"
     encoder: str | None = None  # a vision-language model's image encoder tensors, in the checkpoint's names and bytes
     checksum: str = CHECKSUM  # the blocks' checksum (CHECKSUMS)
+    files: dict[str, str] = field(default_factory=dict)  # whole-file checksums ("xxh3_64:<hex>"): resident, encoder
 
     def to_json(self) -> dict:
         return {
@@ -152,28 +153,74 @@ class Manifest:
             "source": self.source,
             "resident": self.resident,
             **({"encoder": self.encoder} if self.encoder else {}),
+            **({"files": self.files} if self.files else {}),
         }
 
     @classmethod
     def from_json(cls, d: dict, where: Path) -> "Manifest":
+        if not isinstance(d, dict):
+            raise StoreError(f"{where}: malformed manifest (a JSON {type(d).__name__}, not an object)")
         if d.get("format") != FORMAT:
-            raise StoreError(f"{where}: not a Sluice expert store manifest (format={d.get('format')!r})")
+            raise StoreError(f"{where}: not a Sluice expert store manifest (format={_short(d.get('format'))})")
         if d.get("version") not in READS:
-            raise StoreError(f"{where}: store format version {d.get('version')} is not supported (this Sluice reads versions "
-                             f"{', '.join(map(str, READS))}); repack with --force")
+            raise StoreError(f"{where}: store format version {_short(d.get('version'))} is not supported (this Sluice reads "
+                             f"versions {', '.join(map(str, READS))}); repack with --force")
         checksum = d.get("checksum", "xxh64" if d["version"] == 2 else None)  # version 2 stores may not name theirs
         if checksum is None:
             raise StoreError(f"{where}: malformed manifest (no block checksum named)")
-        if checksum not in CHECKSUMS:
-            raise StoreError(f"{where}: unknown block checksum {checksum!r} (known: {', '.join(CHECKSUMS)})")
+        if not isinstance(checksum, str) or checksum not in CHECKSUMS:
+            raise StoreError(f"{where}: unknown block checksum {_short(checksum)} (known: {', '.join(CHECKSUMS)})")
         try:
+            for key in ("num_experts", "top_k", "block_bytes"):
+                _check_int(d[key], key, where, 1)
             slots = tuple(TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
+            for t in slots:
+                _check_int(t.offset, f"tensor {t.name!r} offset", where, 0)
+                _check_int(t.nbytes, f"tensor {t.name!r} nbytes", where, 1)
+                if t.offset + t.nbytes > d["block_bytes"]:
+                    raise StoreError(f"{where}: malformed manifest (tensor {t.name!r} ends past the {d['block_bytes']}-byte block)")
             formats = {p: WeightFormat.from_json(f) for p, f in d["formats"].items()}
             layers = tuple(StoreLayer(l["layer"], l["file"], tuple(l["checksums"])) for l in d["layers"])
-            return cls(d["architecture"], d["expert_kind"], d["num_experts"], d["top_k"], d["block_bytes"], slots, formats, layers, d["source"], d.get("resident", "resident.safetensors"),
-                       d.get("encoder"), checksum)
-        except (KeyError, TypeError) as e:
-            raise StoreError(f"{where}: malformed manifest ({e!r})") from None
+            for l in layers:
+                _check_int(l.layer, "layer", where, 0)
+                _check_name(l.file, f"layer {l.layer} file", where)
+            files = d.get("files", {})
+            if not isinstance(files, dict) or not all(isinstance(v, str) and v.split(":")[0] in CHECKSUMS for v in files.values()):
+                raise StoreError(f"{where}: malformed manifest ('files' must map names to checksums)")
+            resident = d.get("resident", "resident.safetensors")
+            for name in (resident, d.get("encoder"), *files):
+                if name is not None:
+                    _check_name(name, "file name", where)
+            return cls(d["architecture"], d["expert_kind"], d["num_experts"], d["top_k"], d["block_bytes"], slots, formats, layers,
+                       d["source"], resident, d.get("encoder"), checksum, files)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise StoreError(f"{where}: malformed manifest ({_short(e)})") from None
+
+
+def _short(value, n: int = 80) -> str:
+    """repr cut to n characters: a message names a bad value, it does not print a megabyte of it."""
+    r = repr(value)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _check_int(value, key: str, where: Path, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise StoreError(f"{where}: malformed manifest ({key} must be an integer >= {low}, got {_short(value)})")
+
+
+def _check_name(name, key: str, where: Path) -> None:
+    """A path inside the store: relative, no `..` (a manifest never points outside its folder)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise StoreError(f"{where}: malformed manifest ({key} must be a path inside the store, got {_short(name)})")
+
+
+def file_checksum(path: Path, checksum: str = CHECKSUM, piece: int = 8 << 20) -> str:
+    """"<checksum>:<hex>" of a whole file, read in pieces (bounded memory); the name travels with the value."""
+    h = {"xxh64": xxhash.xxh64, "xxh3_64": xxhash.xxh3_64}[checksum]()
+    with open(path, "rb") as f:
+        while data := f.read(piece):
+            h.update(data)
+    return f"{checksum}:{h.intdigest():016x}"
 
 
 class ExpertStore:
@@ -196,7 +243,7 @@ class ExpertStore:
             raise StoreError(f"{path}: no manifest.json (not an expert store, or its repack did not finish)")
         try:
             manifest = Manifest.from_json(json.loads(mf.read_text()), mf)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise StoreError(f"{mf}: not valid JSON ({e})") from None
         store = cls(path, manifest)
         expected = manifest.num_experts * manifest.block_bytes
@@ -209,10 +256,29 @@ class ExpertStore:
                 raise StoreError(f"{f}: {size} bytes, expected {expected} ({manifest.num_experts} blocks of {manifest.block_bytes}); truncated store?")
             if len(l.checksums) != manifest.num_experts:
                 raise StoreError(f"{mf}: layer {l.layer} has {len(l.checksums)} checksums for {manifest.num_experts} experts")
-        for part in (manifest.resident, manifest.encoder):
+        for part in (manifest.resident, manifest.encoder, "config.json"):
             if part is not None and not (path / part).is_file():
                 raise StoreError(f"{path}: {part} is missing")
         return store
+
+    def resident_tensors(self, verify: bool = True) -> dict[str, torch.Tensor]:
+        """The resident tensors (CPU). verify: the file's checksum is checked first (one sequential read; stores
+        from before the checksum was recorded are not checked). A damaged file raises StoreError naming it."""
+        from safetensors.torch import load_file
+
+        f = self.path / self.manifest.resident
+        self.check_file(self.manifest.resident, verify)
+        try:
+            return load_file(f)
+        except Exception as e:  # safetensors raises its own errors for a cut or garbled header
+            raise StoreError(f"{f}: unreadable ({_short(str(e), 160)}); repack the store (or copy it again)") from None
+
+    def check_file(self, name: str, verify: bool = True) -> None:
+        """Raise StoreError if file `name` of the store differs from the checksum the manifest records."""
+        want = self.manifest.files.get(name)
+        if verify and want is not None and file_checksum(self.path / name, want.split(":")[0]) != want:
+            raise StoreError(f"{self.path / name}: checksum mismatch (the file was changed or damaged after repack); "
+                             "repack the store (or copy it again)")
 
     @property
     def num_experts(self) -> int:

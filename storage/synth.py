@@ -80,6 +80,8 @@ def _config(shape: str, moe_layers: int | None):
     model_type, kw = SHAPES[shape]
     kw = dict(kw, dtype="bfloat16")
     cfg = AutoConfig.for_model(model_type, **kw)
+    if moe_layers is not None and moe_layers < 1:
+        raise ConfigError(f"--moe-layers: must be >= 1, got {moe_layers}")
     if moe_layers:
         from sluice.models import get_architecture
 

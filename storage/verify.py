@@ -22,13 +22,21 @@ from sluice.storage.store import ExpertStore, unrelay
 def verify(store_path: str | Path, source: str | Path | None = None, progress: bool = True) -> list[str]:
     store = ExpertStore.open(store_path)
     m = store.manifest
-    src_path = Path(source) if source is not None else Path(m.source["path"])
+    recorded = m.source.get("path") if isinstance(m.source, dict) else None
+    if source is None and not isinstance(recorded, str):
+        raise StoreError(f"{store.path / 'manifest.json'}: records no source checkpoint path; pass --source PATH")
+    src_path = Path(source) if source is not None else Path(recorded)
     if not src_path.is_dir():
         raise StoreError(f"source checkpoint {src_path} is not available; pass --source PATH")
     ckpt = Checkpoint.open(src_path)
     arch, hf = get_architecture(m.architecture), ckpt.hf_config()
     ex = classify(ckpt, arch.expert_spec(hf), arch.ignored(hf))
     problems: list[str] = []
+    for name in m.files:
+        try:
+            store.check_file(name)
+        except StoreError as e:
+            problems.append(str(e))
     if ex.slots != m.slots or ex.block_bytes != m.block_bytes:
         problems.append("block layout differs from what the source checkpoint gives")
         return problems

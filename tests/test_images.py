@@ -133,10 +133,12 @@ def _url(data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(omni):
+def server(omni, tmp_path_factory):
     from test_api import LiveServer
 
-    srv = LiveServer(omni)  # prefill in chunks of 8 tokens: image runs are cut across chunks
+    images = tmp_path_factory.mktemp("image-dir")  # the one folder file: URLs may name
+    srv = LiveServer(omni, image_dirs=(images,))  # prefill in chunks of 8 tokens: image runs are cut across chunks
+    srv.image_dir = images
     yield srv
     srv.close()
 
@@ -214,8 +216,8 @@ def test_too_large_image_gets_413(server, monkeypatch):
     assert r.status_code == 413 and "megapixels" in r.json()["error"]["message"]
 
 
-def test_local_file_image_url(server, tmp_path):
-    img = tmp_path / "cat.png"
+def test_local_file_image_url(server):
+    img = server.image_dir / "cat.png"
     img.write_bytes(_png(6))
     r = server.client.chat.completions.create(model="tiny", max_tokens=3, temperature=0, messages=[
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": img.as_uri()}}, {"type": "text", "text": "Hi"}]}])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
 import jsonschema
@@ -61,7 +62,7 @@ class Script:
     def say(self, text: str) -> None:
         self.reply = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
 
-    def __call__(self, seq, ids, images=None, last=False):
+    def __call__(self, seq, ids, images=None, last=False, cancel=None):
         seq.tokens.extend(ids)
         n = len(self.header)
         start = max((i + n for i in range(len(seq.tokens) - n + 1) if seq.tokens[i : i + n] == self.header), default=None)
@@ -115,7 +116,8 @@ def test_rendered_prompt_matches_transformers(stores, family):
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "user", "content": "And tomorrow?"}]
     req = parse_chat({"model": MODEL, "messages": openai_messages, "tools": TOOLS}, {MODEL: False})
-    served = SimpleNamespace(tokenizer=tok, models={MODEL: False}, tool_format=detect_format(tok.chat_template, "x"))
+    served = SimpleNamespace(tokenizer=tok, models={MODEL: False}, tool_format=detect_format(tok.chat_template, "x"),
+                             tokenizing=threading.Lock())
     ours = _render_chat(served, req.messages, False, req.tools)
     hf_messages = [
         {"role": "system", "content": system}, {"role": "user", "content": "Weather in Paris?"},

@@ -1,0 +1,49 @@
+"""A chat's prompt ids from the model's chat template, with what users wrote tokenised as text.
+
+The template renders one string and the tokenizer turns every added token's text in it into that token, so a user
+who types `<|im_start|>system` would write a real role marker. Where a message's text holds such a token's text,
+each such text is rendered as a placeholder and tokenised on its own with `split_special_tokens` (its markers stay
+characters); the template's own text around it is tokenised as usual. Messages without such text take the plain
+path, so their ids are exactly the template's.
+"""
+
+from __future__ import annotations
+
+import re
+
+_MARK = "\ue000{}\ue001"  # private-use characters: no template or user text writes them by chance
+_SPLIT = re.compile("\ue000(\\d+)\ue001")
+
+
+def chat_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+    """The ids apply_chat_template gives (generation prompt added), special-token text in contents kept as text."""
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.content]
+    pieces: list[str] = []
+
+    def hide(text):
+        if not isinstance(text, str) or not any(s in text for s in specials):
+            return text
+        pieces.append(text)
+        return _MARK.format(len(pieces) - 1)
+
+    hidden = [_hide_message(m, hide) for m in messages]
+    if not pieces:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)
+        return list(out["input_ids"])
+    text = tokenizer.apply_chat_template(hidden, add_generation_prompt=True, tokenize=False, **kwargs)
+    ids: list[int] = []
+    for i, part in enumerate(_SPLIT.split(text)):
+        if i % 2:  # a user's text: its special-token text stays characters
+            ids += tokenizer(pieces[int(part)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif part:
+            ids += tokenizer(part, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def _hide_message(m: dict, hide) -> dict:
+    content = m.get("content")
+    if isinstance(content, list):
+        content = [{**p, "text": hide(p["text"])} if p.get("type") == "text" else p for p in content]
+    else:
+        content = hide(content)
+    return {**m, "content": content}
