@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from sluice.errors import SluiceError
+from sluice import options
 from sluice.benchmarks.commands import add_bench_parser
+from sluice.errors import SluiceError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,20 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    _engine_args(g)
+    options.engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--image", type=Path, action="append", default=[],
                    help="an image before the prompt (vision-language models; repeat for several)")
     g.add_argument("--doc", action="store_true", help="images at the processor's maximum resolution (for reading documents)")
-    _sampling_args(g)
+    options.sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     sy = sub.add_parser("synth", help="a random-weight checkpoint with the exact tensor shapes of a real model")
     sy.add_argument("out", type=Path)
     sy.add_argument("--shape", required=True, help="nemotron-3.5-super | nemotron-3-nano-30b-a3b | qwen3-30b-a3b | qwen3-next-80b-a3b | deepseek-v3")
     sy.add_argument("--format", default="nvfp4", help="routed experts in nvfp4 | fp8 (128x128 blocks) | bf16")
-    sy.add_argument("--moe-layers", type=_at_least(1), help="keep the layers up to the N-th MoE layer (a slice that fits the disk)")
+    sy.add_argument("--moe-layers", type=options.at_least(1), help="keep the layers up to the N-th MoE layer (a slice that fits the disk)")
     sy.add_argument("--headers-only", action="store_true", help="write only the shards' headers (for `sluice plan`)")
     sy.set_defaults(func=cmd_synth)
 
@@ -93,15 +94,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and conversation snapshots")
-    _engine_args(sv)
+    options.engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
-    sv.add_argument("--port", type=_port, default=8000, help="port to listen on (default: %(default)s)")
+    sv.add_argument("--port", type=options.port, default=8000, help="port to listen on (default: %(default)s)")
     sv.add_argument("--model-id", help="the id clients use (default: the model folder's name; sluice-default for the bundled model)")
     sv.add_argument("--snapshot-ram", default="2GiB", help="RAM for conversation snapshots, LRU (default: %(default)s)")
     sv.add_argument("--snapshot-dir", type=Path, help="a folder for conversation snapshots beyond --snapshot-ram, and for all of "
                     "them when the server stops: a restarted server continues the conversations (default: none, RAM only)")
     sv.add_argument("--snapshot-disk", default="8GiB", help="disk space --snapshot-dir may take, LRU (default: %(default)s)")
-    sv.add_argument("--context", type=_at_least(2), help="context length limit (default: the model's max_position_embeddings)")
+    sv.add_argument("--context", type=options.at_least(2), help="context length limit (default: the model's max_position_embeddings)")
     sv.add_argument("--default-max-tokens", type=int, metavar="N", help="reply length for requests that name no max_tokens "
                     "(chat front ends' background tasks often do not; default: 1024, or half the context when that is "
                     "shorter; 0: up to the end of the context)")
@@ -122,107 +123,12 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (the conversation state is kept between turns)")
-    _engine_args(c)
-    _sampling_args(c)
+    options.engine_args(c)
+    options.sampling_args(c)
     c.set_defaults(func=cmd_chat)
     for command in sub.choices.values():  # also after the command (SUPPRESS: it does not undo one given before it)
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return p
-
-
-def _int(text: str, low: int, high: float = float("inf")) -> int:
-    """argparse type check: an integer in [low, high] (a negative count or length is a mistake, not "all")."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not low <= n <= high:
-        raise argparse.ArgumentTypeError(f"must be {'>= %d' % low if high == float('inf') else f'in [{low}, {high}]'}, got {n}")
-    return n
-
-
-def _at_least(low: int):
-    return lambda text: _int(text, low)
-
-
-def _seed(text: str) -> int:
-    return _int(text, 0, 2**63 - 1)  # what torch's generator takes
-
-
-def _port(text: str) -> int:
-    return _int(text, 0, 65535)
-
-
-def _out_file(text: str) -> str:
-    """argparse type: a file to write, whose folder exists (checked before a model loads, not at the first write)."""
-    folder = Path(text).expanduser().absolute().parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist")
-    return text
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint or expert store (default: the bundled default model)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s: a GPU if there is one)")
-    p.add_argument("--ram-cache", help="host RAM for expert blocks, e.g. 8GiB (default: a quarter of free RAM)")
-    p.add_argument("--vram-slots", type=int, help="expert slots on the GPU (default: 4 x top-k)")
-    p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
-                                         "gets what the resident part and a reserve leave")
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")
-    p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
-                   help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
-                        "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
-    p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
-                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:direct.depth=2 (default: %(default)s)")
-    p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
-                   help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM "
-                        "(default: %(default)s: resident when it fits twice over in the VRAM left)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="resident dtype (default: the checkpoint's)")
-    p.add_argument("--no-verify", action="store_true", help="skip the checksums of blocks read from disk and of the resident file at load: faster, but a "
-                   "damaged store then gives wrong text without an error")
-    p.add_argument("--trace", type=_out_file, help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
-    p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs, each of its experts read once (the "
-                                                     "server also takes turns between requests by it); default: 2048")
-    p.add_argument("--mixer-chunk", type=int, help="longest run of a prompt piece a Mamba-2 mixer prefills at once; default: 512, "
-                                                   "or under --vram-budget the largest power of two <= 512 whose scratch fits "
-                                                   "what the expert slots leave")
-    p.add_argument("--record-routing", type=_out_file, metavar="FILE", help="record per-token routing (experts, guesses, tiers) for `sluice simulate`")
-    p.add_argument("--routing", default="natural", metavar="SETTING",
-                   help="which experts tokens route to: natural (the model's routers; default) | uniform | skewed[:popularity=S,"
-                        "reuse=P,recall=Q] | trace:FILE[,recall=Q] (benchmarks: the router runs, its ids are drawn; "
-                        "storage/routing.py)")
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=_at_least(1), default=64, metavar="N",
-                   help="tokens to generate at most; --max-tokens is the OpenAI name (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: sample among the likeliest tokens whose "
-                                                            "probabilities sum to this; 1 keeps all (default: %(default)s)")
-    p.add_argument("--seed", type=_seed, help="seed of the sampler (default: a new one each run; greedy needs none)")
-
-
-def _open_engine(args):
-    import sluice
-    from sluice.models.tiny import default_model_path
-
-    model = args.model or default_model_path()
-    return sluice.load(
-        model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
-        resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
-        dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
-        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba,
-        routing=getattr(args, "routing", "natural"),
-    )
-
-
-def _tokenizer(engine):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(engine.store.path)
-    except Exception as e:
-        raise SluiceError(f"{engine.store.path}: no usable tokenizer ({e})") from None
 
 
 def cmd_repack(args) -> int:
@@ -291,8 +197,8 @@ def _chat_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    with _open_engine(args) as engine:
-        tok = _tokenizer(engine)
+    with options.open_engine(args) as engine:
+        tok = options.tokenizer(engine)
         images = rows = None
         if args.image:
             from sluice.models.vision import ImageSettings, ImageTokens, prepare_images
@@ -404,13 +310,13 @@ def cmd_serve(args) -> int:
     for d in args.image_dir:
         if not d.is_dir():
             raise SluiceError(f"--image-dir {d}: not a folder")
-    engine = _open_engine(args)
+    engine = options.open_engine(args)
     warm = args.warm_up if args.warm_up is not None else 512 if engine.device.type == "cuda" else 0
     if warm > 0:
         log.info("warming up", prompt_tokens=warm)
         log.info("warm", seconds=round(engine.warm_up(warm), 1))
     model_id = args.model_id or (Path(args.model).name if args.model else "sluice-default")
-    app = create_app(engine, _tokenizer(engine), model_id, snapshot_bytes=ram, context=args.context,
+    app = create_app(engine, options.tokenizer(engine), model_id, snapshot_bytes=ram, context=args.context,
                      default_max_tokens=args.default_max_tokens, truncate=args.truncate, log_format=args.log_format,
                      snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk, image_dirs=tuple(args.image_dir),
                      api_key=args.api_key, max_body=body)
@@ -423,8 +329,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    with _open_engine(args) as engine:
-        tok = _tokenizer(engine)
+    with options.open_engine(args) as engine:
+        tok = options.tokenizer(engine)
         messages: list[dict] = []
         seq = engine.new_sequence()
         print("chat: empty line or Ctrl-D to quit", file=sys.stderr)

@@ -10,12 +10,12 @@ from sluice.errors import SluiceError
 
 def add_bench_parser(sub) -> None:
     """The `bench` command and its subcommands, on the top-level parser's subparsers `sub`."""
-    from sluice.cli import _engine_args
+    from sluice.options import engine_args
 
     b = sub.add_parser("bench", help="benchmarks (on a GPU)")
     bsub = b.add_subparsers(metavar="WHAT")
     bm = bsub.add_parser("model", help="decode and prefill speed of a model, with its expert I/O and the PCIe roofline")
-    _engine_args(bm)
+    engine_args(bm)
     bm.add_argument("--prompt-lengths", default="32,512", help="comma-separated prefill lengths")
     bm.add_argument("--decode-tokens", type=int, default=32)
     bm.add_argument("--cold", action="store_true", help="time each prompt length, and decode after a 32-token prompt, from empty "
@@ -81,13 +81,13 @@ def add_bench_parser(sub) -> None:
 def cmd_bench_model(args) -> int:
     import json
 
-    from sluice.cli import _open_engine
+    from sluice.options import open_engine
     from sluice.benchmarks.model import bench_model, format_bench, profile_decode, resident_roofline
 
     lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
     if args.compare:
         return _bench_compare(args, lengths)
-    with _open_engine(args) as engine:
+    with open_engine(args) as engine:
         r = bench_model(engine, lengths, args.decode_tokens, warm=not args.cold)
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name} | "
               f"RAM {engine.rt.ram.capacity} blocks | block {engine.store.block_bytes:,} bytes")
@@ -122,25 +122,25 @@ def _resident_alone(args) -> float:
 
 
 def _resident_alone_run(args) -> float:
-    from sluice.cli import _open_engine
+    from sluice.options import open_engine
     from sluice.benchmarks.model import bench_model
 
     args.schedule, args.ram_cache = "resident-alone", None  # no expert blocks: one RAM slot
-    with _open_engine(args) as engine:
+    with open_engine(args) as engine:
         return bench_model(engine, (), args.decode_tokens, warm=not args.cold)["decode"]["ms_per_token_median"]
 
 
 def _bench_compare(args, lengths) -> int:
     import json
 
-    from sluice.cli import _open_engine
+    from sluice.options import open_engine
     from sluice.benchmarks.model import bench_model, format_compare, resident_roofline
     from sluice.kernels.rates import ram_read_bandwidth
 
     results, block = [], 0
     for name in [n for n in args.compare.split(",") if n]:
         args.schedule = name
-        with _open_engine(args) as engine:
+        with open_engine(args) as engine:
             r = bench_model(engine, lengths, args.decode_tokens, warm=not args.cold)
             if engine.rt.cpu_s_per_block:
                 r["cpu_gbps"] = engine.store.block_bytes / engine.rt.cpu_s_per_block / 1e9
