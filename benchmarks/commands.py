@@ -111,8 +111,8 @@ def cmd_bench_model(args) -> int:
 def _resident_alone(args) -> float:
     """Median decode ms/token of the model with its routed experts skipped (schedules/resident-alone.yaml), at the same
     settings: the resident part's own time, measured alone. In a fresh process: measured in the process that had just
-    run the whole model, it came out slower than the whole model's decode (8.35 against 6.49 ms, an H200; cause not
-    found), which cannot be the resident part's own time."""
+    run the whole model, it came out slower than the whole model's decode (cause not found), which cannot be the
+    resident part's own time."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:

@@ -300,22 +300,20 @@ def matvec(bank: torch.Tensor, offs: torch.Tensor, v: torch.Tensor, layout: Proj
     nibbles, their scales loaded as contiguous runs (2) or gathered word by word (1); 0: as bytes in
     [rows, groups, bytes] tiles, the earlier formulation. 1 and 0 are kept for the sweep. 3 (NVFP4; MXFP4
     reads it as 2): a scale group's two words read as one int64 and put through the e4m3 conversion and f16x2 FMAs
-    (f16x2.fp4_pair_dot_f16x2), v first packed by `x_pairs` (one more launch); 1.05-1.19 x faster than 2 on ReLU^2
-    up projections in `sluice bench kernels` (on SwiGLU gate+up slower at Qwen3-30B's shape, faster at
-    gpt-oss-120b's: BENCHMARKS.md, nineteenth session), the default for ReLU^2 on sm_89+
+    (f16x2.fp4_pair_dot_f16x2), v first packed by `x_pairs` (one more launch); faster than 2 on ReLU^2 up
+    projections in `sluice bench kernels` (docs/benchmarks/), the default for ReLU^2 on sm_89+
     (stages/compute.py fp4_formulation). Where the tiles cover N and K whole, its loads test no bounds. 3 also takes FP8 weights
     (K a multiple of 4) through f16x2: int32 words of four E4M3 inputs, two conversions and two f16x2 FMAs each,
     x packed in pairs for them (`x_pairs` with fp8); other formats ignore it.
 
     f16x2 details: ahead: each step's words are requested before the previous step's arithmetic; None: below 2048
-    inputs, where it measured 1.03 x on the H200 (0.89-1.00 x with the wider tiles above: BENCHMARKS.md, fourteenth
-    session). NVFP4's last step requests the row's first words again, so whole tiles test no bounds. pairs (relu2
+    inputs, where requesting ahead did not pay (docs/benchmarks/). NVFP4's last step requests the row's first words again, so whole tiles test no bounds. pairs (relu2
     epilogue): h is also written as `h_pairs` packs it, (int32 [A, N/2], fp32 [A, N/16]), for down_relaid's f16x2
     path (scaled for FP8 weights with pairs_fp8): no packing launch there.
 
-    Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (BENCHMARKS.md): FP4 words
-    32 x 256 (16 x 1024 from 2048 inputs on), f16x2 32 x 256 (16 x 512 from 2048 on; NVFP4 16 x 256 below 2048:
-    1.08 x faster on super's up, twentieth session), FP8 8 x 256, dense 16 x 256."""
+    Tiles (bn rows x bk inputs, 4 warps) were picked by timing on an H200 (`sluice bench kernels`): FP4 words
+    32 x 256 (16 x 1024 from 2048 inputs on), f16x2 32 x 256 (16 x 512 from 2048 on; NVFP4 16 x 256 below 2048),
+    FP8 8 x 256, dense 16 x 256."""
     A = offs.numel()
     fp8 = layout.fmt in FP8_FORMATS
     words = fp4_words if layout.fmt in SCALE_GROUPS else 3 if fp4_words == 3 and fp8 and layout.k % 4 == 0 else 0

@@ -52,8 +52,7 @@ def _down_relaid_kernel(
         n_live = 0
         for g in range(g0, g1):
             hg = tl.load(hp + g * 16 + tl.arange(0, 16)).to(tl.float32)
-            # a branch, not masked loads: with loads masked off for dead groups the kernel ran 0.5-0.9 x as fast
-            # at 25-50% live groups on the H200 (BENCHMARKS.md, thirteenth session)
+            # a branch, not masked loads: masked-off loads of dead groups still cost most of a load
             if tl.max(tl.abs(hg), axis=0) > SKIP_BELOW:  # -1 reads every group, 0 skips all-zero groups
                 n_live += 1
                 acc += _down_group(base, hp, g, d, dm, hg, Dx, W_OFF, S_OFF, S_STRIDE, FMT, WDT, BLOCK, SG, R)

@@ -70,8 +70,8 @@ def fp4_pair_dot_f16x2(word, word2, X0, X1, X2, X3, Y0, Y1, Y2, Y3, ASM: tl.cons
     """sum_i E2M1(nibble i) * x_i * 2**-6 as fp32 over a scale group's two words of eight nibbles (word: inputs 0-7,
     X0..X3 their x pairs; word2: inputs 8-15, Y0..Y3), elementwise; the pairs are int32 bits of f16x2. Its sixteen
     products are summed in f16x2 (x scaled so that they and their sums fit fp16: `x_pair_scales`), the two halves in
-    fp32. One scale group per call reads the group as one int64 and leaves the word sums in fp16: 1.01-1.05 x faster
-    than a call per word on the H200 (BENCHMARKS.md, nineteenth session). ASM: one inline-PTX call (sm_89+); else the
+    fp32. One scale group per call reads the group as one int64 and leaves the word sums in fp16 (fewer calls than one
+    per word). ASM: one inline-PTX call (sm_89+); else the
     same pairing and fp16 products in Triton (the interpreter's path: mul + add where the PTX fuses, so not
     bit-identical)."""
     if ASM:

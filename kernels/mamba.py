@@ -16,9 +16,8 @@ Arithmetic in fp32 throughout (transformers rounds some intermediates to the mod
 agree within that rounding). `mamba_step_ref` is the plain-torch reference.
 
 Prompts: transformers' chunked scan (`mamba2_chunk_scan`, PyTorch without mamba_ssm) is ~95 small kernels a call,
-1.1 ms of host time and 1.3 ms of GPU time for 512 tokens of a Nemotron-3-Nano mixer on the H200. `ssm_scan` runs the
-same recurrence token by token, one program per (head, block of head channels) holding its block of the state in
-registers: one launch, 0.05 ms of host time, 0.58 ms on the GPU (BENCHMARKS.md, twelfth session). `ssm_scan_ref` is
+host-bound. `ssm_scan` runs the same recurrence token by token, one program per (head, block of head channels)
+holding its block of the state in registers: one launch. `ssm_scan_ref` is
 its plain-torch reference; models/nemotron_h.py puts it in transformers' mixer for the duration of a prompt's call.
 
 Shape legend: H heads, P head_dim, N state size, G groups (heads share B and C per group), I = H * P,

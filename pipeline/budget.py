@@ -18,8 +18,8 @@ MAX_MIXER_CHUNK = 512  # the default (and the automatic piece's largest) run of 
 
 def reserve_bytes(budget: int, scratch: int) -> int:
     """What a VRAM budget keeps free of expert slots: 2 GiB, a quarter of the budget, or twice the largest
-    temporary of a prefill chunk and a margin (an 8 GiB run of a full Nemotron-3-Nano with a 2 GiB
-    reserve failed a 1 GiB allocation with 1 GiB free but fragmented: H200, BENCHMARKS.md)."""
+    temporary of a prefill chunk and a margin (a reserve of exactly one chunk's temporaries fails once the
+    allocator has fragmented it)."""
     return max(VRAM_RESERVE, budget // 4, 2 * scratch + SCRATCH_MARGIN)
 
 

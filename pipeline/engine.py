@@ -95,8 +95,8 @@ class Engine:
         _check_guess_extra(needs.guess_extra, model, routing, store.manifest.architecture)
         if config.fused_mamba and not triton_runs_on(device):
             raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
-        # by default on CUDA (1.2-1.4 x faster decode on an H200, BENCHMARKS.md); a CPU keeps transformers' step (the
-        # kernels would run in Triton's interpreter there)
+        # by default on CUDA (faster decode: docs/benchmarks/); a CPU keeps transformers' step (the kernels would run
+        # in Triton's interpreter there)
         fused_mamba = config.fused_mamba if config.fused_mamba is not None else device.type == "cuda"
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK
@@ -348,9 +348,8 @@ MAX_PREFILL_CHUNK = 2048  # the default prompt piece of one step
 
 def attention_backends():
     """The SDPA backends a step may use: flash, memory-efficient and math, not cuDNN. cuDNN builds an execution
-    plan for every new query and key length (~8.5 ms of host time per attention call on the H200), and decode
-    gives every step a key length the process has not seen: a full Nemotron-3-Nano's 6 attention layers cost
-    ~51 ms per token until a sequence has been that long once (BENCHMARKS.md, eighth session)."""
+    plan for every new query and key length, milliseconds of host time each, and decode gives every step a key
+    length the process has not seen, so every attention layer would pay it every token."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

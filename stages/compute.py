@@ -66,7 +66,7 @@ class ComputeKnobs:
     cpu_compile: bool = True  # the hybrid path's CPU kernels through torch.compile (else eager torch ops)
     cpu_threads: int = 0  # the hybrid path's native CPU kernels' threads; 0: all cores but two (the host's own work)
     cpu_int8: bool = False  # the hybrid path's FP4 experts with activations rounded to int8 per scale group (AVX-512 VNNI;
-    # 1.4-1.8 x faster ReLU^2 experts, each output ~0.5% off the fp32 kernels': kernels/cpu_native.py)
+    # faster ReLU^2 experts, each output ~0.5% off the fp32 kernels': kernels/cpu_native.py)
     fp4_matvec: str = "auto"  # one-token NVFP4 / FP8 formulation: f16x2 | words | auto (fp4_formulation)
 
 
@@ -93,11 +93,9 @@ def fp4_formulation(choice: str, kind: str, device: torch.device, fp8: bool = Fa
     """The one-token formulation a stage's `fp4_matvec` knob gives: `words` (NVFP4 as 32-bit words of eight nibbles,
     each decoded to fp32 in software) or `f16x2` (nibbles widened to e4m3 bytes, `cvt.rn.f16x2.e4m3x2`, f16x2 FMAs;
     fp16 products; for ReLU^2 experts also the re-laid down in f16x2, NVFP4 or FP8). `auto` takes f16x2 where its
-    kernels measured faster or the same on the H200 (`sluice bench kernels`, BENCHMARKS.md): ReLU^2 experts (up
-    projections 1.05-1.26 x, re-laid downs 1.6-2.2 x) and FP8 experts of any kind (`fp8`: SwiGLU gate+up and down 1.0 x
-    on Qwen3-30B's shape, 1.4 x on gpt-oss-120b's); not NVFP4 SwiGLU (gate+up 0.93-0.97 x on Qwen3-30B's). Only on a
-    GPU with the e4m3 conversion (compute capability 8.9 on), else words. A full Nemotron-3-Nano's decode is the same
-    either way (7.56 / 7.49 ms/token: the resident layers dominate)."""
+    kernels timed faster or the same (`sluice bench kernels`; figures in docs/benchmarks/): ReLU^2 experts and FP8
+    experts of any kind, not NVFP4 SwiGLU. Only on a GPU with the e4m3 conversion (compute capability 8.9 on), else
+    words."""
     e4m3 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if choice == "f16x2" and device.type == "cuda" and not e4m3:
         cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
@@ -194,8 +192,7 @@ class Compute(Stage):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-cpu-experts")
             # the worker takes the GIL back between its kernel calls while the event loop's thread, busy
-            # launching the GPU's work, holds it: at Python's default 5 ms switch interval a CPU expert
-            # took 3 ms in the engine against 0.3 ms alone (H200 host, BENCHMARKS.md)
+            # launching the GPU's work, holds it: Python's default 5 ms switch interval starves it
             _short_gil_switch(+1)
         return self._pool
 
