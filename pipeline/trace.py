@@ -5,6 +5,8 @@ maps onto stages/. Each stage gets a host track (wall time of its coroutine for 
 on CUDA, a GPU track on its stream (from an event recorded when the stage starts to one when it
 ends). Disk reads are async spans on a "reads" track. GPU timestamps are resolved at `flush()`
 (after the step's sync) against a reference event, so tracing adds no sync of its own.
+A stage fused into one call (the direct stage's one-token step, one CUDA graph) times its parts with `phase`, under
+the same stage names: host spans where it runs eagerly, GPU spans from events the graph itself records on replay.
 When disabled every call returns at once.
 """
 
@@ -56,14 +58,50 @@ class Tracer:
         try:
             yield
         finally:
-            dur = _now_us() - t
-            self._add(name, f"host/{name}", t, dur, layer=layer)
-            self.totals[name][0] += 1
-            self.totals[name][1] += dur
+            self._host(name, layer, t, _now_us() - t)
             if start_ev is not None:
                 self._pending_gpu.append((name, stream, layer, start_ev, self.streams.record(stream, timing=True)))
-            if self._log is not None:
-                self._log.info("stage", stage=name, layer=layer, step=self.step, host_us=round(dur, 1), start_us=round(t - self._t0, 1))
+
+    def _host(self, name: str, layer: int, t: float, dur: float) -> None:
+        """A host span of stage `name` from t, dur us long: in the Chrome trace, the totals and the JSON lines."""
+        self._add(name, f"host/{name}", t, dur, layer=layer)
+        self.totals[name][0] += 1
+        self.totals[name][1] += dur
+        if self._log is not None:
+            self._log.info("stage", stage=name, layer=layer, step=self.step, host_us=round(dur, 1), start_us=round(t - self._t0, 1))
+
+    @contextlib.contextmanager
+    def phase(self, name: str, layer: int, stream: str, marks: list):
+        """The part `name` (a stage's name) of a fused step of `layer`, on the current CUDA stream or the CPU. Run
+        eagerly: a host span (and on CUDA a GPU span). Inside a CUDA graph's capture: two event-record nodes of the
+        graph (`external` events), kept in `marks` for `replayed`, nothing on the host."""
+        if not self.enabled:
+            yield
+            return
+        import torch
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True, external=capturing)
+            start.record()
+        t = _now_us()
+        try:
+            yield
+        finally:
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True, external=capturing)
+                end.record()
+                (marks.append if capturing else self._pending_gpu.append)((name, stream, layer, start, end))
+            if not capturing:
+                self._host(name, layer, t, _now_us() - t)
+
+    def replayed(self, marks: list) -> None:
+        """A graph holding `phase` marks was replayed: its parts' GPU spans are read at `flush`."""
+        if self.enabled:
+            self._pending_gpu.extend(marks)
+            for name, *_ in marks:
+                self.totals[name][0] += 1
 
     def read_started(self, layer: int, expert: int, fut: Future) -> None:
         """An async span on the reads track from submission to landing (completion is seen in a reader thread)."""

@@ -17,8 +17,9 @@ The stage in five files:
 - direct_ram.py: the RAM side: every block held (`hold: true`, the default: `--ram-cache` at least the store's expert
   bytes), or an LRU cache filled from disk (`hold: false`).
 
-The default keeps routed ids on the GPU, so it records no routing traces (`hold: false` does: `_record`); the trace
-shows one `direct` span per MoE layer.
+The default keeps routed ids on the GPU, so it records no routing traces (`hold: false` does: `_record`). A trace
+(--trace) shows a `direct` span per MoE layer and, inside it, one span per stage the step fuses (route, predict,
+fetch, compute, combine: `Tracer.phase`), as GPU spans the layer's CUDA graph records itself on every replay.
 
 `hold: false` (schedules/direct-stream.yaml) is for stores larger than RAM: the RAM tier is an LRU cache of at least
 one layer's experts, and every step brings the routed ids to the host (one wait per MoE layer); the blocks a layer
@@ -165,6 +166,7 @@ class Direct(TokenSteps, PromptSteps, Stage):
 
             self._graphs = FnGraphs(rt.pools)
         self._steppers = {}
+        self._marks: dict[tuple, list] = {}  # per stepper, with a trace: the `Tracer.phase` marks its graph records
         self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
         self._guessed: dict[int, tuple[int, ...]] = {}  # stream_ram, recording: MoE layer -> the guesses made for it
         self._offs: dict[int, torch.Tensor] = {}  # stream_ram: per MoE index, the device offsets its one-token steps read

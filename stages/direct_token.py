@@ -50,13 +50,15 @@ class TokenSteps:
         (`Tier.point`: several launches a layer)."""
         block, K = li.block, li.block.top_k
         ahead = (li.next_block, *li.ahead) if self.knobs.prefetch and li.next_block is not None else ()  # guessed layers
-        with self.rt.streams.use(self.stream):
-            weights, ids, both = self._router(block, ahead)(li.x)
-        # per MoE layer, pinned buffers this step alone uses: the next token's step of this layer writes them only once
-        # its own ids have arrived, which is after every copy queued here (one stream, in order; Streams.host_buffer)
-        offs_host, offs = self._offsets(i, K)
-        host, arrived = self.rt.streams.to_host(self.stream, both, reuse=("direct ids", i))
-        await self.rt.ids_arrived(arrived)
+        tracer = self.rt.tracer
+        with tracer.span("route", layer=block.layer, stream=self.stream):
+            with self.rt.streams.use(self.stream):
+                weights, ids, both = self._router(block, ahead)(li.x)
+            # per MoE layer, pinned buffers this step alone uses: the next token's step of this layer writes them only
+            # once its own ids have arrived, which is after every copy queued here (one stream, in order)
+            offs_host, offs = self._offsets(i, K)
+            host, arrived = self.rt.streams.to_host(self.stream, both, reuse=("direct ids", i))
+            await self.rt.ids_arrived(arrived)
         row = host[0].tolist()
         extra = self.knobs.guess_extra if ahead else 0  # the next layer's guesses past its top-k, after its top-k
         routed, guessed = row[:K], [row[K * (n + 1) + (extra if n else 0) : K * (n + 2) + extra] for n in range(len(ahead))]
@@ -72,7 +74,8 @@ class TokenSteps:
         lacks = lambda b, g: (b.layer, [e for e in g if (self.index[b.layer], e) not in tier.slot_of])  # noqa: E731
         guesses = [lacks(b, g[:K]) for b, g in zip(ahead, guessed)] + ([lacks(ahead[0], guessed[0][K:])] if extra else [])
         try:
-            await self.blocks.ensure(block.layer, i, need, guesses)
+            with tracer.span("fetch", layer=block.layer, stream=self.stream):
+                await self.blocks.ensure(block.layer, i, need, guesses)
             if self.rt.recorder is not None:
                 further = tuple((layer, tuple(g)) for layer, g in guesses[1 : len(ahead)])
                 self._record(block.layer, i, routed, sorted(set(routed)), set(routed) - set(need), further)
@@ -137,8 +140,11 @@ class TokenSteps:
         for h in (i % 2, (i + 1) % 2):  # the staging half this layer reads; the one its guesses go to (copies left unread)
             copied, self._copied[h] = self._copied[h], None
             self.rt.streams.wait(self.stream, copied)
+        replays = self._graphs.replays if self._graphs is not None else 0
         with self.rt.streams.use(self.stream):
             h = self._stepper(block, next_block, layer, routing is not None)(*args, *(routing or ()))
+        if self._graphs is not None and self._graphs.replays > replays:  # a replay: its parts' spans, read at flush
+            self.rt.tracer.replayed(self._marks[(block.layer, layer is None, routing is not None)])
         if self.tier.S and next_block is not None:
             self._stage(i + 1)
         if self.knobs.routed:
@@ -164,41 +170,63 @@ class TokenSteps:
             stage0 = tier.staging_offset(i % 2)
 
             ones = torch.ones(K, dtype=torch.int64, device=tier.uses.device)  # base may be the pinned RAM arena
+            # with a trace, each part times itself under its stage's name (GPU spans recorded by the graph itself)
+            marks = self._marks[(block.layer, layer is None, routed)] = []
+            part = lambda name: self.rt.tracer.phase(name, block.layer, self.stream, marks)  # noqa: E731
 
             def routed_sum(x, weights, ids, xe, offs=None):
                 if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width
                     return torch.zeros_like(xe)
-                if offs is not None:  # resolved by the host (stream_ram); the uses that the tier's refreshes rank by
-                    tier.uses[i].index_add_(0, ids[0].long(), ones)
-                else:
-                    offs = resolve(ids[0], tier.table[i], tier.in_vram[i], self._held[i % 2], stage0, bb, i * E,
-                                   torch.empty(K, dtype=torch.int64, device=x.device), tier.uses[i], self.vram_served,
-                                   self.staged_served)
-                y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip, host)  # [K, Dx], row k
-                return y.view(1, K, -1).sum(dim=1).to(x.dtype)
+                with part("fetch"):  # each routed id to its block: a VRAM slot, a staging slot, else its RAM slot
+                    if offs is not None:  # resolved by the host (stream_ram); the uses that the tier's refreshes rank by
+                        tier.uses[i].index_add_(0, ids[0].long(), ones)
+                    else:
+                        offs = resolve(ids[0], tier.table[i], tier.in_vram[i], self._held[i % 2], stage0, bb, i * E,
+                                       torch.empty(K, dtype=torch.int64, device=x.device), tier.uses[i], self.vram_served,
+                                       self.staged_served)
+                with part("compute"):  # and the fixed-order sum over the top-k
+                    y = kern._decode(base, offs, base, offs, xe[0], weights[0], block.combine_dtype, zero_skip, host)  # [K, Dx], row k
+                    return y.view(1, K, -1).sum(dim=1).to(x.dtype)
 
             def beside(x):
                 """The next layer's guesses that VRAM lacks, then the shared term (None without)."""
                 if nxt is not None:
-                    select(nxt.guessed(x)[1][0], tier.in_vram[j], tier.table[j], j * E, self._guess_ids[j % 2],
-                           self._guess_src[j % 2], self.staged_copies)
-                return shared(x) if shared is not None else None
+                    with part("predict"):
+                        select(nxt.guessed(x)[1][0], tier.in_vram[j], tier.table[j], j * E, self._guess_ids[j % 2],
+                               self._guess_src[j % 2], self.staged_copies)
+                if shared is None:
+                    return None
+                with part("route"):  # the shared expert runs beside the router, as route's `shared: early` does
+                    return shared(x)
+
+            def routes(x, routing):
+                """((weights, ids, offs or None) of the router on x, or as the host routed them (stream_ram); the
+                experts' input)."""
+                if routing:
+                    return routing, block.expert_input(x)
+                with part("route"):
+                    return (*block.router(x), None), block.expert_input(x)
 
             def experts(x, residual, *routing):
+                if marks and torch.cuda.is_current_stream_capturing():
+                    marks.clear()  # a new capture records its own parts
                 if side is None:  # a CPU: in line
                     s = beside(x)
-                    weights, ids, offs = routing or (*block.router(x), None)
-                    return residual + block.output(routed_sum(x, weights, ids, block.expert_input(x), offs), x, s).view_as(residual)
+                    (weights, ids, offs), xe = routes(x, routing)
+                    routed_out = routed_sum(x, weights, ids, xe, offs)
+                    with part("combine"):
+                        return residual + block.output(routed_out, x, s).view_as(residual)
                 main = torch.cuda.current_stream()
                 side.wait_stream(main)  # beside the router and the routed experts
                 with torch.cuda.stream(side):
                     s = beside(x)
-                weights, ids, offs = routing or (*block.router(x), None)
-                routed_out = routed_sum(x, weights, ids, block.expert_input(x), offs)
+                (weights, ids, offs), xe = routes(x, routing)
+                routed_out = routed_sum(x, weights, ids, xe, offs)
                 main.wait_stream(side)
                 if s is not None and not torch.cuda.is_current_stream_capturing():  # eager: not reused before main reads it
                     s.record_stream(main)
-                return residual + block.output(routed_out, x, s).view_as(residual)
+                with part("combine"):
+                    return residual + block.output(routed_out, x, s).view_as(residual)
 
             step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
             name = f"direct{'' if layer is None else '+input'}{'+ids' if routed else ''}:{block.layer}"

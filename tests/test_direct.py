@@ -437,3 +437,29 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
         assert io["blocks"]["vram"] == 0
     with pytest.raises(ConfigError, match="hold: false needs RAM for one layer's experts"):
         sluice.load(stores[variant], device=DEVICE, schedule=streamed, ram_cache=(E - 1) * bb)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_one_token_steps_time_each_stage_they_fuse(hold, stores, refs, tmp_path):
+    """The fast path's one-token step is one call (one CUDA graph) but its trace keeps a span per stage it fuses, under
+    the stages' names: route, fetch, compute, combine (and predict where it guesses the next layer's blocks), one of
+    each per MoE layer and token, beside the layer's `direct` span; the logits are the untraced run's."""
+    import json
+
+    variant = "nemotron_h_latent"
+    schedule = direct_schedule(tmp_path, f"traced-{hold}", backend="triton", hold=hold, vram=False)
+    with sluice.load(stores[variant], device=DEVICE, schedule=schedule) as engine:
+        plain = greedy_logits(engine, PROMPT, 4)
+    trace = tmp_path / f"t-{hold}.json"
+    with sluice.load(stores[variant], device=DEVICE, schedule=schedule, trace=str(trace)) as engine:
+        traced = greedy_logits(engine, PROMPT, 4)
+        layers = len(engine.store.moe_layers)
+    assert torch.equal(plain, traced)
+    lines = [json.loads(line) for line in (tmp_path / f"t-{hold}.json.jsonl").read_text().splitlines()]
+    per_stage = {}
+    for line in lines:
+        if line.get("event") == "stage" and line["step"] > 0:  # the one-token steps (step 0 is the prompt)
+            per_stage.setdefault(line["stage"], []).append(line["layer"])
+    for stage in ("route", "fetch", "compute", "combine", "direct"):
+        assert len(per_stage.get(stage, ())) >= 3 * layers, (stage, per_stage.get(stage))  # 3 one-token steps (the shared
+        # expert is route's too; streamed, the reads are fetch's too)
