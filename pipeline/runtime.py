@@ -165,6 +165,33 @@ class Runtime:
             self.tracer.read_started(layer, expert, fut)
         return asyncio.wrap_future(fut)
 
+    def demand(self, layer: int, expert: int, count: bool = True) -> tuple[str, CacheEntry | None]:
+        """Pin block (layer, expert) in the RAM tier for this layer's use, without waiting: ("ram", entry) a hit
+        (landed, or a read in flight: await entry.ready); ("guess", entry) a hit on a guess read ahead (landed or
+        in flight); ("disk", entry) a miss whose demand read has started, or a guess not yet started now read as a
+        demand; ("disk", None) a miss with no slot to take (`demand_wait`, once the caller has let go what it can).
+        With `count`, a promoted guess leaves the prefetch count (it is counted once, as a disk block)."""
+        key = (layer, expert)
+        entry = self.ram.lookup(key)
+        if entry is None:
+            entry = self.ram.try_reserve(key)
+            if entry is not None:
+                entry.ready = self.read(layer, expert, entry)
+            return "disk", entry
+        self.ram.pin(entry)
+        promoted = entry.loading and entry.prefetched and self.reader.promote(entry.job)
+        self.stats.prefetch_reads -= promoted and count
+        kind = "disk" if promoted else "guess" if entry.prefetched else "ram"
+        entry.prefetched = False
+        return kind, entry
+
+    async def demand_wait(self, layer: int, expert: int) -> CacheEntry:
+        """The miss `demand` found no slot for: a slot awaited (released by a consumer; the caller cancels the guesses
+        not started first, `cancel_guesses`, so theirs go to demands) and its demand read started."""
+        entry = await self.ram.reserve((layer, expert))
+        entry.ready = self.read(layer, expert, entry)
+        return entry
+
     def read_guess(self, layer: int, expert: int) -> bool:
         """Read block (layer, expert) into a free or evictable RAM slot as a guess (the reader takes it only while no
         demand read is queued or running); False when no slot can be had."""

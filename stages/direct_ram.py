@@ -79,27 +79,17 @@ class RamBlocks:
         self.disk = set()
         rt.cancel_guesses(layer, keep=set(experts))  # this layer's guesses still queued that it did not route to
         for e in experts:
-            key = (layer, e)
-            entry = rt.ram.lookup(key)
-            if entry is None:
-                entry = rt.ram.try_reserve(key)
-                if entry is None:  # guesses hold the other slots (at least E, checked at open): they give way
-                    rt.cancel_guesses()
-                    entry = await rt.ram.reserve(key)
-                entry.ready = rt.read(layer, e, entry)
+            kind, entry = rt.demand(layer, e)
+            if entry is None:  # guesses hold the other slots (at least E, checked at open): they give way
+                rt.cancel_guesses()
+                entry = await rt.demand_wait(layer, e)
+            if kind == "disk":
                 self.disk.add(e)
-            else:
-                rt.ram.pin(entry)
-                if entry.loading and entry.prefetched and rt.reader.promote(entry.job):  # a guess not started: a demand
-                    self.disk.add(e)
-                    rt.stats.prefetch_reads -= 1  # counted once, as a disk block
-                elif entry.prefetched:
-                    rt.stats.prefetch_hits += 1  # a guess read (or being read) that this layer routed to
-                entry.prefetched = False
+            rt.stats.prefetch_hits += kind == "guess"  # a guess read (or being read) that this layer routed to
             self._pinned.append(entry)
             if entry.loading:
                 pending.append(entry.ready)
-            self.entries[key] = entry
+            self.entries[(layer, e)] = entry
             self.off[i][e] = entry.buf.data_ptr() - self.base.data_ptr()
         for guess in guesses:
             if not self.read_guesses(*guess):

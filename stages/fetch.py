@@ -73,34 +73,21 @@ class Fetch(Stage):
                 if not rt.down_in_ram:
                     io.emit(HostBlock(expert, "vram", None, v))
                     continue
-            entry = rt.ram.lookup(key)
-            if entry is not None:
-                rt.ram.pin(entry)
-                # a guess still queued is read now, as a demand: a miss, not a hit on a prefetch
-                queued = entry.loading and entry.prefetched and rt.reader.promote(entry.job)
-                rt.stats.prefetch_reads -= queued and v is None  # read as a demand now: counted once, as a disk block
-                tier = "disk" if queued else "ram"
-                if v is None:
-                    rt.stats.tier(tier, prefetched=entry.prefetched and not queued)
-                    tiers.append(tier)
-                entry.prefetched = False
-                hb = HostBlock(expert, tier, entry, v)
-                if entry.loading:
-                    pending[entry.ready] = hb
-                else:
-                    io.emit(hb)
-                continue
+            kind, entry = rt.demand(layer, expert, count=v is None)
+            tier = "ram" if kind == "guess" else kind
             if v is None:
-                rt.stats.tier("disk")
-                tiers.append("disk")
-            entry = rt.ram.try_reserve(key)
-            if entry is None:
-                rt.cancel_guesses()  # slots that guesses not yet started hold go to demands (freed once the loop sees it)
+                rt.stats.tier(tier, prefetched=kind == "guess")
+                tiers.append(tier)
+            if entry is None:  # no slot: guesses not started give theirs up; what was emitted goes on as a wave
+                rt.cancel_guesses()
                 await self._drain(io, pending)
                 io.end_wave()
-                entry = await rt.ram.reserve(key)
-            entry.ready = rt.read(layer, expert, entry)
-            pending[entry.ready] = HostBlock(expert, "disk", entry, v)
+                entry = await rt.demand_wait(layer, expert)
+            hb = HostBlock(expert, tier, entry, v)
+            if entry.loading:
+                pending[entry.ready] = hb
+            else:
+                io.emit(hb)
         await self._drain(io, pending)
         io.end_wave()
         pred = await io.value("prediction") if self.knobs.prefetch and io.has("prediction") else None
