@@ -160,7 +160,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _open_engine(args):
     import sluice
-    from sluice.models.tiny import default_model_path
+    from sluice.models.builtin import default_model_path
 
     model = args.model or default_model_path()
     return sluice.load(

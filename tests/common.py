@@ -19,7 +19,7 @@ VARIANTS = {
     "deepseek_v4": ("deepseek_v4", {}),
 }
 PROMPT = [5, 17, 42, 98, 3, 25, 77, 8, 61, 13, 12, 20]  # ids < VOCAB_SIZE (99) of the tiny tokenizer
-from sluice.models.tiny import VOCAB_SIZE  # noqa: E402
+from tiny import VOCAB_SIZE  # noqa: E402
 
 assert all(0 <= i < VOCAB_SIZE for i in PROMPT), "PROMPT must be valid ids of the tiny tokenizer"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sluice.models.base import cache_kw
-from sluice.models.tiny import make_tiny_checkpoint
+from tiny import make_tiny_checkpoint
 from sluice.storage.repack import repack
 from common import VARIANTS
 

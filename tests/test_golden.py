@@ -487,7 +487,7 @@ def test_nemotron_h_omni_language_model(tmp_path):
     pytest.importorskip("transformers.models.nemotron_h_omni", reason="nemotron_h_omni needs transformers 5.23+")
     from transformers import AutoModelForImageTextToText
 
-    from sluice.models.tiny import make_tiny_checkpoint
+    from tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "omni", "nemotron_h_omni", seed=11)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()

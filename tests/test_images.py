@@ -19,7 +19,7 @@ pytest.importorskip("transformers.models.nemotron_h_omni", reason="nemotron_h_om
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
-    from sluice.models.tiny import make_tiny_checkpoint
+    from tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("omni") / "ckpt", "nemotron_h_omni", seed=13)
 

@@ -43,7 +43,7 @@ class _Quantized(dict):
         self.checkpoints, self.root = checkpoints, root
 
     def __missing__(self, name):
-        from sluice.models.tiny import make_tiny_checkpoint
+        from tiny import make_tiny_checkpoint
 
         variant, fmt, resident = CASES[name]
         if variant in EXTRA_VARIANTS:
