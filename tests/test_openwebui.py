@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import openwebui
+import openwebui
 
 
 @pytest.mark.slow
