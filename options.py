@@ -83,7 +83,7 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
 
 def open_engine(args):
     import sluice
-    from sluice.models.tiny import default_model_path
+    from sluice.models.builtin import default_model_path
 
     model = args.model or default_model_path()
     return sluice.load(

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     import sluice
     from sluice.api.grammar import Grammars
     from sluice.api.toolcalls import Xml
-    from sluice.models.tiny import default_model_path
+    from sluice.models.builtin import default_model_path
 
     p = argparse.ArgumentParser(prog="python -m sluice.benchmarks.grammar", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint or store (default: the bundled model)")

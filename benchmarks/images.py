@@ -15,7 +15,7 @@ def radio_h_checkpoint() -> Path:
     """A vision-language checkpoint with a real-shaped image encoder (transformers' default RADIO-H tower:
     1280 wide, 32 layers; projector 4096) in front of a tiny NemotronH LM, random weights, made once under
     SLUICE_HOME: what `sluice bench images` times when no model is given."""
-    from sluice.models.tiny import make_tiny_checkpoint
+    from sluice.models.builtin import random_checkpoint, tiny_omni_config
     from sluice.storage.home import sluice_home
 
     path = sluice_home() / "models" / "radio-h-tiny-lm"
@@ -23,8 +23,8 @@ def radio_h_checkpoint() -> Path:
         from transformers import RadioConfig
 
         vision = {**RadioConfig().to_dict(), "video_temporal_patch_size": 2}
-        make_tiny_checkpoint(path, "nemotron_h_omni", dtype=torch.bfloat16, vision_config=vision, vision_hidden_size=1280,
-                             projector_hidden_size=4096)
+        config = tiny_omni_config(vision_config=vision, vision_hidden_size=1280, projector_hidden_size=4096)
+        random_checkpoint(path, config, dtype=torch.bfloat16)
     return path
 
 

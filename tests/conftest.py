@@ -4,6 +4,7 @@ and transformers reference models in fp32 with eager experts."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 # Triton kernels run on the CPU through the interpreter; it must be chosen before triton is imported.
 if os.environ.get("SLUICE_TEST_DEVICE", "cpu") == "cpu":
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from sluice.models.base import cache_kw
-from sluice.models.tiny import make_tiny_checkpoint
+from tiny import make_tiny_checkpoint
 from sluice.storage.repack import repack
 from common import VARIANTS
 
@@ -28,16 +29,41 @@ def _sluice_home(tmp_path_factory):
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // workers)))
 
 
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {name: make_tiny_checkpoint(root / name, arch, seed=i, **over) for i, (name, (arch, over)) in enumerate(VARIANTS.items())}
+class Made(Mapping):
+    """VARIANTS' name -> what `make(name)` makes, made on first use: a run of a few tests (a worker's share, or
+    tests/mutants.py against one variant) makes only the checkpoints it reads."""
+
+    def __init__(self, make):
+        self._make, self._made = make, {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in VARIANTS:
+            raise KeyError(name)
+        if name not in self._made:
+            self._made[name] = self._make(name)
+        return self._made[name]
+
+    def __iter__(self):
+        return iter(VARIANTS)
+
+    def __len__(self) -> int:
+        return len(VARIANTS)
 
 
 @pytest.fixture(scope="session")
-def stores(checkpoints, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("stores")
-    return {name: repack(path, root / name, progress=False).path for name, path in checkpoints.items()}
+def checkpoints(tmp_path_factory) -> Mapping[str, Path]:
+    seeds = {name: i for i, name in enumerate(VARIANTS)}  # each variant's own seed, whichever is made first
+
+    def make(name):
+        arch, over = VARIANTS[name]
+        return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / name, arch, seed=seeds[name], **over)
+
+    return Made(make)
+
+
+@pytest.fixture(scope="session")
+def stores(checkpoints, tmp_path_factory) -> Mapping[str, Path]:
+    return Made(lambda name: repack(checkpoints[name], tmp_path_factory.mktemp("stores") / name, progress=False).path)
 
 
 class References:
@@ -46,7 +72,7 @@ class References:
     def __init__(self, checkpoints):
         self.checkpoints = checkpoints
         self._models = {}
-        self._greedy = {}
+        self._decoded = {}
 
     def load(self, name):
         """A fresh transformers model on the checkpoint: fp32, eager experts. MXFP4 experts go through
@@ -70,17 +96,23 @@ class References:
         return self.model(name)(torch.tensor([ids])).logits[0].float()
 
     @torch.no_grad()
-    def greedy(self, name, ids, n=32) -> list[int]:
-        """Greedy decoding one token per step from transformers' own cache (no EOS handling)."""
+    def decode(self, name, ids, n=32) -> tuple[list[int], torch.Tensor]:
+        """Greedy decoding one token per step from transformers' own cache (no EOS handling): the n tokens and the
+        logits [n, V] (fp32, CPU) each is the argmax of; row 0 is the prompt's last position."""
         key = (name, tuple(ids), n)
-        if key not in self._greedy:
-            model, new = self.model(name), []
+        if key not in self._decoded:
+            model, new, logits = self.model(name), [], []
             out = model(torch.tensor([ids]), use_cache=True)
-            for _ in range(n):
-                new.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[new[-1]]]), use_cache=True, **cache_kw(out.past_key_values))
-            self._greedy[key] = new
-        return self._greedy[key]
+            for i in range(n):
+                logits.append(out.logits[0, -1].float())
+                new.append(int(logits[-1].argmax()))
+                if i < n - 1:
+                    out = model(torch.tensor([[new[-1]]]), use_cache=True, **cache_kw(out.past_key_values))
+            self._decoded[key] = new, torch.stack(logits)
+        return self._decoded[key]
+
+    def greedy(self, name, ids, n=32) -> list[int]:
+        return self.decode(name, ids, n)[0]
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 NVFP4 comes from nvidia-modelopt's own NVFP4QTensor, so our decode is checked against code we did
 not write. FP8 here is a plain cast with per-tensor / per-row / per-block scales; MXFP4 is the
-tiny-checkpoint quantiser (models/tiny.py), its decode checked against transformers' own.
+tiny-checkpoint quantiser (tests/tiny.py), its decode checked against transformers' own.
 
 A GPU run (SLUICE_TEST_DEVICE not cpu) on a machine without modelopt (the GPU machine's image has none) makes its
 NVFP4 weights with a plain round-to-nearest quantiser and dequantises them with our reference decode, so that the
@@ -105,7 +105,7 @@ def quantize(w: torch.Tensor, fmt: str, block: int = 32) -> dict[str, torch.Tens
             return {"weight": packed, "weight_scale": s, "weight_scale_2": s2.float().reshape(()), "input_scale": torch.ones(())}
         return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": (1.0 / s2.float()).reshape(())}
     if fmt in ("mxfp4", "mxfp4_ds"):  # gpt-oss's blocks cut per expert; DeepSeek-V4's I8 + F8_E8M0 `scale`
-        from sluice.models.tiny import quantize_mxfp4
+        from tiny import quantize_mxfp4
 
         blocks, scales = quantize_mxfp4(w.float())
         if fmt == "mxfp4":

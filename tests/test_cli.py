@@ -42,7 +42,7 @@ def test_generated_text_holds_no_program_messages(tmp_path):
 
 
 def test_random_fallback_model(tmp_path, monkeypatch):
-    from sluice.models.tiny import random_model_path
+    from sluice.models.builtin import random_model_path
 
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
     path = random_model_path()

@@ -149,6 +149,40 @@ def test_native_fp4_every_scale_byte(kmajor, e8m0):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+# (layout, scale kind, N outputs, K2 bytes a row): sizes off the vector widths so that cpu_native.c's scalar tails run:
+# n-major rows whose K2 is not a multiple of AVX-512's 16 bytes (fp4_row's tail; 8 is all tail), or of more than the
+# 512 groups AVX2 takes; k-major outputs not a multiple of 8 (AVX2) or 16 (AVX-512: kmajor_rows), fp4_kmajor's tail
+TAILS = [("nmajor", "e4m3", 24, 40), ("nmajor", "e4m3", 5, 8), ("nmajor", "e4m3", 3, 8 * 520),
+         ("kmajor", "e4m3", 13, 16), ("kmajor", "e8m0", 13, 32), ("kmajor", "e4m3", 21, 24)]
+
+
+@pytest.mark.parametrize("layout, scale, N, K2", TAILS, ids=[f"{l}-{s}-{n}x{k}" for l, s, n, k in TAILS])
+def test_native_fp4_scalar_tail(layout, scale, N, K2):
+    """The C kernels' scalar tails (sizes not a multiple of the vector width) give the torch path's result, and read the
+    nibbles the right way round: x's even and odd halves swapped (the nibbles read the other way) must not match."""
+    from sluice.kernels.cpu import fp4_matvec
+    from sluice.kernels.cpu_native import fp4_matvec_native, native_kernels
+
+    lib = native_kernels()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    kmajor, e8m0 = layout == "kmajor", scale == "e8m0"
+    group = 32 if e8m0 else 16
+    g = torch.Generator().manual_seed(N * K2)
+    G = K2 // (group // 2)
+    packed = torch.randint(0, 256, (K2, N) if kmajor else (N, K2), dtype=torch.uint8, generator=g)
+    codes = torch.randint(120, 134, (N, G), dtype=torch.uint8, generator=g) if e8m0 else torch.randint(0x30, 0x40, (N, G), dtype=torch.uint8, generator=g)
+    codes = codes.t().contiguous() if kmajor else codes
+    sc = codes.view(torch.float8_e8m0fnu) if e8m0 else codes.view(torch.float8_e4m3fn)
+    xe, xo = torch.randn(K2, generator=g), torch.randn(K2, generator=g)
+    want = fp4_matvec(packed, sc, xe, xo, group, e8m0, kmajor).double()
+    got = fp4_matvec_native(lib, packed, sc, xe, xo, group, e8m0, kmajor).double()
+    assert got.shape == (N,)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), float((got - want).abs().max())
+    swapped = fp4_matvec_native(lib, packed, sc, xo, xe, group, e8m0, kmajor).double()
+    assert not torch.allclose(swapped, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
 def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     """A compiler that fails leaves the torch path serving FP4, with a warning, not an error."""
     import sluice.kernels.cpu_native as native

@@ -8,7 +8,7 @@ import torch
 
 import sluice
 from sluice.models.base import cache_kw
-from sluice.models.tiny import DEFAULT_MODEL, default_model_path
+from sluice.models.builtin import DEFAULT_MODEL, default_model_path
 from common import DEVICE
 
 

@@ -9,8 +9,8 @@ import torch
 
 import sluice
 from sluice.pipeline.schedule import SCHEDULES_DIR
-from common import DEVICE, PROMPT, VARIANTS, greedy_logits
-from test_golden import LOGIT_ATOL, ram_sizes, triton_schedule
+from common import DEVICE, MUST_DIFFER, PROMPT, VARIANTS, assert_logits_close, greedy_logits
+from test_golden import check_golden, ram_sizes, triton_schedule
 
 
 def direct_schedule(tmp_path, name: str = "direct-edited", **knobs) -> str:
@@ -26,13 +26,12 @@ def direct_schedule(tmp_path, name: str = "direct-edited", **knobs) -> str:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_direct_matches_transformers(variant, stores, refs):
-    """direct, plain-torch experts (a CPU's default): every block held in RAM, logits and greedy tokens the reference's."""
-    ref_logits, ref_tokens = refs.logits(variant, PROMPT), refs.greedy(variant, PROMPT, 32)
+    """direct, plain-torch experts (a CPU's default): every block held in RAM, the logits of the prompt and of every
+    decode step and the greedy tokens the reference's."""
     with sluice.load(stores[variant], device=DEVICE, schedule="direct") as engine:
         assert len(engine.rt.ram) == engine.store.total_blocks
-        diff = (engine.forward(PROMPT) - ref_logits).abs().max().item()
-        assert diff <= LOGIT_ATOL, f"{variant}/direct: max |dlogit| {diff:.3g}"
-        assert engine.generate(PROMPT, 32) == ref_tokens, f"{variant}/direct: greedy tokens differ"
+        check_golden(engine, variant, refs, f"{variant}/direct")
+        assert engine.generate(PROMPT, 32) == refs.greedy(variant, PROMPT, 32), f"{variant}/direct: greedy tokens differ (generate)"
 
 
 @pytest.mark.parametrize("variant", ["nemotron_h_latent", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
@@ -383,9 +382,8 @@ def test_resident_alone_skips_only_the_routed_experts(variant, backend, stores, 
         got = greedy_logits(engine, PROMPT, 4)
         assert engine.rt.stats.snapshot()["blocks"] == {"vram": 0, "ram": 0, "disk": 0}
     assert not ran, f"expert work ran: {ran}"
-    diff = (got - want).abs().max().item()
-    assert diff <= LOGIT_ATOL, f"{variant}/resident-alone: max |dlogit| {diff:.3g} against transformers without routed experts"
-    assert (got[0] - refs.logits(variant, PROMPT)[-1]).abs().max().item() > 100 * LOGIT_ATOL
+    assert_logits_close(variant, got, want, f"{variant}/resident-alone against transformers without routed experts")
+    assert (got[0] - refs.logits(variant, PROMPT)[-1]).abs().max().item() > MUST_DIFFER
 
 
 @pytest.mark.parametrize("variant, backend, vram_slots", [  # CI's suite: each variant and each case once

@@ -224,16 +224,16 @@ def test_long_prompts_run_in_chunks(variant, stores, refs):
     """A prompt longer than prefill_chunk runs as several steps: the logits of every position are those of the
     whole prompt in one step (within the golden tolerance: Mamba's chunked scan resumes from a state), and the
     greedy continuation is the reference's."""
-    from test_golden import LOGIT_ATOL
+    from common import assert_logits_close
 
     whole = refs.logits(variant, PROMPT)
     with sluice.load(stores[variant], device=DEVICE, prefill_chunk=5) as engine:
         assert engine.prefill_chunk == 5
         logits = engine.forward(PROMPT)
         assert logits.shape == whole.shape
-        assert (logits - whole).abs().max().item() <= LOGIT_ATOL
+        assert_logits_close(variant, logits, whole, f"{variant}: chunked prompt")
         last = engine.extend(engine.new_sequence(), PROMPT, last=True).cpu()  # the head on the last row only
-        assert last.shape == (1, whole.shape[1]) and (last[0] - whole[-1]).abs().max().item() <= LOGIT_ATOL
+        assert_logits_close(variant, last, whole[-1:], f"{variant}: chunked prompt, last row")
         assert engine.generate(PROMPT, 16) == refs.greedy(variant, PROMPT, 16)
         assert engine.rt.stats.steps >= 3 * (-(-len(PROMPT) // 5))  # forward, extend and generate, each in pieces
 
@@ -243,7 +243,7 @@ def test_mamba_prefill_runs_in_pieces_within_one_step(stores, refs, monkeypatch)
     mixer_chunk tokens, its state carried between them: logits within the golden tolerance, greedy tokens the
     reference's."""
     from sluice.models import nemotron_h
-    from test_golden import LOGIT_ATOL
+    from common import assert_logits_close
 
     runs = []
     call = nemotron_h._MixerLayer._call
@@ -253,7 +253,7 @@ def test_mamba_prefill_runs_in_pieces_within_one_step(stores, refs, monkeypatch)
     with sluice.load(stores["nemotron_h"], device=DEVICE, mixer_chunk=5) as engine:
         logits = engine.forward(PROMPT)
         assert engine.rt.stats.steps == 1
-        assert (logits - whole).abs().max().item() <= LOGIT_ATOL
+        assert_logits_close("nemotron_h", logits, whole, "mixer_chunk=5")
         assert engine.generate(PROMPT, 8) == refs.greedy("nemotron_h", PROMPT, 8)
     mamba = [n for is_mamba, n in runs if is_mamba]
     assert 5 in mamba and max(mamba) == 5  # 12 prompt tokens: runs of 5, 5, 2 in each Mamba layer; decode steps of 1

@@ -15,7 +15,7 @@ import pytest
 import sluice
 from sluice.cli import main
 from sluice.errors import CheckpointError, StoreError
-from sluice.models.tiny import make_tiny_checkpoint
+from tiny import make_tiny_checkpoint
 from sluice.pipeline.engine import resolve_store
 from sluice.storage.repack import repack
 from sluice.storage.store import ExpertStore

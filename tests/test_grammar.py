@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from sluice.api.grammar import Grammars
 from sluice.api.protocol import APIError
 from sluice.api.tools import parse_tools
-from sluice.models.tiny import default_model_path
+from sluice.models.builtin import default_model_path
 from templates import DEEPSEEK_TOKENS, WEATHER
 from test_api import MODEL, LiveServer
 from test_tools import CALLS, FORMATS, TOOLS

@@ -82,7 +82,7 @@ def test_mxfp4_decode_matches_transformers():
 
 
 def test_mxfp4_wrong_nibble_order_and_wrong_groups_fail():
-    from sluice.models.tiny import quantize_mxfp4
+    from tiny import quantize_mxfp4
 
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(2)) * torch.tensor([1.0, 8.0, 0.5, 30.0]).repeat_interleave(32)
     blocks, scales = quantize_mxfp4(w)

@@ -230,7 +230,7 @@ def test_plan_counts_the_image_encoder(tmp_path):
     pytest.importorskip("transformers.models.nemotron_h_omni", reason="nemotron_h_omni needs transformers 5.23+")
     from safetensors.torch import load_file
 
-    from sluice.models.tiny import make_tiny_checkpoint
+    from tiny import make_tiny_checkpoint
     from sluice.storage.plan import format_plan
 
     path = make_tiny_checkpoint(tmp_path / "omni", "nemotron_h_omni", seed=2)

@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     args = ap.parse_args()
     import sluice
-    from sluice.models.tiny import DEFAULT_MODEL
+    from sluice.models.builtin import DEFAULT_MODEL
     from sluice.storage.simulate import simulate
     from sluice.storage.trace import read_trace
 

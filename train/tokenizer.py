@@ -3,7 +3,7 @@
     python train/tokenizer.py CORPUS_DIR      # -> CORPUS_DIR/tokenizer/ and CORPUS_DIR/tokens.npz
 
 Byte-level BPE (no unknown characters), 8192 ids including the chat specials, and the ChatML-style
-template the tiny models use (models/tiny.py). Documents are separated by <|endoftext|>.
+template the built-in models use (models/builtin.py). Documents are separated by <|endoftext|>.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(root: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from sluice.models.tiny import CHAT_TEMPLATE
+    from sluice.models.builtin import CHAT_TEMPLATE
 
     text = (root / "corpus.txt").read_text()
     docs = text.split("\n\n")

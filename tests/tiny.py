@@ -1,54 +1,21 @@
-"""Tiny random-weight checkpoints built from transformers configs, saved as real HF checkpoints.
-
-Used by the tests and as the default model until a trained one ships. At transformers' default
-init the routed experts barely touch the residual stream and the router's scores are near-ties,
-so a wrong expert path would still produce the same greedy tokens. We scale the routed experts
-and the routers up (`expert_scale`, `router_scale`) so that the experts decide the output, and give
-the NemotronH router a non-zero correction bias so that path is exercised.
+"""Tiny random-weight checkpoints of every architecture, from transformers configs, saved as real HF checkpoints: the
+tests' fixtures (imported as `tiny`). Built, scaled and saved by the product's `random_checkpoint` (models/builtin.py:
+the experts and routers scaled up so that the experts decide the output), with the character tokenizer.
 """
 
 from __future__ import annotations
 
-import json
-
-import os
-import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-ROUTER = re.compile(r"\.(mlp|mixer|block_sparse_moe)\.(gate|router)\.weight$")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-IMAGE_SPECIALS = ("<image>", "<img>", "</img>")  # a vision-language tiny model's, after the characters
-# a vision-language template: content may be a list of parts, an image part written as its placeholder
-VL_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
-VOCAB_SIZE = len(SPECIALS) + len(CHARS)  # 99
+from sluice.models.builtin import VOCAB_SIZE, random_checkpoint, tiny_nemotron_config, tiny_omni_config
 
 
 def tiny_config(arch: str, **overrides):
     """A small config of `arch` (nemotron_h | qwen3_moe | mixtral | deepseek_v3 | qwen3_next | gpt_oss, ...); keyword overrides win."""
     if arch == "nemotron_h":
-        from transformers import NemotronHConfig
-
-        base = dict(
-            vocab_size=VOCAB_SIZE, hidden_size=64, hybrid_override_pattern="ME*EME", n_routed_experts=16, num_experts_per_tok=4,
-            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=None, n_group=1, topk_group=1,
-            routed_scaling_factor=2.5, norm_topk_prob=True, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
-            n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-            bos_token_id=0, eos_token_id=2, pad_token_id=0,
-        )
-        return NemotronHConfig(**{**base, **overrides})
+        return tiny_nemotron_config(**overrides)
     if arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -95,13 +62,7 @@ def tiny_config(arch: str, **overrides):
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, num_position_embeddings=64)
         return Qwen3_5MoeConfig(**{**dict(text_config=text, vision_config=vision), **overrides})
     if arch == "nemotron_h_omni":  # transformers 5.23+: the NemotronH LM beside a tiny RADIO vision tower
-        from transformers.models.nemotron_h_omni.configuration_nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
-
-        text = tiny_config("nemotron_h", vocab_size=VOCAB_SIZE + len(IMAGE_SPECIALS)).to_dict()
-        vision = dict(model_type="radio", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16, image_size=64,
-                      max_img_size=128, num_cls_tokens=1, num_registers=0, video_temporal_patch_size=2)
-        return NemotronH_Omni_Reasoning_V3_Config(**{**dict(text_config=text, vision_config=vision, vision_hidden_size=32,
-                                                            projector_hidden_size=48, image_token_id=VOCAB_SIZE), **overrides})
+        return tiny_omni_config(**overrides)
     if arch == "deepseek_v4":
         from transformers import DeepseekV4Config
 
@@ -134,86 +95,11 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "nemotron_h", seed: int =
     """Build, scale and save a tiny random checkpoint (safetensors + config + tokenizer) at path.
 
     experts_format="mxfp4" (gpt_oss) then stores the fused experts as gpt-oss ships them (mxfp4_experts)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    path = Path(path)
-    config = tiny_config(arch, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        # a vision-language config is saved whole, its LM beside the vision tower, as such checkpoints ship
-        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-        model = auto.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-                if ".experts." in name:
-                    p.mul_(expert_scale)
-                elif ROUTER.search(name):
-                    p.mul_(router_scale)
-                elif name.endswith("e_score_correction_bias"):
-                    p.copy_(torch.randn_like(p) * 0.05)
-                elif name.endswith("tid2eid"):  # hash routing: each token id's own top-k distinct experts
-                    p.copy_(torch.rand(p.shape[0], config.n_routed_experts).argsort(-1)[:, : p.shape[1]])
-    model.to(dtype).save_pretrained(path)
+    if experts_format not in (None, "mxfp4"):
+        raise ValueError(f"unknown experts_format {experts_format!r}")
+    path = random_checkpoint(path, tiny_config(arch, **overrides), seed, expert_scale, router_scale, dtype)
     if experts_format == "mxfp4":
         mxfp4_experts(path)
-    elif experts_format is not None:
-        raise ValueError(f"unknown experts_format {experts_format!r}")
-    save_char_tokenizer(path, images=hasattr(config, "vision_config"))
-    if hasattr(config, "vision_config"):  # the image processor's settings, scaled to the tiny tower (64 patches at most)
-        (path / "preprocessor_config.json").write_text(json.dumps(
-            {"patch_size": 16, "downsample_ratio": 0.5, "min_num_patches": 4, "max_num_patches": 64, "max_model_len": 64}))
-    return path
-
-
-def save_char_tokenizer(path: Path, images: bool = False) -> None:
-    """A character tokenizer (newline + printable ASCII + chat specials; VOCAB_SIZE ids) with a
-    ChatML-style template. Every id decodes to text that encodes back to the same ids, so a
-    conversation's history re-tokenises exactly (what snapshot reuse needs). images: the image
-    placeholders too (ids from VOCAB_SIZE on) and a template that writes image parts."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {s: i for i, s in enumerate(SPECIALS)}
-    for ch in CHARS + (list(IMAGE_SPECIALS) if images else []):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", *(IMAGE_SPECIALS if images else ())],
-    )
-    fast.chat_template = VL_CHAT_TEMPLATE if images else CHAT_TEMPLATE
-    fast.save_pretrained(path)
-
-
-DEFAULT_MODEL = Path(__file__).resolve().parent / "default"
-
-
-def default_model_path() -> Path:
-    """The bundled default model: the small trained NemotronH in models/default (train/train.py).
-
-    Where it is missing (a checkout without it), a deterministic tiny random NemotronH made on first use."""
-    if (DEFAULT_MODEL / "config.json").is_file():
-        return DEFAULT_MODEL
-    return random_model_path()
-
-
-def random_model_path() -> Path:
-    """A deterministic tiny random NemotronH made on first use under SLUICE_HOME."""
-    from sluice.log import get_logger
-    from sluice.storage.home import sluice_home
-
-    path = sluice_home() / "models" / "tiny-random-nemotron_h"
-    if (path / "config.json").is_file():
-        return path
-    get_logger().info("making the default model: a tiny NemotronH with RANDOM weights (its text is noise)", path=str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    try:
-        make_tiny_checkpoint(tmp, "nemotron_h", seed=0, moe_latent_size=32)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
