@@ -200,6 +200,8 @@ class Engine:
                 index = cuda_index(self.device)
                 limit = self.config.vram_budget or torch.cuda.get_device_properties(index).total_memory
                 free = limit - torch.cuda.memory_reserved(index)
+            if self.store.manifest.encoder is not None:  # checked against its checksum as the resident file is
+                self.store.check_file(self.store.manifest.encoder, self.config.verify_checksums)
             self._images = ImageEncoder(self.store.path, self.store.manifest.encoder, self.device, self.model.dtype,
                                         self.config.image_encoder, free)
         return self._images

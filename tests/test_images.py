@@ -85,6 +85,27 @@ def test_image_encoder_attention_runs_without_cudnn(omni, monkeypatch):
     assert seen and not any(seen)
 
 
+def test_a_changed_encoder_file_is_caught_at_first_use(omni, tmp_path):
+    """The image encoder's file is checked against the checksum repack recorded, at its first use (a flipped byte
+    would change image rows without an error); --no-verify skips the check."""
+    import shutil
+
+    from sluice.errors import StoreError
+    from sluice.pipeline.engine import resolve_store
+
+    store = tmp_path / "store"
+    shutil.copytree(resolve_store(omni, progress=False), store)
+    encoder = store / "encoder.safetensors"
+    data = bytearray(encoder.read_bytes())
+    data[-100] ^= 0xFF  # tensor bytes, not the header
+    encoder.write_bytes(bytes(data))
+    with sluice.load(store, device=DEVICE, progress=False) as engine:
+        with pytest.raises(StoreError, match="encoder.safetensors: checksum mismatch"):
+            engine.encode_images(*_image(1))
+    with sluice.load(store, device=DEVICE, progress=False, verify_checksums=False) as engine:
+        engine.encode_images(*_image(1))
+
+
 def test_image_rows_out_of_order_fail(omni):
     """A check that must fail: the encoder's rows placed in the wrong order (reversed) give other logits."""
     pix, grid = _image(2)
