@@ -62,6 +62,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=out_file, help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
     p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs, each of its experts read once (the "
                                                      "server also takes turns between requests by it); default: 2048")
+    p.add_argument("--static-kv", type=at_least(1), metavar="N", help="attention over a preallocated cache of N tokens "
+                   "(transformers' StaticCache) instead of one that grows; a sequence may not grow past it (default: off)")
     p.add_argument("--mixer-chunk", type=int, help="longest run of a prompt piece a Mamba-2 mixer prefills at once; default: 512, "
                                                    "or under --vram-budget the largest power of two <= 512 whose scratch fits "
                                                    "what the expert slots leave")
@@ -91,6 +93,7 @@ def open_engine(args):
         resident_graphs=not args.eager, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
         prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba,
+        static_kv=getattr(args, "static_kv", None),
         routing=getattr(args, "routing", "natural"),
     )
 

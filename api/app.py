@@ -80,7 +80,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
     metrics = Metrics()
     disk = None
     if snapshot_dir is not None:
-        classes = cache_classes(engine.model.new_cache())
+        classes = cache_classes(engine.new_sequence().cache)
         disk = DiskSnapshots(snapshot_dir, snapshot_disk_bytes, model_identity(engine), classes, log.log)
     snapshots = SnapshotStore(snapshot_bytes, on_evict=disk.spill if disk else None)
     worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk)
@@ -91,6 +91,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
     doc = frozenset({f"{model_id}-doc"} if images else ())
     models.update(dict.fromkeys(doc, False))
     context = context or getattr(engine.model.config, "max_position_embeddings", None) or 4096
+    context = min(context, engine.config.static_kv or context)  # a static cache holds no more
     s = Served(engine, tokenizer, model_id, models, context, worker, metrics, snapshots, log, disk, doc, images,
                Limits.of(context, default_max_tokens, truncate), Grammars(tokenizer, engine.model.config.vocab_size, engine.device))
     s.tool_format = detect_format(tokenizer.chat_template or "", engine.store.manifest.architecture)

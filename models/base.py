@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sluice.errors import CheckpointError
+from sluice.errors import CheckpointError, ConfigError
 from sluice.kernels.formats import detect_format
 from sluice.kernels.linear import GroupedQuantLinear, QuantLinear
 from sluice.models.fallbacks import announce_fallbacks
@@ -149,11 +149,18 @@ class ResidentModel(ABC):
         self.device = hf_model.lm_head.weight.device
         self.dtype = hf_model.lm_head.weight.dtype
 
-    def new_cache(self) -> Any:
-        """A fresh KV / recurrent-state cache for one sequence (transformers' own, per the config's layer types)."""
-        from transformers import DynamicCache
+    def new_cache(self, static: int | None = None) -> Any:
+        """A fresh KV / recurrent-state cache for one sequence (transformers' own, per the config's layer types):
+        growing, or with `static` its attention preallocated for that many tokens (StaticCache)."""
+        from transformers import DynamicCache, StaticCache
 
-        return DynamicCache(config=self.config)
+        if static is None:
+            return DynamicCache(config=self.config)
+        try:
+            return StaticCache(config=self.config, max_cache_len=static)
+        except KeyError as e:  # a layer type transformers has no static layer for
+            raise ConfigError(f"static_kv: transformers' StaticCache cannot hold this model's {e.args[0]} layers "
+                              f"({self.config.model_type}); leave static_kv off") from None
 
     @abstractmethod
     def begin(self, ids: torch.Tensor, cache: Any, past: int) -> tuple[torch.Tensor, Any]:

@@ -62,6 +62,9 @@ class EngineConfig:
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048
+    static_kv: int | None = None  # attention over a preallocated cache of this many tokens (transformers' StaticCache)
+    # instead of one that grows: fixed tensors, the step toward one-token attention replayed as a CUDA graph; a
+    # sequence may not grow past it. None: the growing cache
     mixer_chunk: int | None = None  # longest run of a piece a Mamba-2 mixer prefills at once (its scratch grows with it);
     # None: 512, or with a VRAM budget the largest power of two <= 512 whose scratch fits what the expert slots leave
     # (budget.py `plan_budget`)
@@ -80,7 +83,7 @@ class EngineConfig:
         from sluice.storage.routing import parse_routing
 
         parse_routing(self.routing)  # a bad setting is named before anything is opened
-        for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk", "mixer_chunk"):
+        for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk", "mixer_chunk", "static_kv"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")

@@ -135,7 +135,7 @@ class Engine:
     # -- public, synchronous API ------------------------------------------------------------
 
     def new_sequence(self) -> Sequence:
-        return Sequence(self.model.new_cache(), [])
+        return Sequence(self.model.new_cache(self.config.static_kv), [])
 
     def snapshot(self, seq: Sequence, device: str = "cpu") -> "Snapshot":
         """A copy of seq's state in host RAM (or `device`), restorable with `restore`."""
@@ -213,6 +213,10 @@ class Engine:
         decode one token per step from the cache."""
         _check_ids(input_ids)
         seq = seq or self.new_sequence()
+        limit = self.config.static_kv
+        if limit is not None and len(seq.tokens) + len(input_ids) + max_new_tokens - 1 > limit:
+            raise SluiceError(f"{len(seq.tokens) + len(input_ids)} prompt tokens and up to {max_new_tokens} new ones need more "
+                              f"than the static_kv cache's {limit} tokens (--static-kv)")
         sampler = Sampler(temperature, top_p, seed)
         logits = self.extend(seq, input_ids, images, last=True)
         for i in range(max_new_tokens):
@@ -275,6 +279,10 @@ class Engine:
                             head: str = "all", cancel=None) -> torch.Tensor | None:
         if seq.broken:
             raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
+        limit = self.config.static_kv
+        if limit is not None and len(seq.tokens) + len(ids) > limit:
+            raise SluiceError(f"the sequence would hold {len(seq.tokens) + len(ids)} tokens, more than the static_kv cache's "
+                              f"{limit} (--static-kv)")
         if images is not None:
             self._check_images(ids, images)
         try:

@@ -172,7 +172,9 @@ class TokenSteps:
             ones = torch.ones(K, dtype=torch.int64, device=tier.uses.device)  # base may be the pinned RAM arena
             # with a trace, each part times itself under its stage's name (GPU spans recorded by the graph itself)
             marks = self._marks[(block.layer, layer is None, routed)] = []
-            part = lambda name: self.rt.tracer.phase(name, block.layer, self.stream, marks)  # noqa: E731
+            tracer, untimed = self.rt.tracer, contextlib.nullcontext()
+            part = (lambda name: tracer.phase(name, block.layer, self.stream, marks)) if tracer.enabled else \
+                (lambda name: untimed)  # noqa: E731
 
             def routed_sum(x, weights, ids, xe, offs=None):
                 if skip:  # the resident part alone: no expert kernels, a zero routed sum of the experts' output width

@@ -509,3 +509,34 @@ def test_nemotron_h_omni_language_model(tmp_path):
     assert_logits_close("nemotron_h_omni", logits, ref, "omni")
     assert tokens == ids[len(PROMPT):]
 
+
+
+STATIC = [v for v in VARIANTS if not v.startswith("deepseek_v4")]  # its compressed attention has no static layer
+
+
+@pytest.mark.parametrize("variant", STATIC)
+def test_static_kv_cache_matches_transformers(variant, stores, refs):
+    """`static_kv`: attention over a preallocated cache (fixed tensors, what a CUDA graph of a one-token attention
+    step needs) gives transformers' logits at every decode step, as the growing cache does."""
+    with sluice.load(stores[variant], device=DEVICE, static_kv=len(PROMPT) + 40) as engine:
+        check_golden(engine, variant, refs, f"{variant} static_kv")
+
+
+def test_static_kv_bounds_and_refusals(stores):
+    """A sequence may not grow past the static cache (a one-line error naming the setting); a model whose layers
+    transformers' StaticCache cannot hold is refused by name; the setting is a positive count."""
+    from sluice.errors import ConfigError, SluiceError
+
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, static_kv=len(PROMPT) + 2) as engine:
+        seq = engine.new_sequence()
+        engine.extend(seq, PROMPT)
+        engine.extend(seq, [5, 6])
+        with pytest.raises(SluiceError, match=r"more than the static_kv cache's \d+ \(--static-kv\)"):
+            engine.extend(seq, [7])
+        with pytest.raises(SluiceError, match=r"up to 4 new ones need more than the static_kv cache's"):  # before any step
+            engine.generate(PROMPT, 4)
+    with pytest.raises(ConfigError, match="static_kv: transformers' StaticCache cannot hold"):
+        with sluice.load(stores["deepseek_v4"], device=DEVICE, static_kv=64) as engine:
+            engine.new_sequence()
+    with pytest.raises(ConfigError, match="static_kv: must be a positive integer"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, static_kv=0)
