@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
                     "requests may name (repeat for several; default: none, file: URLs refused)")
     sv.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: none)")
     sv.add_argument("--max-body", default="24MiB", help="largest request body accepted, else 413 (default: %(default)s)")
+    sv.add_argument("--max-batch", type=options.at_least(1), default=8, metavar="N", help="requests that are decoding share "
+                    "one step, up to N: each MoE layer runs once over all their rows (1: one request a step; "
+                    "default: %(default)s)")
     sv.set_defaults(func=cmd_serve)
 
     add_bench_parser(sub)
@@ -319,7 +322,7 @@ def cmd_serve(args) -> int:
     app = create_app(engine, options.tokenizer(engine), model_id, snapshot_bytes=ram, context=args.context,
                      default_max_tokens=args.default_max_tokens, truncate=args.truncate, log_format=args.log_format,
                      snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk, image_dirs=tuple(args.image_dir),
-                     api_key=args.api_key, max_body=body)
+                     api_key=args.api_key, max_body=body, max_batch=args.max_batch)
     log.info("serving", model=model_id, url=f"http://{args.host}:{args.port}", openai_base_url=f"http://{args.host}:{args.port}/v1")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

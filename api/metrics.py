@@ -27,6 +27,7 @@ class Metrics:
         self.snapshots = Gauge("sluice_snapshots", "Conversation snapshots held", registry=r)
         self.snapshot_bytes = Gauge("sluice_snapshot_bytes", "Bytes of conversation snapshots held", registry=r)
         self.active = Gauge("sluice_active_requests", "Requests being served", registry=r)
+        self.batch = Gauge("sluice_decode_batch", "Sequences in the last decode step shared by several requests", registry=r)
         self.images = Counter("sluice_images", "Images received in requests (decoded and preprocessed)", registry=r)
         self.image_tokens = Counter("sluice_image_tokens", "Prompt tokens the received images took", registry=r)
         self._served = dict.fromkeys(TIERS, 0)

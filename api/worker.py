@@ -1,9 +1,11 @@
 """The engine worker: one thread that owns the engine and serves every request fairly.
 
 Requests (jobs) arrive on a queue; the worker takes them in turns, one step each: a prefill chunk
-or one decode token. So a long prompt does not hold back the others' tokens, and N requests at
-once produce exactly what they would one at a time (each job's steps are the same, only
-interleaved). Events go back to the server's event loop through a callback. A cancelled job
+or one decode token. So a long prompt does not hold back the others' tokens. Jobs that are decoding
+share a turn, up to `max_batch` of them: one step whose MoE layers run once over all their rows
+(`Engine.extend_many`: each block read once for every sequence that routed to it); their tokens are
+those they would get alone within the kernels' rounding. With `max_batch` 1 (or a model that cannot
+batch) N requests at once produce exactly what they would one at a time. Events go back to the server's event loop through a callback. A cancelled job
 (client gone, stop string seen) is dropped at its next turn and its state freed.
 """
 
@@ -52,11 +54,12 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, engine, snapshots: SnapshotStore, metrics, prefill_chunk: int = 512):
+    def __init__(self, engine, snapshots: SnapshotStore, metrics, prefill_chunk: int = 512, max_batch: int = 1):
         self.engine = engine
         self.snapshots = snapshots
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
+        self.max_batch = max_batch if engine.model.batchable else 1
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
@@ -91,6 +94,8 @@ class EngineWorker:
             job = jobs.popleft()
             if job.cancelled.is_set():
                 self._close(job, None)
+            elif self.max_batch > 1 and _decoding(job) and any(_decoding(j) for j in jobs):
+                self._batch_turn([job] + _take(jobs, self.max_batch - 1), jobs)
             else:
                 try:
                     finished = self._turn(job)
@@ -144,6 +149,41 @@ class EngineWorker:
                 job.constraint.advance(token)
         finally:
             _add(job.io, engine.rt.stats.counters_since(before, device=True))
+        return self._emit(job, token)
+
+    def _batch_turn(self, batch: list[Job], jobs: deque) -> None:
+        """One decode step shared by `batch`'s jobs; each goes back to `jobs` or finishes. A failed step fails them all
+        (the server keeps serving); a batch's expert I/O is shared out evenly among its jobs."""
+        engine = self.engine
+        self.metrics.batch.set(len(batch))
+        before = engine.rt.stats.counters(device=True)
+        for job in batch:
+            if job.constraint is not None:
+                job.constraint.start()
+        try:
+            logits = engine.extend_many([j.seq for j in batch], [j.generated[-1] for j in batch])
+        except Exception as e:
+            for job in batch:
+                self.metrics.requests.labels(status="error").inc()
+                job.emit(("error", f"{type(e).__name__}: {e}"))
+                job.seq = None
+            return
+        finally:
+            share = engine.rt.stats.counters_since(before, device=True)
+            for job in batch:
+                _add(job.io, _scaled(share, 1 / len(batch)))
+        for job, row in zip(batch, logits):
+            token = job.sampler(row[-1] if job.constraint is None else job.constraint.apply(row[-1]))
+            if job.constraint is not None:
+                job.constraint.advance(token)
+            finished = self._emit(job, token)
+            if finished is None:
+                jobs.append(job)
+            else:
+                self._close(job, finished)
+
+    def _emit(self, job: Job, token: int) -> str | None:
+        """The job's new token out to its client; its finish reason when that ends it, else None."""
         job.generated.append(token)
         if job.t_first is None:
             job.t_first = time.perf_counter()
@@ -183,7 +223,7 @@ class EngineWorker:
             "total_tokens": len(job.prompt) + len(job.generated),
             "prompt_tokens_details": {"cached_tokens": job.cached},
             "sluice": {  # expert I/O of this request; OpenAI clients ignore unknown fields
-                "expert_bytes": {t: blocks[t] * n for t in TIERS},
+                "expert_bytes": {t: round(blocks[t] * n) for t in TIERS},  # a batched step's, shared out
                 "hit_rate": round((total - blocks["disk"]) / total, 4) if total else None,
                 "prefetch_accuracy": round(io["predicted_right"] / io["predicted"], 4) if io.get("predicted") else None,
                 "stall_s": round(io.get("stall_s", 0.0), 4),
@@ -191,6 +231,26 @@ class EngineWorker:
                 "decode_tokens_per_s": None if (rate := _decode_rate(job)) is None else round(rate, 2),
             },
         }
+
+
+def _decoding(job: Job) -> bool:
+    """Whether the job's next step is one decode token (its prompt is in, it is still wanted)."""
+    return job.seq is not None and not job.pending and bool(job.generated) and not job.cancelled.is_set()
+
+
+def _take(jobs: deque, n: int) -> list[Job]:
+    """Up to n decoding jobs out of `jobs`, in their order; the others keep their places."""
+    taken, kept = [], deque()
+    while jobs:
+        j = jobs.popleft()
+        (taken if len(taken) < n and _decoding(j) else kept).append(j)
+    jobs.extend(kept)
+    return taken
+
+
+def _scaled(counts: dict, f: float) -> dict:
+    return {k: _scaled(v, f) if isinstance(v, dict) else v * f if isinstance(v, (int, float)) else v
+            for k, v in counts.items()}
 
 
 def _decode_rate(job: Job) -> float | None:

@@ -149,6 +149,10 @@ class ResidentModel(ABC):
         self.device = hf_model.lm_head.weight.device
         self.dtype = hf_model.lm_head.weight.dtype
 
+    # whether several sequences' one-token steps may share a MoE layer's pass (pipeline/batch.py): False where the
+    # model keeps one step's state between a layer's parts (DeepSeek-V4: the token ids, the mHC weights)
+    batchable = True
+
     def new_cache(self, static: int | None = None) -> Any:
         """A fresh KV / recurrent-state cache for one sequence (transformers' own, per the config's layer types):
         growing, or with `static` its attention preallocated for that many tokens (StaticCache)."""

@@ -114,6 +114,8 @@ class PostCapture(nn.Module):
 class DeepseekV4Resident(DecoderResident):
     """Layers run on streams h [1,T,H,D]; the hash routers read the step's token ids (kept by `begin`)."""
 
+    batchable = False  # those ids and each layer's `post` are one sequence's
+
     def __init__(self, hf_model):
         self.ids: torch.Tensor | None = None
         for layer in hf_model.model.layers:

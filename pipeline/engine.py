@@ -24,6 +24,7 @@ from sluice.kernels import triton_runs_on
 from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import ResidentModel
+from sluice.pipeline.batch import check_batch, step_many
 from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
 from sluice.storage.home import sluice_home
@@ -170,6 +171,19 @@ class Engine:
             final = start + n >= len(ids)
             logits.append(self._run(seq, part, rows, "all" if not last else "last" if final else "none", cancel))
         return logits[-1] if last else torch.cat(logits)
+
+    def extend_many(self, seqs: list[Sequence], tokens: list[int]) -> list[torch.Tensor]:
+        """Append tokens[b] to seqs[b] (each holding its prompt already) in one step whose MoE layers run once over
+        all the rows (pipeline/batch.py); each sequence's logits [1, V] fp32 on the device."""
+        check_batch(self.model, seqs, tokens, self.config.static_kv)
+        with self._on_device(), attention_backends():
+            try:
+                return self._loop.run_until_complete(step_many(self, seqs, tokens))
+            except BaseException:
+                for s in seqs:
+                    s.broken = True
+                self._loop.run_until_complete(self.rt.recover())
+                raise
 
     def _run(self, seq: Sequence, ids: list[int], images: torch.Tensor | None, head: str, cancel=None) -> torch.Tensor | None:
         with self._on_device(), attention_backends():

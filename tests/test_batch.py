@@ -1,0 +1,95 @@
+"""Several sequences decoding in one step (Engine.extend_many, pipeline/batch.py): each sequence's logits and greedy
+tokens equal its one-at-a-time decode's, on every family and on the streaming and direct schedules; the union of
+their experts is read once per layer; rows that trade places are caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sluice
+from common import DEVICE, PROMPT, VARIANTS, assert_logits_close
+
+PROMPTS = [PROMPT, PROMPT[3:] + [7, 7], [9, 4, 33, 71, 2]]
+STEPS = 6
+
+
+def alone(engine, prompt: list[int]) -> torch.Tensor:
+    """Greedy decode of one sequence: the last position's logits of the prompt and of STEPS - 1 steps [STEPS, V]."""
+    seq = engine.new_sequence()
+    out = [engine.extend(seq, prompt)[-1]]
+    for _ in range(STEPS - 1):
+        out.append(engine.extend(seq, [int(out[-1].argmax())])[-1])
+    return torch.stack(out).cpu()
+
+
+def together(engine, prompts: list[list[int]], swap: bool = False) -> list[torch.Tensor]:
+    """The same, every sequence's decode steps in one batched step each (`swap`: two rows' logits exchanged, a fault)."""
+    seqs = [engine.new_sequence() for _ in prompts]
+    out = [[engine.extend(s, p)[-1]] for s, p in zip(seqs, prompts)]
+    for _ in range(STEPS - 1):
+        logits = engine.extend_many(seqs, [int(o[-1].argmax()) for o in out])
+        if swap:
+            logits[0], logits[1] = logits[1], logits[0]
+        for o, l in zip(out, logits):
+            o.append(l[-1])
+    return [torch.stack(o).cpu() for o in out]
+
+
+BATCHABLE = [v for v in VARIANTS if not v.startswith("deepseek_v4")]  # keeps one step's state between a layer's parts
+
+
+@pytest.mark.parametrize("variant", BATCHABLE)
+@pytest.mark.parametrize("schedule", ["overlap", "direct"])
+def test_batched_decode_equals_one_at_a_time(variant, schedule, stores):
+    with sluice.load(stores[variant], device=DEVICE, schedule=schedule) as engine:
+        want = [alone(engine, p) for p in PROMPTS]
+        got = together(engine, PROMPTS)
+    for b, (g, w) in enumerate(zip(got, want)):
+        assert_logits_close(variant, g, w, f"{variant} {schedule} sequence {b}")
+        assert g.argmax(-1).tolist() == w.argmax(-1).tolist()
+
+
+def test_rows_that_trade_places_are_caught(stores):
+    with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
+        want = [alone(engine, p) for p in PROMPTS]
+        got = together(engine, PROMPTS, swap=True)
+    with pytest.raises(AssertionError, match="max \\|dlogit\\|"):
+        assert_logits_close("qwen3_moe", got[0], want[0], "swapped rows")
+
+
+def test_a_batch_reads_each_routed_block_once(stores):
+    """Three sequences in one step read the union of their experts: fewer block lookups than three steps alone."""
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, ram_cache="1GiB") as engine:
+        seqs = [engine.new_sequence() for _ in PROMPTS]
+        for s, p in zip(seqs, PROMPTS):
+            engine.extend(s, p)
+        before = sum(engine.rt.stats.snapshot()["blocks"].values())
+        engine.extend_many(seqs, [1, 2, 3])
+        batched = sum(engine.rt.stats.snapshot()["blocks"].values()) - before
+        before = sum(engine.rt.stats.snapshot()["blocks"].values())
+        for s, t in zip(seqs, [4, 5, 6]):
+            engine.extend(s, [t])
+        alone_blocks = sum(engine.rt.stats.snapshot()["blocks"].values()) - before
+    layers, k = len(engine.store.moe_layers), engine.store.manifest.top_k
+    assert alone_blocks == 3 * layers * k  # every routed (token, layer) block looked up
+    assert batched < alone_blocks  # the union: experts two sequences share in a layer counted once
+
+
+def test_bad_batches_are_refused(stores):
+    from sluice.errors import SluiceError
+
+    with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
+        a, b = engine.new_sequence(), engine.new_sequence()
+        engine.extend(a, PROMPT)
+        with pytest.raises(SluiceError, match="one token per sequence"):
+            engine.extend_many([a], [1, 2])
+        with pytest.raises(SluiceError, match="appears twice"):
+            engine.extend_many([a, a], [1, 2])
+        with pytest.raises(SluiceError, match="needs its prompt first"):
+            engine.extend_many([a, b], [1, 2])
+    with sluice.load(stores["deepseek_v4"], device=DEVICE) as engine:
+        a = engine.new_sequence()
+        engine.extend(a, PROMPT)
+        with pytest.raises(SluiceError, match="decode its sequences one at a time"):
+            engine.extend_many([a], [1])
