@@ -118,9 +118,9 @@ def _parser() -> argparse.ArgumentParser:
                     "requests may name (repeat for several; default: none, file: URLs refused)")
     sv.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: none)")
     sv.add_argument("--max-body", default="24MiB", help="largest request body accepted, else 413 (default: %(default)s)")
-    sv.add_argument("--max-batch", type=options.at_least(1), default=8, metavar="N", help="requests that are decoding share "
-                    "one step, up to N: each MoE layer runs once over all their rows (1: one request a step; "
-                    "default: %(default)s)")
+    sv.add_argument("--max-batch", type=options.at_least(1), default=1, metavar="N", help="requests that are decoding share "
+                    "one step, up to N: each MoE layer runs once over all their rows, resident layers without CUDA graphs "
+                    "(not yet measured on a GPU; default: %(default)s: one request a step)")
     sv.set_defaults(func=cmd_serve)
 
     add_bench_parser(sub)
