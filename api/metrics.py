@@ -27,7 +27,9 @@ class Metrics:
         self.snapshots = Gauge("sluice_snapshots", "Conversation snapshots held", registry=r)
         self.snapshot_bytes = Gauge("sluice_snapshot_bytes", "Bytes of conversation snapshots held", registry=r)
         self.active = Gauge("sluice_active_requests", "Requests being served", registry=r)
-        self.batch = Gauge("sluice_decode_batch", "Sequences in the last decode step shared by several requests", registry=r)
+        self.batch = Gauge("sluice_decode_batch", "Sequences in the last step shared by several requests", registry=r)
+        self.bytes_per_token = Gauge("sluice_expert_bytes_per_token", "Routed expert bytes served (every tier) per prompt or "
+                                     "generated token, since start: falls as requests share steps", registry=r)
         self.images = Counter("sluice_images", "Images received in requests (decoded and preprocessed)", registry=r)
         self.image_tokens = Counter("sluice_image_tokens", "Prompt tokens the received images took", registry=r)
         self._served = dict.fromkeys(TIERS, 0)
@@ -57,6 +59,7 @@ class Metrics:
         self._tokens += io.get("tokens", 0)
         if self._tokens:
             self.stall_per_token.set(self._stall / self._tokens)
+            self.bytes_per_token.set(sum(self._served.values()) * block_bytes / self._tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -94,10 +94,12 @@ class EngineWorker:
             job = jobs.popleft()
             if job.cancelled.is_set():
                 self._close(job, None)
-            elif self.max_batch > 1 and _decoding(job) and any(_decoding(j) for j in jobs):
-                self._batch_turn([job] + _take(jobs, self.max_batch - 1), jobs)
             else:
                 try:
+                    self._begin(job)
+                    if self.max_batch > 1 and _shareable(job) and any(_decoding(j) for j in jobs):
+                        self._batch_turn([job] + _take(jobs, self.max_batch - 1), jobs)
+                        continue
                     finished = self._turn(job)
                 except Exception as e:  # the job fails; the server keeps serving
                     if job.cancelled.is_set():  # its client left during the step, which stopped there
@@ -116,21 +118,8 @@ class EngineWorker:
             self.active = len(jobs)
 
     def _turn(self, job: Job) -> str | None:
-        """One step of a job. Returns its finish reason when it is done, else None."""
+        """One step of a job (begun: `_begin`). Returns its finish reason when it is done, else None."""
         engine = self.engine
-        if job.seq is None:
-            snap = self.snapshots.longest_prefix(job.key or job.prompt)
-            if job.snapshot is not None and (snap is None or len(job.snapshot.tokens) > len(snap.tokens)):
-                snap = job.snapshot
-            job.snapshot = None  # the sequence holds its own copy
-            job.seq = engine.restore(snap) if snap is not None else engine.new_sequence()
-            job.cached = len(job.seq.tokens)
-            job.pending = job.prompt[job.cached :]
-            if job.images is not None:
-                token = engine.image_encoder.image_token_id
-                if token in job.pending:  # rows for the image tokens past the restored prefix
-                    rows = engine.encode_images(job.images.pixel_values, job.images.image_grid_hw)
-                    job.rows = rows[sum(1 for i in job.prompt[: job.cached] if i == token) :]
         before = engine.rt.stats.counters(device=True)  # the last turn's sample already waited for the GPU
         if job.constraint is not None:
             job.constraint.start()  # the grammar's mask is computed while the step runs
@@ -151,18 +140,44 @@ class EngineWorker:
             _add(job.io, engine.rt.stats.counters_since(before, device=True))
         return self._emit(job, token)
 
+    def _begin(self, job: Job) -> None:
+        """A job's first turn: its sequence, from the longest snapshot its prompt begins with, and its image rows."""
+        engine = self.engine
+        if job.seq is None:
+            snap = self.snapshots.longest_prefix(job.key or job.prompt)
+            if job.snapshot is not None and (snap is None or len(job.snapshot.tokens) > len(snap.tokens)):
+                snap = job.snapshot
+            job.snapshot = None  # the sequence holds its own copy
+            job.seq = engine.restore(snap) if snap is not None else engine.new_sequence()
+            job.cached = len(job.seq.tokens)
+            job.pending = job.prompt[job.cached :]
+            if job.images is not None:
+                token = engine.image_encoder.image_token_id
+                if token in job.pending:  # rows for the image tokens past the restored prefix
+                    rows = engine.encode_images(job.images.pixel_values, job.images.image_grid_hw)
+                    job.rows = rows[sum(1 for i in job.prompt[: job.cached] if i == token) :]
+
     def _batch_turn(self, batch: list[Job], jobs: deque) -> None:
-        """One decode step shared by `batch`'s jobs; each goes back to `jobs` or finishes. A failed step fails them all
-        (the server keeps serving); a batch's expert I/O is shared out evenly among its jobs."""
+        """One step shared by `batch`'s jobs: decode tokens, and the first job's next prompt chunk if it is prefilling;
+        each job goes back to `jobs` or finishes. A failed step fails them all (the server keeps serving); a batch's
+        expert I/O is shared out evenly among its jobs."""
         engine = self.engine
         self.metrics.batch.set(len(batch))
         before = engine.rt.stats.counters(device=True)
+        pieces = []
         for job in batch:
-            if job.constraint is not None:
+            if job.pending:
+                piece, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
+            else:
+                piece = [job.generated[-1]]
+            pieces.append(piece)
+            if job.constraint is not None and not job.pending:
                 job.constraint.start()
         try:
-            logits = engine.extend_many([j.seq for j in batch], [j.generated[-1] for j in batch])
+            logits = engine.extend_many([j.seq for j in batch], pieces)
         except Exception as e:
+            if isinstance(e, StoreError) and self.fault is None:
+                self.fault = str(e)
             for job in batch:
                 self.metrics.requests.labels(status="error").inc()
                 job.emit(("error", f"{type(e).__name__}: {e}"))
@@ -173,6 +188,9 @@ class EngineWorker:
             for job in batch:
                 _add(job.io, _scaled(share, 1 / len(batch)))
         for job, row in zip(batch, logits):
+            if job.pending:  # a prompt chunk before the last: no token yet
+                jobs.append(job)
+                continue
             token = job.sampler(row[-1] if job.constraint is None else job.constraint.apply(row[-1]))
             if job.constraint is not None:
                 job.constraint.advance(token)
@@ -236,6 +254,11 @@ class EngineWorker:
 def _decoding(job: Job) -> bool:
     """Whether the job's next step is one decode token (its prompt is in, it is still wanted)."""
     return job.seq is not None and not job.pending and bool(job.generated) and not job.cancelled.is_set()
+
+
+def _shareable(job: Job) -> bool:
+    """Whether the job's next step may share a batch: a decode token, or a prompt chunk with no image rows."""
+    return _decoding(job) or (job.seq is not None and bool(job.pending) and job.rows is None)
 
 
 def _take(jobs: deque, n: int) -> list[Job]:

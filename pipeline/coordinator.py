@@ -137,13 +137,13 @@ class Coordinator:
                                   nxt if whole or nxt is None or not nxt.graph_safe else fn_graphs.block(nxt, "predict"))
 
     async def moe_rows(self, layer, hs: list[torch.Tensor], ctxs: list) -> list[torch.Tensor]:
-        """A MoE layer over several sequences' one-token inputs hs [1, 1, D] at once (pipeline/batch.py): their rows
-        run as one step of T = len(hs) tokens; each sequence's output h."""
+        """A MoE layer over several sequences' inputs hs [1, T_b, D] at once (pipeline/batch.py): their rows run as
+        one step of sum(T_b) tokens; each sequence's output h."""
         parts = [layer.moe_input(h, ctx) for h, ctx in zip(hs, ctxs)]
         x, residual = torch.cat([x for x, _ in parts]), torch.cat([r for _, r in parts], dim=1)
         block = layer.moe
         li = LayerInput(block, self._next[block.index], x, residual, self._ahead[block.index])
-        return list((await self.run_layer(li)).h.split(1, dim=1))
+        return list((await self.run_layer(li)).h.split([h.shape[1] for h in hs], dim=1))
 
     async def moe(self, i: int, layer, h: torch.Tensor, ctx, graphs: bool) -> torch.Tensor:
         """Model layer i (a MoE layer) on h [B, T, D]: its output h. `graphs`: a one-token step replaying graphs."""

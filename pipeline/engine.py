@@ -172,13 +172,15 @@ class Engine:
             logits.append(self._run(seq, part, rows, "all" if not last else "last" if final else "none", cancel))
         return logits[-1] if last else torch.cat(logits)
 
-    def extend_many(self, seqs: list[Sequence], tokens: list[int]) -> list[torch.Tensor]:
-        """Append tokens[b] to seqs[b] (each holding its prompt already) in one step whose MoE layers run once over
-        all the rows (pipeline/batch.py); each sequence's logits [1, V] fp32 on the device."""
-        check_batch(self.model, seqs, tokens, self.config.static_kv)
+    def extend_many(self, seqs: list[Sequence], pieces: list) -> list[torch.Tensor]:
+        """Append pieces[b] (a token id, or a list of them: a decode token or a piece of a prompt) to seqs[b] in one
+        step whose MoE layers run once over all the rows (pipeline/batch.py); each sequence's last-position logits
+        [1, V] fp32 on the device. No image rows: a piece with images goes through `extend`."""
+        pieces = [[p] if isinstance(p, int) and not isinstance(p, bool) else list(p) for p in pieces]
+        check_batch(self.model, seqs, pieces, self.config.static_kv)
         with self._on_device(), attention_backends():
             try:
-                return self._loop.run_until_complete(step_many(self, seqs, tokens))
+                return self._loop.run_until_complete(step_many(self, seqs, pieces))
             except BaseException:
                 for s in seqs:
                     s.broken = True

@@ -145,14 +145,14 @@ def test_concurrent_requests_match_one_at_a_time(server):
 def test_concurrent_requests_decode_in_shared_steps(stores):
     """With --max-batch, requests that are decoding share steps (one MoE pass over their rows): /metrics shows the
     batch, and each reply is the one it gets alone."""
-    s = LiveServer(stores["nemotron_h_latent"], context=512, max_batch=4)
+    s = LiveServer(stores["nemotron_h_latent"], context=512, max_batch=4)  # prompt chunks of 8 tokens join the batches
     try:
         prompts = [[{"role": "user", "content": f"Question number {i}: {'why ' * i}?"}] for i in range(5)]
         one_by_one = [chat(s, p, max_tokens=10)[0] for p in prompts]
         with ThreadPoolExecutor(5) as pool:
             together = list(pool.map(lambda p: chat(s, p, stream=True, max_tokens=10)[0], prompts))
         assert together == one_by_one
-        assert s.metric("sluice_decode_batch") > 1
+        assert s.metric("sluice_decode_batch") > 1 and s.metric("sluice_expert_bytes_per_token") > 0
     finally:
         s.close()
 

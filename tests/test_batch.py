@@ -50,6 +50,24 @@ def test_batched_decode_equals_one_at_a_time(variant, schedule, stores):
         assert g.argmax(-1).tolist() == w.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", "qwen3_next", "gpt_oss"])
+def test_prompt_pieces_beside_decode_tokens(variant, stores):
+    """A prompt prefilled in pieces that share steps with other sequences' decode tokens (and with each other) ends
+    in the same logits as its prompt run alone; the decoding sequences' logits are theirs alone too."""
+    with sluice.load(stores[variant], device=DEVICE) as engine:
+        want_prompt = alone(engine, PROMPTS[0])[0]
+        want_other = alone(engine, PROMPTS[1])
+        new, other = engine.new_sequence(), engine.new_sequence()
+        got_other = [engine.extend(other, PROMPTS[1])[-1]]
+        pieces = [PROMPTS[0][:5], PROMPTS[0][5:9], PROMPTS[0][9:]]
+        for piece in pieces:  # the new prompt's pieces beside the other's decode steps
+            logits = engine.extend_many([new, other], [piece, int(got_other[-1].argmax())])
+            got_other.append(logits[1][-1])
+    assert_logits_close(variant, logits[0][-1:].cpu(), want_prompt[None], f"{variant} prompt in pieces")
+    assert_logits_close(variant, torch.stack(got_other[:STEPS]).cpu()[: len(got_other)], want_other[: len(got_other)],
+                        f"{variant} decode beside a prompt")
+
+
 def test_rows_that_trade_places_are_caught(stores):
     with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         want = [alone(engine, p) for p in PROMPTS]
@@ -82,12 +100,12 @@ def test_bad_batches_are_refused(stores):
     with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         a, b = engine.new_sequence(), engine.new_sequence()
         engine.extend(a, PROMPT)
-        with pytest.raises(SluiceError, match="one token per sequence"):
+        with pytest.raises(SluiceError, match="one piece per sequence"):
             engine.extend_many([a], [1, 2])
         with pytest.raises(SluiceError, match="appears twice"):
             engine.extend_many([a, a], [1, 2])
-        with pytest.raises(SluiceError, match="needs its prompt first"):
-            engine.extend_many([a, b], [1, 2])
+        with pytest.raises(SluiceError, match="non-empty list of token ids"):
+            engine.extend_many([a, b], [1, []])
     with sluice.load(stores["deepseek_v4"], device=DEVICE) as engine:
         a = engine.new_sequence()
         engine.extend(a, PROMPT)
