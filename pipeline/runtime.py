@@ -25,6 +25,7 @@ from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder
 
 TIERS = ("vram", "ram", "disk")
+RECALL_KEEP = 0.9  # weight of the recall measured so far at each MoE layer's new share (`IOStats.guesses_pay`)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class IOStats:
     vram_prefetches: int = 0  # blocks copied RAM -> VRAM ahead on a guess (h2d prefetch)
     vram_prefetch_hits: int = 0  # demand VRAM hits on a block that a guess copied
     vram_fills: int = 0  # blocks copied RAM -> VRAM when the direct schedule refreshes its hot set
+    guesses_skipped: int = 0  # guessed blocks not read or copied ahead: the recent recall was below `min_recall`
     predicted: int = 0  # guesses made for layers that then ran
     predicted_right: int = 0  # guesses the layer then routed to
     routed_predicted: int = 0  # experts routed in layers that had a prediction
@@ -53,6 +55,7 @@ class IOStats:
     kernels: list = field(default_factory=list, repr=False)  # TritonExperts, for live-group counts
     sources: list = field(default_factory=list, repr=False)  # callables adding device-side counts into these (sync)
     _guesses: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict, repr=False)  # (layer, ahead) ->
+    _recall: float | None = field(default=None, repr=False)  # recent share of the next layer's guesses routed to
 
     def tier(self, tier: str, prefetched: bool = False) -> None:
         self.blocks[tier] += 1
@@ -70,10 +73,23 @@ class IOStats:
             self.further_routed += len(routed)
         guesses = self._guesses.pop((layer, 1), None)
         if guesses is not None:
+            right = len(set(guesses) & routed)
             self.predicted += len(guesses)
-            self.predicted_right += len(set(guesses) & routed)
+            self.predicted_right += right
             self.routed_predicted += len(experts)
+            if guesses:
+                share = right / len(guesses)
+                self._recall = share if self._recall is None else RECALL_KEEP * self._recall + (1 - RECALL_KEEP) * share
         return guesses
+
+    def guesses_pay(self, min_recall: float, n: int) -> bool:
+        """Whether guesses are worth reading or copying ahead: the recent recall of the next layer's guesses (an
+        average over the last ~1 / (1 - RECALL_KEEP) MoE layers) is at least `min_recall`, or none is measured yet. If
+        not, the `n` guessed blocks count as skipped; prediction itself goes on, so the recall keeps being measured."""
+        if not min_recall or self._recall is None or self._recall >= min_recall:
+            return True
+        self.guesses_skipped += n
+        return False
 
     def counters(self, device: bool = False) -> dict:
         """The counters as plain numbers: cheap, with no GPU sync, unless `device` first adds the counts kept on

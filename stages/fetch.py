@@ -12,7 +12,8 @@ layer (and, with the predict stage's `depth`, of the layers after it, nearest fi
 or evictable slots, never evicting a pinned block. They go to the reader as guesses: a guess starts only
 while no demand read is queued or running, `guess_reads` at most at once, so they do not share the drive
 with demand reads. When a layer runs, its guesses still queued are read at once if it routed to them and
-dropped if it did not.
+dropped if it did not. With `min_recall`, guesses are read only while the recent share of them the layers went on
+to route to is at least that (`IOStats.guesses_pay`): wrong guesses cost the drive and RAM slots for nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class FetchKnobs:
     guess_reads: int = 2  # prefetch reads in flight at most (a drive that needs depth to reach its rate wants more;
     # the reader keeps one of two or more threads for demand reads; with read_pieces > 1, pieces of guesses)
     read_pieces: int = 1  # a block read as this many parts at once by the pool's threads, in the order asked for
+    min_recall: float = 0.0  # read guesses only while their recent recall is at least this (0: always)
 
     def __post_init__(self):
         if self.guess_reads < 1:
@@ -40,6 +42,8 @@ class FetchKnobs:
                                 f"reads no guesses)")
         if self.read_pieces < 1:
             raise ScheduleError(f"stage 'fetch': 'read_pieces' must be >= 1, got {self.read_pieces}")
+        if not 0.0 <= self.min_recall <= 1.0:
+            raise ScheduleError(f"stage 'fetch': 'min_recall' must be between 0 and 1, got {self.min_recall!r}")
 
 
 class Fetch(Stage):
@@ -110,7 +114,7 @@ class Fetch(Stage):
 
     def _prefetch(self, pred: Prediction) -> None:
         rt = self.rt
-        if pred.layer is None:
+        if pred.layer is None or not rt.stats.guesses_pay(self.knobs.min_recall, len(pred.experts)):
             return
         for layer, experts in ((pred.layer, pred.experts), *pred.further):
             for expert in experts:

@@ -55,6 +55,7 @@ class H2DKnobs:
     cpu_balance: bool = False  # adapt cpu_share to the measured CPU and H2D rates
     cpu_prefill: int = 0  # prompt steps: experts routed at most this many tokens run on the CPU (-1: where cheaper)
     prefetch: bool = False  # one-token steps: copy the next MoE layer's guessed experts from RAM into VRAM
+    min_recall: float = 0.0  # prefetch: copy guesses only while their recent recall is at least this (0: always)
 
     def __post_init__(self):
         from sluice.storage.cache import POLICIES
@@ -64,6 +65,8 @@ class H2DKnobs:
         if self.cpu_prefill < -1:
             raise ScheduleError(f"stage 'h2d': 'cpu_prefill' must be -1 (where cheaper), 0 (never) or a token count, got {self.cpu_prefill!r}")
 
+        if not 0.0 <= self.min_recall <= 1.0:
+            raise ScheduleError(f"stage 'h2d': 'min_recall' must be between 0 and 1, got {self.min_recall!r}")
         if self.vram_policy not in POLICIES:
             raise ScheduleError(f"stage 'h2d': 'vram_policy' must be one of {', '.join(POLICIES)}, got {self.vram_policy!r}")
 
@@ -158,7 +161,7 @@ class H2D(Stage):
         """Copy the guessed experts of the next MoE layer that are loaded in RAM and not in VRAM into VRAM
         slots, after the copies already on this stage's stream; stop at the first slot not to be had."""
         rt = self.rt
-        if pred.layer is None:
+        if pred.layer is None or not rt.stats.guesses_pay(self.knobs.min_recall, len(pred.experts)):
             return
         pending = []
         for expert in pred.experts:

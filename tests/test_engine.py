@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sluice
-from sluice.errors import ConfigError, SluiceError, StoreError
+from sluice.errors import ConfigError, ScheduleError, SluiceError, StoreError
 from sluice.pipeline.config import parse_size
 from sluice.pipeline.sampling import Sampler
 from sluice.stages import STAGES
@@ -420,3 +420,26 @@ def test_queued_guesses_are_promoted_or_cancelled_and_change_no_logit(stores, tm
             assert all(e.pins == 0 for e in engine.rt.ram.entries() if not e.loading)  # a guess may still be read
     assert torch.equal(runs[0], runs[1])
     assert calls["promote"] > 0 and calls["cancel"] > 0
+
+
+def test_guesses_are_skipped_while_their_recall_is_low(stores):
+    """`min_recall` (fetch, h2d): guesses are read ahead only while the recent recall of the next layer's guesses
+    reaches it; below it they are skipped (counted), prediction goes on, and the tokens are the same."""
+    store = stores["nemotron_h_latent"]
+    runs = {}
+    for floor in (0.0, 0.999):
+        with sluice.load(store, device=DEVICE, schedule=f"overlap:fetch.min_recall={floor}", ram_cache="64KiB") as engine:
+            tokens = engine.generate(PROMPT, 12)
+            s = engine.rt.stats.snapshot()
+        runs[floor] = (tokens, s["prefetch_reads"], s["guesses_skipped"], s["predicted"])
+    (t0, reads0, skipped0, predicted0), (t1, reads1, skipped1, predicted1) = runs[0.0], runs[0.999]
+    assert t0 == t1 and predicted0 == predicted1 > 0
+    assert skipped0 == 0 and skipped1 > 0 and reads1 < reads0
+    copies = {}
+    for floor in (0.0, 0.999):  # copies into VRAM ahead (h2d prefetch) are gated the same way
+        with sluice.load(store, device=DEVICE, schedule=f"prefetch-vram:h2d.min_recall={floor}", vram_slots=8) as engine:
+            tokens = engine.generate(PROMPT, 12)
+            copies[floor] = (tokens, engine.rt.stats.snapshot()["vram_prefetches"])
+    assert copies[0.0][0] == copies[0.999][0] and copies[0.999][1] < copies[0.0][1]
+    with pytest.raises(ScheduleError, match="'min_recall' must be between 0 and 1"):
+        sluice.load(store, device=DEVICE, schedule="overlap:fetch.min_recall=1.5")
