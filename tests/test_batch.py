@@ -111,3 +111,17 @@ def test_bad_batches_are_refused(stores):
         engine.extend(a, PROMPT)
         with pytest.raises(SluiceError, match="decode its sequences one at a time"):
             engine.extend_many([a], [1])
+
+
+def test_bench_batch_reports_each_batch_size(stores, tmp_path, capsys):
+    import json
+
+    from sluice.cli import main
+
+    out = tmp_path / "batch.json"
+    assert main(["bench", "batch", "--model", str(stores["qwen3_moe"]), "--device", DEVICE, "--batches", "1,3",
+                 "--decode-tokens", "2", "--prompt-length", "4", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["routing"] == "natural" and [row["batch"] for row in r["rows"]] == [1, 3]
+    assert all(row["aggregate_tok_s"] > 0 and row["expert_bytes_per_token"] > 0 for row in r["rows"])
+    assert "routing: natural" in capsys.readouterr().out

@@ -1,0 +1,87 @@
+"""`sluice bench batch`: decode speed with several sequences in one step (Engine.extend_many), per batch size:
+aggregate and per-sequence tokens per second and routed expert bytes per generated token, under the routing
+setting given (a figure that depends on routing says which).
+
+Each batch size gets fresh sequences of random prompts, one untimed step, then `--decode-tokens` timed steps of
+greedy decode; batch size 1 runs the ordinary one-token step (`extend`), the baseline the others are compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_batch_parser(bsub) -> None:
+    from sluice.options import engine_args
+
+    bb = bsub.add_parser("batch", help="decode with several sequences per step: aggregate and per-sequence tok/s, "
+                                       "expert bytes per token, per batch size")
+    engine_args(bb)
+    bb.add_argument("--batches", default="1,2,4,8", help="comma-separated batch sizes (default: %(default)s)")
+    bb.add_argument("--prompt-length", type=int, default=32)
+    bb.add_argument("--decode-tokens", type=int, default=16)
+    bb.add_argument("--json", type=Path, help="also write the rows as JSON")
+    bb.set_defaults(func=cmd_bench_batch)
+
+
+def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int = 0) -> dict:
+    """One batch size: decode `tokens` steps of `batch` sequences; the rates and the expert bytes per token."""
+    g = torch.Generator().manual_seed(seed + batch)
+    vocab = engine.model.config.vocab_size
+    seqs = [engine.new_sequence() for _ in range(batch)]
+    last = [int(engine.extend(s, torch.randint(3, vocab, (prompt_length,), generator=g).tolist(), last=True)[-1].argmax())
+            for s in seqs]
+
+    def step():
+        if batch == 1:
+            return [engine.extend(seqs[0], [last[0]])]
+        return engine.extend_many(seqs, last)
+
+    last = [int(row[-1].argmax()) for row in step()]  # untimed: the first batched step compiles its kernels
+    before = engine.rt.stats.snapshot()
+    t = time.perf_counter()
+    for _ in range(tokens):
+        last = [int(row[-1].argmax()) for row in step()]
+    seconds = time.perf_counter() - t
+    io = engine.rt.stats.since(before)
+    generated = batch * tokens
+    blocks = sum(io["blocks"].values())
+    return {"batch": batch, "aggregate_tok_s": generated / seconds, "per_sequence_tok_s": tokens / seconds,
+            "step_ms": 1000 * seconds / tokens, "expert_bytes_per_token": blocks * engine.store.block_bytes / generated,
+            "disk_blocks_per_token": io["blocks"]["disk"] / generated}
+
+
+def format_rows(rows: list[dict]) -> str:
+    base = rows[0]["aggregate_tok_s"] if rows and rows[0]["batch"] == 1 else None
+    lines = ["batch | aggregate tok/s | per sequence tok/s | step ms | expert MB / token | disk blocks / token | x batch 1"]
+    for r in rows:
+        ratio = f"{r['aggregate_tok_s'] / base:.2f}" if base else "-"
+        lines.append(f"{r['batch']:5d} | {r['aggregate_tok_s']:15.1f} | {r['per_sequence_tok_s']:18.1f} | {r['step_ms']:7.2f} | "
+                     f"{r['expert_bytes_per_token'] / 1e6:17.2f} | {r['disk_blocks_per_token']:19.2f} | {ratio}")
+    return "\n".join(lines)
+
+
+def cmd_bench_batch(args) -> int:
+    from sluice.benchmarks.model import routing_line, routing_name, synthetic_weights
+    from sluice.errors import SluiceError
+    from sluice.options import open_engine
+
+    try:
+        sizes = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        raise SluiceError(f"--batches {args.batches!r}: comma-separated batch sizes, e.g. 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise SluiceError(f"--batches {args.batches!r}: batch sizes are >= 1")
+    with open_engine(args) as engine:
+        r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine)}
+        r["rows"] = [bench_batch(engine, b, args.prompt_length, args.decode_tokens) for b in sizes]
+        print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name}")
+    print(routing_line(r))
+    print(format_rows(r["rows"]))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=1))
+    return 0
