@@ -1,8 +1,8 @@
 """Giving freed host memory back: glibc keeps what Python, torch and the tokenizer free in its heaps.
 
 A server's RSS otherwise climbs with every request of a new size (activations, tokenizer buffers, JSON bodies) and
-with every thread that allocates (glibc gives each an arena of its own): issue 35's soak grew ~600 MiB in 200
-requests with snapshots bounded at 256 MiB. So: at most two arenas (set once, before the server's threads start),
+with every thread that allocates (glibc gives each an arena of its own), well past what snapshots hold (the soak in
+BENCHMARKS.md). So: at most two arenas (set once, before the server's threads start),
 and `malloc_trim` whenever the engine worker goes idle, which returns the heaps' free pages to the system (a few
 milliseconds, only when nothing waits). On a C library without these calls both are no-ops.
 """
