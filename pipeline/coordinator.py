@@ -142,7 +142,8 @@ class Coordinator:
         parts = [layer.moe_input(h, ctx) for h, ctx in zip(hs, ctxs)]
         x, residual = torch.cat([x for x, _ in parts]), torch.cat([r for _, r in parts], dim=1)
         block = layer.moe
-        li = LayerInput(block, self._next[block.index], x, residual, self._ahead[block.index])
+        decoding = all(h.shape[1] == 1 for h in hs)
+        li = LayerInput(block, self._next[block.index], x, residual, self._ahead[block.index], decoding)
         return list((await self.run_layer(li)).h.split([h.shape[1] for h in hs], dim=1))
 
     async def moe(self, i: int, layer, h: torch.Tensor, ctx, graphs: bool) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Consecutive layers' inputs differ by a few residual updates, so the next router on the current
 input names most of the experts it will pick; fetch reads the guesses into the gap between
-layers. Decode only by default: a prompt uses nearly every expert and would only churn the cache.
+layers. Decode only by default (one token, or a batch of decode tokens: their guesses' union): a prompt uses
+nearly every expert and would only churn the cache.
 Guesses come most likely first (prefetches stop at the first with no room): ranked by routing weight,
 summed over a prompt's tokens; a one-token step ranks its K on the host, no tensor ops.
 
@@ -49,7 +50,7 @@ class Predict(Stage):
     async def run(self, io: StageIO) -> Prediction:
         li: LayerInput = await io.value("layer")
         nxt = li.next_block
-        if nxt is None or (li.x.shape[0] > 1 and not self.knobs.prefill):
+        if nxt is None or (not li.decode and not self.knobs.prefill):
             return Prediction(None, ())
         blocks = (nxt, *li.ahead[: self.knobs.depth - 1])
         streams = self.rt.streams

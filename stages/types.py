@@ -26,6 +26,12 @@ class LayerInput:
     x: torch.Tensor  # [T, D] MoE input (normalised), model dtype, device, compute stream
     residual: torch.Tensor  # [1, T, D] added after the experts, device, compute stream
     ahead: tuple[MoEBlock, ...] = ()  # the MoE layers after next_block also guessed (predict's or direct's depth)
+    decoding: bool = False  # every row is a decode token (one sequence's, or a batch's: pipeline/batch.py)
+
+    @property
+    def decode(self) -> bool:
+        """Decode rows, not a prompt: a one-token step or a batch of decode tokens."""
+        return self.decoding or self.x.shape[0] == 1
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,17 @@ def test_a_batch_reads_each_routed_block_once(stores):
     assert batched < alone_blocks  # the union: experts two sequences share in a layer counted once
 
 
+def test_batched_decode_steps_guess_the_next_layers(stores):
+    """The predict stage guesses for a batch of decode tokens (their guesses' union) as for one; not for prompts."""
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
+        seqs = [engine.new_sequence() for _ in PROMPTS]
+        for s, p in zip(seqs, PROMPTS):
+            engine.extend(s, p)
+        before = engine.rt.stats.snapshot()["predicted"]
+        engine.extend_many(seqs, [1, 2, 3])
+        assert engine.rt.stats.snapshot()["predicted"] > before
+
+
 def test_bad_batches_are_refused(stores):
     from sluice.errors import SluiceError
 
