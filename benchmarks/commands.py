@@ -200,7 +200,7 @@ def cmd_bench_images(args) -> int:
 
     from sluice.benchmarks.images import bench_images, radio_h_checkpoint
     from sluice.pipeline.config import EngineConfig
-    from sluice.pipeline.engine import resolve_store
+    from sluice.storage.home import resolve_store
 
     device = EngineConfig(device=args.device).torch_device
     modes = tuple(m for m in args.modes.split(",") if m)

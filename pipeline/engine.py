@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import threading
 import time
 from dataclasses import dataclass
@@ -19,26 +18,24 @@ from typing import Any, Iterator
 
 import torch
 
-from sluice.errors import ConfigError, SluiceError, StepCancelled, StoreError
+from sluice.errors import ConfigError, SluiceError, StepCancelled
 from sluice.kernels import triton_runs_on
+from sluice.kernels.graphs import DecodeGraphs, FnGraphs
 from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import ResidentModel
 from sluice.pipeline.batch import check_batch, step_many
 from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
-from sluice.storage.home import sluice_home
 from sluice.pipeline.coordinator import Coordinator
-from sluice.kernels.graphs import DecodeGraphs, FnGraphs
 from sluice.pipeline.routing import RoutingControl, controlled_routing
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
 from sluice.pipeline.snapshot import Snapshot, restore, take
+from sluice.storage.home import resolve_store
 from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder, trace_header
-
-log = get_logger()
 
 
 @dataclass
@@ -386,29 +383,3 @@ def _check_ids(ids: list[int]) -> None:
         raise SluiceError("input_ids is empty")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise SluiceError("input_ids must be a list of ints")
-
-
-def resolve_store(path: str | Path, progress: bool = True) -> Path:
-    """A store path as is; a checkpoint is repacked once into SLUICE_HOME/stores/<name>-<hash>."""
-    from sluice.storage.checkpoint import Checkpoint
-    from sluice.storage.repack import repack
-
-    path = Path(path)
-    if (path / "manifest.json").is_file():
-        return path
-    if not (path / "config.json").is_file():
-        raise StoreError(f"{path}: neither an expert store (manifest.json) nor a checkpoint (config.json)")
-    ckpt = Checkpoint.open(path)
-    digest = hashlib.sha256(ckpt.fingerprint()["sha256"].encode() + str(path.resolve()).encode()).hexdigest()[:12]
-    target = sluice_home() / "stores" / f"{path.resolve().name}-{digest}"
-    stale = False
-    if (target / "manifest.json").is_file():
-        try:
-            ExpertStore.open(target)
-        except StoreError as e:  # our own cache, written by an older Sluice: rebuild it
-            log.info("the cached expert store cannot be used; repacking", store=str(target), reason=str(e))
-            stale = True
-    else:
-        log.info("repacking checkpoint into an expert store (once)", checkpoint=str(path), store=str(target))
-    repack(path, target, force=stale, progress=progress)
-    return target

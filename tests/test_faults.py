@@ -16,7 +16,7 @@ import sluice
 from sluice.cli import main
 from sluice.errors import CheckpointError, StoreError
 from tiny import make_tiny_checkpoint
-from sluice.pipeline.engine import resolve_store
+from sluice.storage.home import resolve_store
 from sluice.storage.repack import repack
 from sluice.storage.store import ExpertStore
 from sluice.storage.verify import verify
@@ -110,7 +110,7 @@ def test_a_repack_killed_anywhere_is_resumed_or_restarted(ckpt, tmp_path, point,
 def test_the_automatic_repack_resumes_after_a_kill(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
     script = KILLER.replace("r.repack(sys.argv[1], sys.argv[2], progress=False)",
-                            "from sluice.pipeline.engine import resolve_store; resolve_store(sys.argv[1], progress=False)")
+                            "from sluice.storage.home import resolve_store; resolve_store(sys.argv[1], progress=False)")
     env = {**os.environ, "SLUICE_HOME": str(tmp_path / "home")}
     p = subprocess.run([sys.executable, "-c", script, str(ckpt), "-", "block", "3"], capture_output=True, text=True, env=env)
     assert p.returncode == -9, p.stderr

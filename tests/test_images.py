@@ -91,7 +91,7 @@ def test_a_changed_encoder_file_is_caught_at_first_use(omni, tmp_path):
     import shutil
 
     from sluice.errors import StoreError
-    from sluice.pipeline.engine import resolve_store
+    from sluice.storage.home import resolve_store
 
     store = tmp_path / "store"
     shutil.copytree(resolve_store(omni, progress=False), store)
@@ -295,7 +295,7 @@ def test_streamed_encoder_equals_resident(omni):
     encoder's features exactly."""
     from sluice.models.vision import ImageEncoder
     from sluice.storage.store import ExpertStore
-    from sluice.pipeline.engine import resolve_store
+    from sluice.storage.home import resolve_store
 
     store = ExpertStore.open(resolve_store(omni, progress=False))
     pix, grid = _image(7)
