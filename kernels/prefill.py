@@ -86,7 +86,7 @@ def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
 
 
 # offs and orows are often slices of one layer's tensors (stages/direct.py), 16-byte aligned or not by where the slice
-# starts: specialising on that compiled each kernel again at the first odd start (a 2 s prompt on the H200)
+# starts: specialising on that compiles each kernel again at the first odd start, inside a prompt
 @triton.jit(do_not_specialize_on_alignment=["offs", "orows"])
 def _grouped_gemm_kernel(
     bank, offs, x, X_STRIDE, xrows, out, OUT_STRIDE, orows, wts, items, N, K,
