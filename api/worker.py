@@ -5,8 +5,9 @@ or one decode token. So a long prompt does not hold back the others' tokens. Job
 share a turn, up to `max_batch` of them: one step whose MoE layers run once over all their rows
 (`Engine.extend_many`: each block read once for every sequence that routed to it); their tokens are
 those they would get alone within the kernels' rounding. With `max_batch` 1 (or a model that cannot
-batch) N requests at once produce exactly what they would one at a time. Events go back to the server's event loop through a callback. A cancelled job
-(client gone, stop string seen) is dropped at its next turn and its state freed.
+batch) N requests at once produce exactly what they would one at a time. Events go back to the
+server's event loop through a callback. A cancelled job (client gone, stop string seen) is dropped
+at its next turn and its state freed.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class EngineWorker:
             job.constraint.start()  # the grammar's mask is computed while the step runs
         try:
             if job.pending:
-                chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
+                chunk = self._next_chunk(job)
                 token = engine.image_encoder.image_token_id if job.rows is not None else None
                 rows, job.rows = split_image_rows(chunk, job.rows, token)
                 job.logits = engine.extend(job.seq, chunk, rows, last=True, cancel=job.cancelled)[-1]
@@ -133,9 +134,7 @@ class EngineWorker:
                     return None
             else:
                 job.logits = engine.extend(job.seq, [job.generated[-1]])[-1]
-            token = job.sampler(job.logits if job.constraint is None else job.constraint.apply(job.logits))
-            if job.constraint is not None:
-                job.constraint.advance(token)
+            token = _sample(job, job.logits)
         finally:
             _add(job.io, engine.rt.stats.counters_since(before, device=True))
         return self._emit(job, token)
@@ -166,11 +165,7 @@ class EngineWorker:
         before = engine.rt.stats.counters(device=True)
         pieces = []
         for job in batch:
-            if job.pending:
-                piece, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
-            else:
-                piece = [job.generated[-1]]
-            pieces.append(piece)
+            pieces.append(self._next_chunk(job) if job.pending else [job.generated[-1]])
             if job.constraint is not None and not job.pending:
                 job.constraint.start()
         try:
@@ -191,14 +186,16 @@ class EngineWorker:
             if job.pending:  # a prompt chunk before the last: no token yet
                 jobs.append(job)
                 continue
-            token = job.sampler(row[-1] if job.constraint is None else job.constraint.apply(row[-1]))
-            if job.constraint is not None:
-                job.constraint.advance(token)
-            finished = self._emit(job, token)
+            finished = self._emit(job, _sample(job, row[-1]))
             if finished is None:
                 jobs.append(job)
             else:
                 self._close(job, finished)
+
+    def _next_chunk(self, job: Job) -> list[int]:
+        """The next `prefill_chunk` tokens of the job's prompt, taken off what is pending."""
+        chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
+        return chunk
 
     def _emit(self, job: Job, token: int) -> str | None:
         """The job's new token out to its client; its finish reason when that ends it, else None."""
@@ -249,6 +246,14 @@ class EngineWorker:
                 "decode_tokens_per_s": None if (rate := _decode_rate(job)) is None else round(rate, 2),
             },
         }
+
+
+def _sample(job: Job, logits) -> int:
+    """The job's next token from logits [V], among those its grammar allows (if any), which then advances."""
+    token = job.sampler(logits if job.constraint is None else job.constraint.apply(logits))
+    if job.constraint is not None:
+        job.constraint.advance(token)
+    return token
 
 
 def _decoding(job: Job) -> bool:

@@ -45,8 +45,8 @@ async def step_many(engine, seqs: list, pieces: list[list[int]]) -> list[torch.T
 
 
 def check_batch(model, seqs: list, pieces: list[list[int]], limit: int | None) -> None:
-    """A model whose steps may share a layer's pass; a non-empty piece per sequence, distinct sequences, none broken,
-    none past a static cache."""
+    """A model whose steps may share a layer's pass; a non-empty piece per sequence, distinct sequences, each with
+    room for its piece (`Sequence.check`)."""
     if not model.batchable:
         raise SluiceError(f"extend_many: {model.config.model_type} keeps one sequence's state between a layer's parts; "
                           f"decode its sequences one at a time")
@@ -57,8 +57,4 @@ def check_batch(model, seqs: list, pieces: list[list[int]], limit: int | None) -
     if len({id(s) for s in seqs}) != len(seqs):
         raise SluiceError("extend_many: a sequence appears twice in one step")
     for s, p in zip(seqs, pieces):
-        if s.broken:
-            raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
-        if limit is not None and len(s.tokens) + len(p) > limit:
-            raise SluiceError(f"a sequence would hold {len(s.tokens) + len(p)} tokens, more than the static_kv cache's "
-                              f"{limit} (--static-kv)")
+        s.check(len(p), limit)

@@ -46,6 +46,14 @@ class Sequence:
     tokens: list[int]
     broken: bool = False  # a step failed half-way; the cache no longer matches `tokens`
 
+    def check(self, n: int, limit: int | None) -> None:
+        """Before a step appends n tokens: the state is whole, and a static cache of `limit` tokens has room."""
+        if self.broken:
+            raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
+        if limit is not None and len(self.tokens) + n > limit:
+            raise SluiceError(f"the sequence would hold {len(self.tokens) + n} tokens, more than the static_kv cache's "
+                              f"{limit} (--static-kv)")
+
 
 class Engine:
     def __init__(self, store: ExpertStore, model: ResidentModel, rt: Runtime, coordinator: Coordinator, config: EngineConfig,
@@ -290,12 +298,7 @@ class Engine:
 
     async def _guarded_step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None,
                             head: str = "all", cancel=None) -> torch.Tensor | None:
-        if seq.broken:
-            raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
-        limit = self.config.static_kv
-        if limit is not None and len(seq.tokens) + len(ids) > limit:
-            raise SluiceError(f"the sequence would hold {len(seq.tokens) + len(ids)} tokens, more than the static_kv cache's "
-                              f"{limit} (--static-kv)")
+        seq.check(len(ids), self.config.static_kv)
         if images is not None:
             self._check_images(ids, images)
         try:
