@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
+import torch
 
 from sluice.pipeline.streams import Streams
 
@@ -78,8 +79,6 @@ class Tracer:
         if not self.enabled:
             yield
             return
-        import torch
-
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         capturing = cuda and torch.cuda.is_current_stream_capturing()
         if cuda:
