@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--no-prefetch", action="store_true", help="replay without the recorded guesses' prefetch")
     sm.add_argument("--vram-prefetch", choices=["recorded", "on", "off"], default="recorded",
                     help="copy the guesses in RAM into VRAM ahead, as `h2d: {prefetch: true}` does (default: as recorded)")
-    sm.add_argument("--depth", type=int, help="MoE layers guessed ahead, up to the recorded run's `depth` (predict's or direct's) "
+    sm.add_argument("--depth", type=int, help="MoE layers guessed ahead, up to the recorded run's `depth` (predict's or fetch's, via: table) "
                     "(default: as recorded)")
     sm.add_argument("--sweep", type=Path, metavar="PREFIX", help="hit rate vs RAM size: write PREFIX.csv and PREFIX.png")
     sm.set_defaults(func=cmd_simulate)

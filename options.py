@@ -52,7 +52,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
     p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
-                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:direct.depth=2 (default: %(default)s)")
+                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:fetch.depth=2 (default: %(default)s)")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM "
                         "(default: %(default)s: resident when it fits twice over in the VRAM left)")

@@ -24,7 +24,7 @@ def add_bench_parser(sub) -> None:
     bm.add_argument("--profile", action="store_true", help="also profile decode steps: host functions and GPU busy time")
     bm.add_argument("--compare", metavar="SCHEDULES", help="comma-separated schedules (names or paths, with knob edits if "
                     "wanted) run one after another and compared in one table, e.g. overlap,vram-lfu,hybrid,hybrid-vram or "
-                    "direct-stream,direct-stream:direct.depth=2")
+                    "direct-stream,direct-stream:fetch.depth=2")
     bm.add_argument("--resident-alone", action="store_true", help="also time decode with the routed experts skipped "
                     "(schedules/resident-alone.yaml) and report the roofline PCIe time + that")
     bm.set_defaults(func=cmd_bench_model)

@@ -86,14 +86,14 @@ class MoEBlock:
     act_args: tuple[float, float] = (0.0, 0.0)  # the Triton kernels' (alpha, limit) for "gpt_oss_glu" / "silu_clamped"
     # x [T,D] -> a term of the layer's output that needs x alone (a shared expert, gated or not), added to finish's:
     # out = finish(routed, x) + shared(x). Stages may run it before or beside the routed experts (it waits for none of
-    # them): the route stage while the host waits for the ids, the direct stage on a side stream
+    # them): the route stage while the host waits for the ids, the fast path's route (via: table) on a side stream
     shared: Callable[[torch.Tensor], torch.Tensor] | None = None
     # router, expert_input, finish, shared and the layer's moe_input are pure functions of their tensor arguments
     # (no state read or written, no host sync; moe_input does not read its ctx): their one-token calls
     # may be replayed as CUDA graphs (kernels/graphs.py FnGraphs)
     graph_safe: bool = False
     # x [T,D], n -> ids [T,n] i64: the n experts the router ranks first, best first (the top_k it routes to among
-    # them, ties aside), for reading guesses beyond the top-k (the direct stage's `guess_extra`); None: not offered
+    # them, ties aside), for reading guesses beyond the top-k (fetch's `guess_extra`, via: table); None: not offered
     ranked: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     # x [T,D] -> (weights [T,K], ids [T,K] i64) as `router` gives them: this layer's experts guessed from an earlier
     # MoE layer's input (the predict stage, direct's lookahead); None: the router itself on that input (`guessed`)

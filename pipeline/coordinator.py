@@ -8,7 +8,8 @@ host blocks only on the routed ids (route) and on reads that have not landed (fe
 in a TaskGroup: the first failure cancels the rest of the layer and is re-raised as itself.
 
 `moe` is the engine's one call per MoE layer: it builds the layer's input (with the graph views of a one-token
-step), or hands a one-token layer whole to a stage that runs it so (`Needs.whole_layer`).
+step), or, for a `via: table` schedule, runs a one-token layer whole as the plan's composed step (pipeline/plan.py)
+and gives the rest to the device table's host side.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from sluice.pipeline.plan import TokenPlan
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.schedule import Schedule, StageSpec
-from sluice.stages import STAGES, Stage, StageIO
+from sluice.stages import Stage, StageIO
 from sluice.stages.types import LayerInput, LayerOutput
 
 _WAVE = object()
@@ -75,7 +77,7 @@ class _LayerRun:
         self.channels: dict[str, Channel] = {}
         self.producer: dict[str, str] = {}
         for spec in schedule.stages:
-            cls = STAGES[spec.name]
+            cls = spec.cls
             self.producer[cls.produces] = spec.name
             if cls.channel:
                 self.channels[cls.produces] = Channel()
@@ -86,7 +88,7 @@ class _LayerRun:
 class _IO(StageIO):
     def __init__(self, run: _LayerRun, spec: StageSpec):
         self._run, self._spec = run, spec
-        self._out = STAGES[spec.name].produces
+        self._out = spec.cls.produces
 
     async def value(self, name: str) -> Any:
         return await self._run.values[name]
@@ -109,10 +111,10 @@ class Coordinator:
         self.schedule = schedule
         self.rt = rt
         self.stages: list[tuple[StageSpec, Stage]] = [
-            (spec, STAGES[spec.name](spec.knobs, spec.stream, rt)) for spec in schedule.stages
+            (spec, spec.cls(spec.knobs, spec.stream, rt)) for spec in schedule.stages
         ]
         needs = schedule.needs
-        self._whole = self.stages[0][1] if needs.whole_layer else None  # runs a one-token layer by itself
+        self.plan = TokenPlan(self.stages, rt) if needs.table else None  # the fast path's composed steps
         self._depth = needs.depth
         self._next: list = []  # per MoE index: the next MoE block (None after the last)
         self._ahead: list[tuple] = []  # per MoE index: the blocks guessed past the next one (`Needs.depth`)
@@ -127,7 +129,7 @@ class Coordinator:
         self._views = {}
         if fn_graphs is None:
             return
-        whole = self._whole is not None  # such a stage captures each layer's step whole: plain blocks
+        whole = self.plan is not None  # the plan captures each layer's step whole: plain blocks
         for i, layer in enumerate(model.layers):
             b = layer.moe
             if b is not None and b.graph_safe:
@@ -150,7 +152,7 @@ class Coordinator:
         """Model layer i (a MoE layer) on h [B, T, D]: its output h. `graphs`: a one-token step replaying graphs."""
         block = layer.moe
         nxt, ahead = self._next[block.index], self._ahead[block.index]
-        if h.shape[1] == 1 and self._whole is not None and (out := self._whole.token(layer, h, nxt)) is not None:
+        if h.shape[1] == 1 and self.plan is not None and (out := self.plan.token(layer, h, nxt)) is not None:
             return out
         view = self._views.get(i) if graphs else None
         if view is None:
@@ -160,16 +162,23 @@ class Coordinator:
             x, residual = moe_input(h)
         return (await self.run_layer(LayerInput(block, nxt, x, residual, ahead))).h
 
+    def empty_vram(self) -> None:
+        """Give back the blocks the stages (or the device table) keep in VRAM themselves; the host has synchronized."""
+        for _, stage in self.stages:
+            stage.empty_vram()
+        if self.plan is not None:
+            self.plan.table.empty_vram()
+
     def close(self) -> None:
         for _, stage in self.stages:
             stage.close()
 
     async def run_layer(self, li: LayerInput) -> LayerOutput:
+        if self.plan is not None:  # the device table's host side: prompts, ids to the host
+            table = self.plan.table
+            with self.rt.tracer.span(table.name, layer=li.block.layer, stream=table.stream):
+                return await table.layer(li)
         run = _LayerRun(self.schedule, li)
-        if len(self.stages) == 1:  # a stage that runs the whole layer (direct): no tasks to schedule
-            spec, stage = self.stages[0]
-            await self._run_stage(run, spec, stage, li.block.layer)
-            return run.values["output"].result()
         try:
             async with asyncio.TaskGroup() as tg:
                 for spec, stage in self.stages:
@@ -180,8 +189,9 @@ class Coordinator:
 
     async def _run_stage(self, run: _LayerRun, spec: StageSpec, stage: Stage, layer: int) -> None:
         for a in spec.after:
-            if not STAGES[a].channel:
-                await run.values[STAGES[a].produces]
+            cls = self.schedule.stage(a).cls
+            if not cls.channel:
+                await run.values[cls.produces]
         with self.rt.tracer.span(spec.name, layer=layer, stream=spec.stream):
             result = await stage.run(_IO(run, spec))
         if stage.channel:

@@ -270,8 +270,7 @@ class Engine:
     def empty_vram(self) -> None:
         """Forget the VRAM tier's blocks but a loaded hot set (`sluice bench model`: a prompt on an empty tier)."""
         self.rt.streams.synchronize()
-        for _, stage in self.coordinator.stages:
-            stage.empty_vram()
+        self.coordinator.empty_vram()
         if self.rt.vram is not None:
             self.rt.vram.clear()
 
@@ -355,9 +354,9 @@ def _check_guess_extra(extra: int, model: ResidentModel, routing: RoutingControl
     if any(b.ranked is None for b in model.moe_blocks):
         whose = f"routing {routing.setting} draws its ids" if routing is not None else \
             f"this model's routers ({architecture}) do not rank (MoEBlock.ranked)"
-        raise ConfigError(f"stage 'direct': 'guess_extra' reads guesses past the top-k as a router ranks them; {whose}")
+        raise ConfigError(f"stage 'fetch': 'guess_extra' reads guesses past the top-k as a router ranks them; {whose}")
     if (b := next((b for b in model.moe_blocks if b.top_k + extra > b.num_experts), None)) is not None:
-        raise ConfigError(f"stage 'direct': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
+        raise ConfigError(f"stage 'fetch': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
                           f"{b.num_experts} experts a MoE layer has")
 
 

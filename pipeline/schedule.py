@@ -10,7 +10,8 @@
       compute: {}
       combine: {}
 
-Per stage: `after` (stages to wait for) and `stream` (compute | copy), plus the stage's own knobs.
+Per stage: `after` (stages to wait for), `stream` (compute | copy) and `via` (its variant: cache | table, the same
+for every stage of a schedule; stages/__init__.py), plus the variant's own knobs.
 `after` on a one-shot stage waits for its value. A channel input (fetch -> h2d -> compute) is
 consumed as items arrive, unless its producer is listed in `after`: then the consumer waits for
 each whole wave (the layer's blocks, or as many as the caches hold at once) before starting.
@@ -30,12 +31,13 @@ import yaml
 
 from sluice.errors import ScheduleError
 from sluice.pipeline.streams import STREAM_NAMES
-from sluice.stages import ALONE, REQUIRED, STAGES
+from sluice.stages import REQUIRED, SHARED, STAGES, VARIANTS
 from sluice.stages.base import Needs
 
 SCHEDULES_DIR = Path(__file__).resolve().parent.parent / "schedules"
-COMMON_KEYS = ("after", "stream")
-INITIAL = ("layer",)  # values the coordinator provides
+COMMON_KEYS = ("after", "stream", "via")
+INITIAL = ("layer",)
+VIAS = ("cache", "table")  # the stages' variants (stages/__init__.py)  # values the coordinator provides
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class StageSpec:
     after: tuple[str, ...]
     stream: str
     knobs: Any
+    cls: type = object  # the stage's class: its name's variant (`via`)
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,13 @@ class Schedule:
         """What the engine must set up for this schedule, from its stages' knobs (`Stage.needs`, in stage order)."""
         fields: dict[str, Any] = {}
         for spec in self.stages:
-            fields.update(STAGES[spec.name].needs(spec.knobs))
+            fields.update(spec.cls.needs(spec.knobs))
         return Needs(**fields)
 
 
 def load_schedule(ref: str | Path) -> Schedule:
     """A schedule by name (schedules/NAME.yaml) or by path, with knob edits after it: `NAME:STAGE.KNOB=VALUE[:...]`
-    (`direct-stream:direct.depth=2`; VALUE read as YAML), applied before validation, so an experiment needs no file.
+    (`direct-stream:fetch.depth=2`; VALUE read as YAML), applied before validation, so an experiment needs no file.
     The edits join the schedule's name (what traces and `bench` report)."""
     ref, *edits = str(ref).split(":")
     path = Path(ref)
@@ -92,7 +95,7 @@ def _edit(doc: Any, edit: str, source: str) -> None:
     key, eq, value = edit.partition("=")
     stage, dot, knob = key.partition(".")
     if not (eq and dot and stage and knob):
-        raise ScheduleError(f"schedule edit {edit!r}: write STAGE.KNOB=VALUE (e.g. direct.depth=2)")
+        raise ScheduleError(f"schedule edit {edit!r}: write STAGE.KNOB=VALUE (e.g. fetch.depth=2)")
     stages = doc.get("stages") if isinstance(doc, dict) else None
     if not isinstance(stages, dict) or stage not in stages:
         have = ", ".join(stages) if isinstance(stages, dict) else "none"
@@ -120,11 +123,12 @@ def parse_schedule(doc: Any, source: str = "<schedule>") -> Schedule:
         if name not in STAGES:
             raise ScheduleError(f"{source}: unknown stage {name!r} (known: {', '.join(STAGES)})")
         specs[name] = _parse_stage(name, body or {}, f"{source}: stage {name!r}")
-    alone = [s for s in ALONE if s in specs]
-    if alone and len(specs) > 1:
-        others = ", ".join(s for s in specs if s != alone[0])
-        raise ScheduleError(f"{source}: stage {alone[0]!r} runs a MoE layer's whole step by itself; remove {others}")
-    missing = [s for s in REQUIRED if s not in specs] if not alone else []
+    vias = {spec.cls.via for n, spec in specs.items() if n not in SHARED}
+    if len(vias) > 1:
+        table = ", ".join(n for n, spec in specs.items() if spec.cls.via == "table")
+        raise ScheduleError(f"{source}: every stage of a schedule takes the same variant: {table} have via: table, the "
+                            f"others not (a schedule streams through the caches or reads through the device table)")
+    missing = [s for s in REQUIRED if s not in specs]
     if missing:
         raise ScheduleError(f"{source}: required stage(s) missing: {', '.join(missing)}")
     order = _check_graph(specs, source)
@@ -134,9 +138,14 @@ def parse_schedule(doc: Any, source: str = "<schedule>") -> Schedule:
 def _parse_stage(name: str, body: Any, where: str) -> StageSpec:
     if not isinstance(body, dict):
         raise ScheduleError(f"{where}: settings must be a mapping, got {body!r}")
-    cls = STAGES[name]
+    via = body.get("via", "cache")
+    cls = VARIANTS.get((name, via)) or (STAGES[name] if name in SHARED and via in VIAS else None)
+    if cls is None:
+        have = ", ".join(VIAS if name in SHARED else (v for n, v in VARIANTS if n == name))
+        raise ScheduleError(f"{where}: 'via' must be one of {have}, got {via!r}")
     fields = {f.name: f for f in dataclasses.fields(cls.Knobs)}
-    _reject_unknown(body, COMMON_KEYS + tuple(fields), where)
+    common = COMMON_KEYS if cls.via == "cache" else ("via",)  # a composed step orders its parts itself (plan.py)
+    _reject_unknown(body, common + tuple(fields), where)
     after = body.get("after", [])
     if isinstance(after, str):
         after = [after]
@@ -150,7 +159,7 @@ def _parse_stage(name: str, body: Any, where: str) -> StageSpec:
     for key, f in fields.items():
         if key in body:
             values[key] = _check_value(body[key], hints[key], f"{where}: {key!r}", key)
-    return StageSpec(name, tuple(after), stream, cls.Knobs(**values))
+    return StageSpec(name, tuple(after), stream, cls.Knobs(**values), cls)
 
 
 SIGNED_KNOBS = ("cpu_prefill",)  # int knobs with a meaning below 0 (checked by their stage)
@@ -175,10 +184,10 @@ def _reject_unknown(d: dict, allowed: tuple[str, ...], where: str) -> None:
 
 def _check_graph(specs: dict[str, StageSpec], source: str) -> list[str]:
     """Every input produced, every `after` known, no cycle. Returns a topological order."""
-    producer = {STAGES[n].produces: n for n in specs}
+    producer = {specs[n].cls.produces: n for n in specs}
     deps: dict[str, set[str]] = {}
     for name, spec in specs.items():
-        cls = STAGES[name]
+        cls = spec.cls
         d = set()
         for value in cls.consumes:
             if value in INITIAL:
@@ -192,7 +201,7 @@ def _check_graph(specs: dict[str, StageSpec], source: str) -> list[str]:
                 raise ScheduleError(f"{source}: stage {name!r} runs after {a!r}, which is not in the schedule")
             if a == name:
                 raise ScheduleError(f"{source}: stage {name!r} runs after itself")
-            if STAGES[a].channel and STAGES[a].produces not in cls.consumes:
+            if specs[a].cls.channel and specs[a].cls.produces not in cls.consumes:
                 raise ScheduleError(
                     f"{source}: stage {name!r} runs after {a!r}, a streaming stage whose output it does not consume; "
                     f"'after' on a stream means 'wait for each wave' and needs that data edge"

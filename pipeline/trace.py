@@ -5,7 +5,7 @@ maps onto stages/. Each stage gets a host track (wall time of its coroutine for 
 on CUDA, a GPU track on its stream (from an event recorded when the stage starts to one when it
 ends). Disk reads are async spans on a "reads" track. GPU timestamps are resolved at `flush()`
 (after the step's sync) against a reference event, so tracing adds no sync of its own.
-A stage fused into one call (the direct stage's one-token step, one CUDA graph) times its parts with `phase`, under
+A stage fused into one call (the fast path's composed one-token step, one CUDA graph) times its parts with `phase`, under
 the same stage names: host spans where it runs eagerly, GPU spans from events the graph itself records on replay.
 When disabled every call returns at once.
 """

@@ -35,8 +35,8 @@ class Needs:
     down_in_ram: bool = False  # `down` stays in pinned RAM, read zero-copy
     vram_policy: str = "lru"  # what the VRAM tier evicts
     hot_set: str = ""  # routing trace whose most routed blocks are held in VRAM from the start
-    whole_layer: bool = False  # a stage runs a one-token MoE layer whole from its input (`Stage.token`): it gets the
-    # model's own blocks, not the engine's graph views of their parts
+    table: bool = False  # the schedule's stages are the device-table variants (`via: table`): a one-token MoE layer
+    # runs as the plan's composed step (pipeline/plan.py) on the model's own blocks, not the engine's graph views
 
 
 class StageIO(ABC):
@@ -73,6 +73,8 @@ class Stage(ABC):
     produces: ClassVar[str]
     channel: ClassVar[bool] = False  # output is an item channel rather than one value
     Knobs: ClassVar[type] = NoKnobs
+    via: ClassVar[str] = "cache"  # the variant (the schedule's `via` key): cache (the streaming stages, each block
+    # found through the host's caches) | table (the device-table stages of the fast path)
 
     def __init__(self, knobs: Any, stream: str, rt: "Runtime"):
         self.knobs = knobs
@@ -84,14 +86,27 @@ class Stage(ABC):
         """The `Needs` fields this stage sets from its knobs (none by default)."""
         return {}
 
-    def token(self, layer: Any, h: Any, next_block: Any = None) -> Any:
-        """A one-token step of MoE `layer` whole from its input h [1, 1, D], or None where the stage cannot run it so
-        (the engine then runs the layer through the graph); stages with `Needs.whole_layer` implement it."""
+    # -- the GPU-only face (pipeline/plan.py composes a one-token layer step from these) ----------------------------
+    # `t` is the layer's `TokenLayer` (stages/types.py); the callables read and write the step's values `v` by name
+    # (x, residual, weights, ids, offs, xe, y, routed, shared, h) and only enqueue GPU work: they are captured.
+
+    def launch(self, t: Any) -> Any:
+        """This stage's part of a one-token step of layer t on the step's stream: a callable of the values, or None."""
         return None
 
-    @abstractmethod
+    def beside(self, t: Any) -> Any:
+        """Its part on a side stream forked from the step's and joined before the layer's output, or None."""
+        return None
+
+    def before(self, t: Any, first: bool) -> None:
+        """Host work before each one-token step of layer t (not captured); `first`: the token's first MoE layer."""
+
+    def after(self, t: Any) -> None:
+        """Host work after each one-token step of layer t is queued (not captured)."""
+
     async def run(self, io: StageIO) -> Any:
         """Do this layer's work; return the produced value (channel stages return None)."""
+        raise NotImplementedError(f"stage {self.name!r} has no streaming face")
 
     def empty_vram(self) -> None:
         """Give back the blocks the stage keeps in VRAM itself (the direct schedule's tier); the host has synchronized."""

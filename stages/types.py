@@ -99,3 +99,16 @@ class LayerOutput:
     """combine -> the engine: the layer's output hidden state."""
 
     h: torch.Tensor  # [1, T, D] model dtype, device, compute stream
+
+
+@dataclass(frozen=True)
+class TokenLayer:
+    """What a stage's GPU-only face (`Stage.launch`, `beside`, `before`, `after`) knows of the one-token step it is
+    composed into (pipeline/plan.py), fixed when the step is built."""
+
+    block: MoEBlock
+    i: int  # its MoE index
+    nxt: MoEBlock | None  # the next MoE layer (whose guesses the step may make), None for the last
+    hosted: bool  # the routed ids and block offsets come in with the step, found by the host (`via: table` over a
+    # RAM cache, `hold: false`), rather than routed and resolved in it
+    part: Callable[[str], Any]  # part(stage name): a context timing what it wraps under that name (only with --trace)

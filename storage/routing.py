@@ -20,7 +20,6 @@ on the device (pipeline/routing.py), so routed ids never need the host.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np

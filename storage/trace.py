@@ -9,7 +9,7 @@ then one line per (step, MoE layer), in execution order:
     {"s": step, "t": tokens in the step, "l": layer, "ids": [T*K routed ids, token-major],
      "e": [distinct experts, ascending], "tier": "RRDV..." (one letter per entry of e:
      V vram, R ram, D disk), "p": [guesses made for this layer] or null,
-     "f": [[layer, [guesses]], ...] (only where made: `predict: {depth: N}` or `direct: {depth: N}`, N > 1, the guesses this layer's input made
+     "f": [[layer, [guesses]], ...] (only where made: `predict: {depth: N}` or `fetch: {via: table, depth: N}`, N > 1, the guesses this layer's input made
      for the MoE layers after the next one, nearest first)}
 """
 
@@ -28,17 +28,17 @@ TIER_CODE = {"vram": "V", "ram": "R", "disk": "D"}
 
 def trace_header(store, schedule, ram_blocks: int, vram_blocks: int, routing: str = "natural") -> dict:
     """A trace's header for a run of `schedule` on `store` with these tier sizes (blocks): what `sluice simulate`
-    replays by default. `direct` (with hold: false; the only direct that records) reads its own guesses for the next
+    replays by default. The device table's fetch (`via: table`, hold: false: the only one that records) reads its guesses for the next
     MoE layer (and the `depth` - 1 after it), and its VRAM tier is a hot set refreshed from use counts, which the
     replay takes as recorded ("vram_tier": "recorded": the blocks the run read from VRAM are VRAM hits)."""
     m = store.manifest
     head = {"architecture": m.architecture, "moe_layers": list(store.moe_layers), "num_experts": m.num_experts, "top_k": m.top_k,
             "block_bytes": m.block_bytes, "ram_blocks": ram_blocks, "vram_blocks": vram_blocks, "schedule": schedule.name,
             "routing": routing}
-    fetch, predict, h2d, direct = (schedule.stage(n) for n in ("fetch", "predict", "h2d", "direct"))
-    if direct is not None:
-        guesses = direct.knobs.prefetch
-        return {**head, "prefetch": guesses, "vram_prefetch": False, "prefetch_depth": direct.knobs.depth if guesses else 0,
+    fetch, predict, h2d = (schedule.stage(n) for n in ("fetch", "predict", "h2d"))
+    if fetch is not None and fetch.cls.via == "table":
+        guesses = fetch.knobs.prefetch
+        return {**head, "prefetch": guesses, "vram_prefetch": False, "prefetch_depth": fetch.knobs.depth if guesses else 0,
                 "vram_tier": "recorded"}
     return {**head, "prefetch": fetch is not None and fetch.knobs.prefetch and predict is not None,
             "vram_prefetch": h2d is not None and h2d.knobs.prefetch and predict is not None,

@@ -115,7 +115,7 @@ def test_usage_counts_the_direct_schedules_blocks(stores, tmp_path):
     from sluice.pipeline.schedule import SCHEDULES_DIR
 
     doc = yaml.safe_load((SCHEDULES_DIR / "direct.yaml").read_text())
-    doc["stages"]["direct"]["backend"] = "triton"
+    doc["stages"]["compute"]["backend"] = "triton"
     path = tmp_path / "direct-triton.yaml"
     path.write_text(yaml.safe_dump(doc))
     srv = LiveServer(stores["nemotron_h"], schedule=str(path), snapshot_bytes=0)  # no snapshot: both requests prefill

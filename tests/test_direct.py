@@ -1,4 +1,4 @@
-"""The `direct` schedule (stages/direct.py) against transformers and against the streaming schedules: every block
+"""The `direct` schedule (the `via: table` stages, stages/table.py) against transformers and against the streaming schedules: every block
 held in RAM, the kernels reading VRAM or RAM blocks in place through a device table, the VRAM tier's updates,
 prompts through the staging bank, and the errors for what it cannot do."""
 
@@ -13,15 +13,27 @@ from common import DEVICE, MUST_DIFFER, PROMPT, VARIANTS, assert_logits_close, g
 from test_golden import check_golden, ram_sizes, triton_schedule
 
 
-def direct_schedule(tmp_path, name: str = "direct-edited", **knobs) -> str:
-    """schedules/direct.yaml with the direct stage's knobs changed."""
+def direct_schedule(tmp_path, name: str = "direct-edited", base: str = "direct", **knobs) -> str:
+    """schedules/BASE.yaml (a `via: table` schedule) with knobs changed, each in the stage whose variant has it."""
+    import dataclasses
+
     import yaml
 
-    doc = yaml.safe_load((SCHEDULES_DIR / "direct.yaml").read_text())
-    doc["stages"]["direct"] = {**doc["stages"]["direct"], **knobs}
+    from sluice.stages import VARIANTS
+
+    doc = yaml.safe_load((SCHEDULES_DIR / f"{base}.yaml").read_text())
+    for knob, value in knobs.items():
+        stage = next(n for n in doc["stages"] if n != "combine"
+                     and knob in {f.name for f in dataclasses.fields(VARIANTS[(n, "table")].Knobs)})
+        doc["stages"][stage] = {**doc["stages"][stage], knob: value}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
+
+
+def table_of(engine):
+    """The device table a `via: table` schedule's stages share (stages/table.py)."""
+    return engine.coordinator.plan.table
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -52,7 +64,7 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     with sluice.load(stores[variant], device=DEVICE, schedule=schedule, vram_slots=6) as engine:
         direct = decode(engine)
         io = engine.rt.stats.snapshot()
-        stage = engine.coordinator.stages[0][1]
+        stage = table_of(engine)
         assert 0 < io["blocks"]["vram"] and 0 < io["blocks"]["ram"]
         assert int(stage.tier.in_vram.sum()) == len(stage.tier.slot_of) > 0
         assert len(stage.tier.slot_of) <= io["vram_fills"] <= 6 * (11 // 2)  # every block in a slot was copied in, 6 per refresh at most
@@ -71,7 +83,7 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     RAM into a staging bank (kernels/ahead.py), from which that layer reads them. The tier stays empty here (no
     refresh, no prompt fill), so every block comes from RAM or staging. Logits are those of the same schedule
     without staging bit for bit, and greedy tokens the reference's; staging filled with the wrong blocks diverges."""
-    import sluice.stages.direct_token as direct_mod
+    import sluice.stages.h2d_table as direct_mod
 
     ref_tokens = refs.greedy(variant, PROMPT, 8)
     knobs = dict(backend="triton", refresh=1000, prompt_fill=False, prompt_ahead=0)
@@ -81,7 +93,7 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     with sluice.load(stores[variant], device=DEVICE, schedule=on, vram_slots=24) as engine:
         staged = greedy_logits(engine, PROMPT, 8)
         io = engine.rt.stats.snapshot()
-        assert engine.coordinator.stages[0][1].tier.S == 3
+        assert table_of(engine).tier.S == 3
     assert [int(t) for t in staged.argmax(-1)] == ref_tokens
     assert torch.equal(staged, plain)
     # 7 one-token steps, each guessing for every MoE layer after its first: some right, all counted as copied
@@ -93,6 +105,27 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     with sluice.load(stores[variant], device=DEVICE, schedule=on, vram_slots=24) as engine:
         wrong = greedy_logits(engine, PROMPT, 8)
     assert (wrong - plain).abs().max().item() > 1e-3
+
+
+def test_a_fast_schedule_without_predict_stages_nothing(stores, tmp_path):
+    """The plan composes the one-token step from the stages the file lists: without the predict stage there are no
+    guesses, so h2d stages nothing (no staging bank is set aside, no copy is counted) whatever its `token_ahead`, and
+    the logits are those of `token_ahead: 0` bit for bit."""
+    import yaml
+
+    variant = "nemotron_h_latent"
+    knobs = dict(backend="triton", refresh=1000, prompt_fill=False, prompt_ahead=0)
+    off = direct_schedule(tmp_path, "off", token_ahead=0, **knobs)
+    doc = yaml.safe_load(open(direct_schedule(tmp_path, "unguessed", token_ahead=3, **knobs)))
+    del doc["stages"]["predict"]
+    unguessed = tmp_path / "unguessed.yaml"
+    unguessed.write_text(yaml.safe_dump(doc))
+    with sluice.load(stores[variant], device=DEVICE, schedule=off, vram_slots=24) as engine:
+        plain = greedy_logits(engine, PROMPT, 6)
+    with sluice.load(stores[variant], device=DEVICE, schedule=str(unguessed), vram_slots=24) as engine:
+        got = greedy_logits(engine, PROMPT, 6)
+        assert table_of(engine).tier.S == 0 and engine.rt.stats.snapshot()["vram_prefetches"] == 0
+    assert torch.equal(got, plain)
 
 
 def test_staging_beside_tier_refreshes_and_prompt_lookahead(stores, refs, tmp_path):
@@ -108,7 +141,7 @@ def test_staging_beside_tier_refreshes_and_prompt_lookahead(stores, refs, tmp_pa
         plain = greedy_logits(engine, PROMPT, 10)
     with sluice.load(stores[variant], device=DEVICE, schedule=on, vram_slots=20) as engine:
         staged, again = greedy_logits(engine, PROMPT, 10), greedy_logits(engine, PROMPT, 10)
-        stage = engine.coordinator.stages[0][1]
+        stage = table_of(engine)
         assert stage.tier.S == 2 and int(stage.staged_served) > 0  # staged blocks were read
         assert engine.rt.stats.snapshot()["vram_fills"] > 0  # and the tier refreshed
     assert [int(t) for t in staged.argmax(-1)] == ref_tokens
@@ -144,7 +177,7 @@ def test_shared_term_runs_early_or_late_with_the_same_logits(variant, stores, re
                 for layer in engine.model.layers:
                     if layer.moe is not None:
                         object.__setattr__(layer.moe, "shared", torch.zeros_like)  # a frozen dataclass: a fault injected
-                engine.coordinator.stages[0][1]._steppers.clear()
+                engine.coordinator.plan._steps.clear()
                 without = greedy_logits(engine, PROMPT, 8)
     first = runs["route early"]
     assert [int(t) for t in first.argmax(-1)] == ref_tokens
@@ -168,7 +201,7 @@ def test_prompt_fills_free_vram_slots(stores, tmp_path):
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=in_place, vram_slots=5) as engine:  # RAM blocks read where they lie
         assert torch.equal(engine.forward(PROMPT), ref[0]) and engine.rt.stats.vram_fills == 0
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=fill, vram_slots=5) as engine:
-        stage = engine.coordinator.stages[0][1]
+        stage = table_of(engine)
         first = engine.forward(PROMPT)
         io = engine.rt.stats.snapshot()
         assert io["vram_fills"] == len(stage.tier.slot_of) == 5 and not stage.tier.free  # more RAM blocks than slots
@@ -199,7 +232,7 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=9) as engine:
         ref = [engine.forward(PROMPT), engine.forward(other)]
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=ahead, vram_slots=9) as engine:
-        stage = engine.coordinator.stages[0][1]
+        stage = table_of(engine)
         assert stage.tier.ahead_bank == [[5, 6], [7, 8]] and stage.tier.free == [4, 3, 2, 1, 0]
         first = engine.forward(PROMPT)
         io = engine.rt.stats.snapshot()
@@ -237,7 +270,7 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
         bad = engine.forward(other)
     room = engine.store.total_blocks  # the most slots a tier has: the bank takes 4 of them
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=ahead, vram_slots=room) as engine:
-        stage = engine.coordinator.stages[0][1]
+        stage = table_of(engine)
         roomy = engine.forward(PROMPT)
         io = engine.rt.stats.snapshot()
         assert io["vram_prefetches"] > 0 and io["vram_prefetch_hits"] > 0
@@ -252,7 +285,7 @@ def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
     decayed count beats that one's by more than `margin` (ties and near-ties cost no copies)."""
     schedule = direct_schedule(tmp_path, backend="triton", margin=1.0, decay=0.5)
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, vram_slots=2) as engine:
-        tier = engine.coordinator.stages[0][1].tier
+        tier = table_of(engine).tier
         tier.uses.zero_()
         tier._score.zero_()
         tier._last_uses.zero_()
@@ -279,7 +312,7 @@ def test_guesses_past_the_top_k_are_read_last(stores, tmp_path, monkeypatch):
     too: `depth` 2); every other guess, and the logits, are those of the same schedule without them. A model
     whose routers do not rank, or more guesses than experts, is refused."""
     from sluice.errors import ConfigError
-    from sluice.stages.direct_ram import RamBlocks
+    from sluice.stages.table_ram import RamBlocks
     from sluice.storage.store import ExpertStore
 
     variant, extra = "nemotron_h_latent", 3
@@ -327,13 +360,13 @@ def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
 
     with pytest.raises(ConfigError, match="every expert block in RAM.*ram_cache"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct", ram_cache=ram_sizes(stores["qwen3_moe"])[1])
-    with pytest.raises(ScheduleError, match="'direct' runs a MoE layer's whole step by itself; remove combine"):
+    with pytest.raises(ScheduleError, match="unknown stage 'direct'"):  # the fast path is its stages now
         parse_schedule({"stages": {"direct": {}, "combine": {}}}, "x.yaml")
     with pytest.raises(ScheduleError, match="'refresh' must be >= 1"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, refresh=0))
-    with pytest.raises(ScheduleError, match="stage 'direct': 'margin' must be >= 0, got -1.0"):
+    with pytest.raises(ScheduleError, match="stage 'fetch': 'margin' must be >= 0, got -1.0"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, margin=-1))
-    with pytest.raises(ScheduleError, match="stage 'direct': 'fp4_matvec' must be one of auto, f16x2, words, got 'fp16'"):
+    with pytest.raises(ScheduleError, match="stage 'compute': 'fp4_matvec' must be one of auto, f16x2, words, got 'fp16'"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, fp4_matvec="fp16"))
     monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
     with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a schedule that streams"):
@@ -351,13 +384,13 @@ def test_resident_alone_skips_only_the_routed_experts(variant, backend, stores, 
 
     from sluice.kernels.experts import TritonExperts
     from sluice.models.base import cache_kw
-    from sluice.stages.direct import Direct
+    from sluice.stages.table import Table as Direct
 
     ran = []
     for cls, name in ((TritonExperts, "_decode"), (TritonExperts, "run"), (Direct, "_torch"), (Direct, "_prompt_experts")):
         monkeypatch.setattr(cls, name, lambda self, *a, **k: ran.append(name))
     doc = yaml.safe_load((SCHEDULES_DIR / "resident-alone.yaml").read_text())
-    doc["stages"]["direct"]["backend"] = backend
+    doc["stages"]["compute"]["backend"] = backend
     schedule = tmp_path / "alone.yaml"
     schedule.write_text(yaml.safe_dump(doc))
     model = refs.load(variant)
@@ -411,7 +444,7 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
     with sluice.load(stores[variant], device=DEVICE, schedule=streamed, ram_cache=(E + 2) * bb, **kw) as engine:
         got = greedy_logits(engine, PROMPT, 10)
         io = engine.rt.stats.snapshot()
-        stage = engine.coordinator.stages[0][1]
+        stage = table_of(engine)
         # one-token steps of pure MoE functions (Triton) read blocks from disk themselves; others take the prompts' path
         own = stage.backend == "triton" and engine.model.moe_blocks[0].graph_safe
         assert (stage.token_disk > 0) == own and (io["prefetch_reads"] > 0) == own  # ... and the next layer's guesses

@@ -367,7 +367,7 @@ def test_bad_routing_traces_are_named(tmp_path):
 # prompts copy the next layer's blocks ahead: into free slots, or a bank (24 slots: slow interpreted, marked so)
 @pytest.mark.parametrize("vram_slots, depth", [(8, 1), pytest.param(24, 1, marks=pytest.mark.slow), (8, 2)])
 def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slots, depth, capsys):
-    """direct-stream (`direct: {hold: false}`) records its routing: per layer the tier each block came from, and the
+    """direct-stream (`fetch: {via: table, hold: false}`) records its routing: per layer the tier each block came from, and the
     next layer's guesses it read (with `depth` 2, the guesses for the layer after it too). The replay takes its VRAM
     tier (a hot set refreshed from use counts) as recorded and gives the live RAM and disk blocks and guess reads,
     within a few blocks; with no RAM to spare it reads more from disk; a VRAM size cannot be replayed for it, and
@@ -381,7 +381,7 @@ def test_simulated_direct_stream_matches_the_live_run(stores, tmp_path, vram_slo
     st = ExpertStore.open(store)
     E, bb = st.manifest.num_experts, st.block_bytes
     near = direct_schedule(tmp_path, "streamed", backend="triton", refresh=2, prompt_group=2, hold=False)
-    schedule = near + (f":direct.depth={depth}" if depth > 1 else "")  # a knob edited after the file's path
+    schedule = near + (f":fetch.depth={depth}" if depth > 1 else "")  # a knob edited after the file's path
     path = tmp_path / "direct.jsonl"
     with sluice.load(store, device=DEVICE, schedule=schedule, ram_cache=(E + 6) * bb, vram_slots=vram_slots,
                      record_routing=str(path)) as engine:

@@ -20,13 +20,18 @@ def with_stage(name, body):
     return doc
 
 
+TABLE = {"name": "t", "stages": {n: {"via": "table"} for n in ("route", "fetch", "h2d", "compute")} | {"combine": {}}}
+
+
+def with_table(name, body):
+    """A `via: table` schedule with one stage's knobs set."""
+    return {"name": "t", "stages": {**TABLE["stages"], name: {"via": "table", **body}}}
+
+
 @pytest.mark.parametrize("path", sorted(SCHEDULES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
 def test_bundled_schedules_load(path):
     s = load_schedule(path)
     order = [st.name for st in s.stages]
-    if order == ["direct"]:  # the whole layer in one stage
-        assert load_schedule(path.stem).name == s.name
-        return
     assert order.index("route") < order.index("fetch") < order.index("h2d") < order.index("compute") < order.index("combine")
     assert load_schedule(path.stem).name == s.name
 
@@ -53,15 +58,22 @@ def test_serial_waits_and_overlap_streams():
         (with_stage("h2d", {"cpu_prefill": -2}), "'cpu_prefill' must be -1 \\(where cheaper\\), 0 \\(never\\) or a token count"),
         (with_stage("compute", {"cpu_threads": -1}), "stage 'compute': 'cpu_threads' must be >= 0, got -1"),
         (with_stage("route", {"shared": "never"}), "stage 'route': 'shared' must be early or late, got 'never'"),
-        ({"name": "t", "stages": {"direct": {"shared": "early"}}}, "stage 'direct': 'shared' must be side or late, got 'early'"),
-        ({"name": "t", "stages": {"direct": {"guess_reads": 0}}}, "stage 'direct': 'guess_reads' must be >= 1, got 0"),
-        ({"name": "t", "stages": {"direct": {"read_pieces": 0}}}, "stage 'direct': 'read_pieces' must be >= 1, got 0"),
+        (with_table("route", {"shared": "early"}), "stage 'route': 'shared' must be side or late, got 'early'"),
+        (with_table("fetch", {"guess_reads": 0}), "stage 'fetch': 'guess_reads' must be >= 1, got 0"),
+        (with_table("fetch", {"read_pieces": 0}), "stage 'fetch': 'read_pieces' must be >= 1, got 0"),
+        (with_table("fetch", {"prefetch": True, "readers": 8, "min_recall": 0.5}), "stage 'fetch': unknown key 'min_recall'"),
+        (with_table("compute", {"fp4_matvec": "bytes"}), "stage 'compute': 'fp4_matvec' must be one of auto"),
+        (with_stage("fetch", {"via": "disk"}), "stage 'fetch': 'via' must be one of cache, table, got 'disk'"),
+        (with_table("fetch", {"after": ["route"]}), "stage 'fetch': unknown key 'after' \\(allowed: via, vram, "),
+        (with_stage("combine", {"via": "disk"}), "stage 'combine': 'via' must be one of cache, table, got 'disk'"),
+        ({"name": "t", "stages": {**TABLE["stages"], "h2d": {}}},
+         "every stage of a schedule takes the same variant: route, fetch, compute have via: table"),
         (with_stage("fetch", {"read_pieces": 0}), "stage 'fetch': 'read_pieces' must be >= 1, got 0"),
         (with_stage("fetch", {"guess_reads": 0}), "stage 'fetch': 'guess_reads' must be >= 1, got 0"),
-        ({"name": "t", "stages": {"direct": {"depth": 2}}}, "stage 'direct': 'depth' 2 .* needs hold: false and prefetch: true"),
-        ({"name": "t", "stages": {"direct": {"guess_extra": 4}}},
-         "stage 'direct': 'guess_extra' 4 guesses past the top-k .* needs hold: false and prefetch: true"),
-        ({"name": "t", "stages": {"direct": {"hold": False, "guess_extra": -1}}}, "stage 'direct': 'guess_extra' must be >= 0, got -1"),
+        (with_table("fetch", {"depth": 2}), "stage 'fetch': 'depth' 2 .* needs hold: false and prefetch: true"),
+        (with_table("fetch", {"guess_extra": 4}),
+         "stage 'fetch': 'guess_extra' 4 guesses past the top-k .* needs hold: false and prefetch: true"),
+        (with_table("fetch", {"hold": False, "guess_extra": -1}), "stage 'fetch': 'guess_extra' must be >= 0, got -1"),
         (with_stage("compute", {"after": ["shuffle"]}), "runs after 'shuffle', which is not in the schedule"),
         (with_stage("route", {"after": ["combine"]}), "cycle in the stage graph: route -> combine -> .* -> route"),
         (with_stage("combine", {"after": ["fetch"]}), "streaming stage whose output it does not consume"),
@@ -91,23 +103,23 @@ def test_bad_files(tmp_path):
 def test_knob_edits_after_a_schedule_name(tmp_path):
     """`NAME:STAGE.KNOB=VALUE[:...]` edits a bundled or a file's schedule before validation (values as YAML reads
     them), and the edits join its name; a bad edit is an error naming it, as a bad knob in the file would be."""
-    s = load_schedule("direct-stream:direct.depth=2:direct.guess_reads=3")
-    knobs = s.stage("direct").knobs
+    s = load_schedule("direct-stream:fetch.depth=2:fetch.guess_reads=3")
+    knobs = s.stage("fetch").knobs
     assert (knobs.depth, knobs.guess_reads, knobs.hold) == (2, 3, False)
-    assert s.name == "direct-stream:direct.depth=2:direct.guess_reads=3"
+    assert s.name == "direct-stream:fetch.depth=2:fetch.guess_reads=3"
     assert load_schedule("overlap:fetch.prefetch=false").stage("fetch").knobs.prefetch is False
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump(BASE))
     assert load_schedule(f"{path}:predict.width=4").stage("predict").knobs.width == 4
-    assert load_schedule("direct-stream").stage("direct").knobs.depth == 1  # the file itself is not changed
+    assert load_schedule("direct-stream").stage("fetch").knobs.depth == 1  # the file itself is not changed
     for ref, message in [
-        ("direct-stream:direct.depth", "edit 'direct.depth': write STAGE.KNOB=VALUE"),
+        ("direct-stream:fetch.depth", "edit 'fetch.depth': write STAGE.KNOB=VALUE"),
         ("direct-stream:depth=2", "edit 'depth=2': write STAGE.KNOB=VALUE"),
         ("overlap:direct.depth=2", "edit 'direct.depth=2': .*overlap.yaml has no stage 'direct' \\(its stages: route, "),
-        ("direct-stream:direct.dpeth=2", "stage 'direct': unknown key 'dpeth'"),
-        ("direct-stream:direct.depth=0", "stage 'direct': 'depth' must be >= 1, got 0"),
-        ("direct-stream:direct.depth=[1", "edit 'direct.depth=\\[1': the value is not valid YAML"),
-        ("fastest:direct.depth=2", "no schedule named 'fastest'"),
+        ("direct-stream:fetch.dpeth=2", "stage 'fetch': unknown key 'dpeth'"),
+        ("direct-stream:fetch.depth=0", "stage 'fetch': 'depth' must be >= 1, got 0"),
+        ("direct-stream:fetch.depth=[1", "edit 'fetch.depth=\\[1': the value is not valid YAML"),
+        ("fastest:fetch.depth=2", "no schedule named 'fastest'"),
     ]:
         with pytest.raises(ScheduleError, match=message):
             load_schedule(ref)

@@ -1,4 +1,4 @@
-"""The direct stage's prompts (T > 1): the grouped GEMM over the blocks wherever they lie (stages/direct.py).
+"""The device table's prompts (T > 1): the grouped GEMM over the blocks wherever they lie (stages/table.py).
 
 The ids come to the host (one wait per layer); the grouped GEMM reads the blocks in VRAM from their slots, and the
 rest after the copy stream has brought them, `prompt_group` at a time, into a small staging bank (double-buffered, so
@@ -7,8 +7,8 @@ copied into a slot instead and stays there: the copy is paid for anyway, and the
 steps, find it in VRAM. With `prompt_ahead`, the next MoE layer's blocks that its router picks on this layer's input
 are copied ahead, while this layer computes.
 
-`PromptSteps` is a part of `Direct` (a mixin): it uses the stage's rt, knobs, stream, tier, blocks, base, layers and
-`_kernel`, and keeps the prompts' own state in `_staging`, `_staged` and `_ahead` (set up in `Direct.__init__`).
+`PromptSteps` is a part of `Table` (a mixin): it uses the table's rt, knobs, stream, tier, blocks, base, layers and
+`kernel`, and keeps the prompts' own state in `_staging`, `_staged` and `_ahead` (set up in `Table.__init__`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class PromptSteps:
         copy engine moves them faster than a GEMM reading host memory row tile by row tile); else in place. The host's
         work per layer is one sort of the (token, k) positions into the groups' order, so that each group's rows are one
         slice, and one copy of every group's block offsets."""
-        kern, K, bb, streams = self._kernel(block), block.top_k, self.rt.store.block_bytes, self.rt.streams
+        kern, K, bb, streams = self.kernel(block), block.top_k, self.rt.store.block_bytes, self.rt.streams
         tier = self.tier
         G, E = self.knobs.prompt_group, tier.table.shape[1]
         if self._ahead is not None and self._ahead[0] != i:  # copied for a step that did not come (an error): keep the slots

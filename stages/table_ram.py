@@ -1,4 +1,4 @@
-"""The direct stage's RAM side: where each expert block lies in pinned RAM, and, for stores larger than RAM, reading it
+"""The device table's RAM side: where each expert block lies in pinned RAM, and, for stores larger than RAM, reading it
 there from disk when a layer routes to it.
 
 `hold: true`: every block is read into the RAM cache once, at open, and held there for good. `hold: false`
@@ -34,7 +34,7 @@ class RamBlocks:
         E = rt.store.manifest.num_experts
         if stream_ram and rt.ram.capacity < E:
             need = E * rt.store.block_bytes / 2**30
-            raise ConfigError(f"schedule stage 'direct' with hold: false needs RAM for one layer's experts at least: {E} blocks "
+            raise ConfigError(f"schedule stage 'fetch' with hold: false needs RAM for one layer's experts at least: {E} blocks "
                               f"({need:.2f} GiB), the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) {need:.2f}GiB or more")
         # (layer, expert) -> its RAM entry: held for good, or (stream_ram) pinned for a step, then a cache's entry
         self.entries = self._load_all() if load else {}
@@ -49,7 +49,7 @@ class RamBlocks:
         n = store.total_blocks
         if rt.ram.capacity < n:
             gib = n * store.block_bytes / 2**30
-            raise ConfigError(f"schedule stage 'direct' keeps every expert block in RAM: the store has {n} blocks ({gib:.2f} GiB), "
+            raise ConfigError(f"schedule stage 'fetch' (hold: true) keeps every expert block in RAM: the store has {n} blocks ({gib:.2f} GiB), "
                               f"the RAM cache holds {rt.ram.capacity}; give ram_cache (--ram-cache) at least {gib:.2f}GiB, or read "
                               f"blocks from disk as they are routed to (hold: false, schedules/direct-stream.yaml)")
         t, entries, pending = time.perf_counter(), {}, deque()

@@ -1,4 +1,4 @@
-"""The direct stage's device table and VRAM tier: where each routed block is read from.
+"""The device table and its VRAM tier: where each routed block is read from.
 
 The table gives each (MoE index, expert) its block's byte offset from one base (the tier's arena, else the RAM
 arena): a VRAM slot for the blocks the tier holds, else the block's pinned RAM slot, which the expert kernels read

@@ -1,0 +1,64 @@
+"""compute, `via: table`: a one-token step's routed experts, each block read where the fetch stage found it.
+
+One launch of the decode kernels (kernels/decode.py) over the K routed blocks at their byte offsets from the table's
+base (VRAM slots, staging slots, or pinned RAM read over PCIe), each row weighted, into y [K, Dx] in rank order;
+combine sums them. `routed: false` skips the routed experts (and loading their blocks at open): a zero routed sum,
+outputs that are not the model's, to time the resident part alone (schedules/resident-alone.yaml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.stages.base import Stage
+from sluice.stages.compute import check_fp4_matvec
+
+
+@dataclass(frozen=True)
+class ComputeTableKnobs:
+    backend: str = "auto"  # auto (triton on CUDA, torch on a CPU) | triton | torch
+    zero_skip: bool = False  # ReLU^2 down reads only live 16-neuron groups
+    graphs: bool = True  # a one-token layer step replays one CUDA graph (CUDA, triton backend)
+    fp4_matvec: str = "auto"  # one-token NVFP4 / FP8 formulation: f16x2 | words | auto (stages/compute.py fp4_formulation)
+    routed: bool = True  # false: skip the routed experts (times the resident part alone; outputs are not the model's)
+    host_hint: bool = False  # with a VRAM tier: one-token steps' re-laid down kernel declares rows 16-byte aligned: wider
+    # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
+    # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
+
+    def __post_init__(self):
+        check_fp4_matvec("compute", self.fp4_matvec)
+
+
+class ComputeTable(Stage):
+    name = "compute"
+    via = "table"
+    consumes = ("layer", "routing", "device_blocks")
+    produces = "expert_outputs"
+    Knobs = ComputeTableKnobs
+
+    @classmethod
+    def needs(cls, k: ComputeTableKnobs) -> dict:
+        return {} if k.routed else {"ram": "one"}  # no routed experts: one RAM slot will do
+
+    def launch(self, t):
+        table, block, part = self.table, t.block, t.part
+        if not self.knobs.routed:
+            def zero(v):  # the resident part alone: a zero routed sum of the experts' output width
+                v["routed"] = torch.zeros_like(v["xe"])
+            return zero
+        kern, base, zero_skip = table.kernel(block), table.base, self.knobs.zero_skip
+        host = True if self.knobs.host_hint and table.tier.vram is not None else None  # blocks outside VRAM: pinned RAM
+
+        def experts(v):
+            with part("compute"):
+                offs = v["offs"]
+                v["y"] = kern._decode(base, offs, base, offs, v["xe"][0], v["weights"][0], block.combine_dtype, zero_skip,
+                                      host)  # [K, Dx], row k
+        return experts
+
+    def after(self, t) -> None:
+        if self.knobs.routed:
+            self.table.token_blocks += t.block.top_k
+            self.table.kernel(t.block).count_groups(t.block.top_k)

@@ -1,0 +1,235 @@
+"""The device table the `via: table` stages share: where each routed block lies, and what a step keeps between tokens.
+
+A device table gives each (MoE layer, expert) its block's byte offset from one base: a VRAM slot for the blocks the
+VRAM tier holds, else the block's pinned RAM slot, which the expert kernels read over PCIe themselves (zero-copy;
+64-bit addresses reach host memory on CUDA). The fast path's stages (route, predict, fetch, h2d, compute `via:
+table`, and combine) are each a part of a one-token step that pipeline/plan.py composes from the schedule and
+captures as one CUDA graph per MoE layer, so the host queues a whole decode step without a round trip to the GPU.
+Outputs are bit-identical to the streaming schedules' (the same kernels on the same bytes, the same sum), but for one
+case: with no VRAM tier the bank is host memory, for which the re-laid down kernel declares its rows aligned, and on
+a GPU its FP4 / FP8 partial sums then add in another order (equal within fp32 rounding; tests/test_kernels.py).
+
+The table and its host sides, in five files:
+- table.py: the shared state (tier, RAM blocks, staging lists, counters, kernels) and the host's layer step (`layer`:
+  prompts, the torch backend, and `hold: false`'s one-token steps, which route on the host first);
+- table_stream.py: `hold: false`'s one-token steps (the ids to the host, misses read from disk, then the plan's step);
+- table_prompt.py: prompts (the ids to the host, blocks copied group by group; the next layer's copied ahead);
+- table_tier.py: the VRAM tier of the most routed blocks (fetch's `vram`, refreshed every `refresh` one-token steps
+  from use counts made on the GPU) and the device table;
+- table_ram.py: the RAM side: every block held (fetch's `hold: true`, the default: `--ram-cache` at least the store's
+  expert bytes), or an LRU cache filled from disk (`hold: false`).
+
+With `hold: true` routed ids stay on the GPU, so no routing trace is recorded (`hold: false` records: `_record`). A
+trace (--trace) shows a `direct` span per MoE layer and, inside it, the span of each stage the step is composed of
+(route, predict, fetch, compute, combine: `Tracer.phase`), as GPU spans the layer's CUDA graph records on each replay.
+
+`hold: false` (schedules/direct-stream.yaml) is for stores larger than RAM: the RAM tier is an LRU cache of at least
+one layer's experts, and every step brings the routed ids to the host (one wait per MoE layer); the blocks a layer
+routes to that neither VRAM nor RAM holds are read from disk (demand reads), and the layer's blocks stay pinned in
+RAM until its kernels and copies are queued. A one-token step of a block with pure functions (`graph_safe`) brings the
+next MoE layer's guesses (its router on this input) with its ids, reads those neither tier holds as guesses
+(`prefetch`: on the reader's guess queue, behind every demand read), sends the step the offsets it found its blocks
+at (VRAM or RAM slots; one copy) and runs the plan's step on those ids and offsets (no staging lookahead: a guess's
+block may not be in RAM); other blocks' one-token steps take the prompts' path. The VRAM tier's refreshes and a
+prompt's copies ahead take only blocks in RAM.
+
+compute's `routed: false` skips the routed experts (their kernels, and loading their blocks at open): each MoE layer
+still routes and runs its shared expert and its own projections, with a zero routed sum. The outputs are not the
+model's; what it is for is the performance issue's roofline term "the resident part's own time, measured alone"
+(schedules/resident-alone.yaml, `sluice bench model --resident-alone`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from sluice.errors import ScheduleError
+from sluice.stages.compute import expert_backend, torch_expert, triton_experts
+from sluice.stages.route import group_by_expert
+from sluice.stages.table_prompt import PromptSteps
+from sluice.stages.table_ram import RamBlocks
+from sluice.stages.table_stream import StreamedSteps
+from sluice.stages.table_tier import Tier
+from sluice.stages.types import LayerInput, LayerOutput
+
+
+@dataclass(frozen=True)
+class TableKnobs:
+    """The `via: table` stages' knobs in one place, read as attributes (each declared, with its comment, by the stage it
+    belongs to: route's `shared`; fetch's `vram`, `refresh`, `hold`...; h2d's `token_ahead`, `prompt_*`; compute's
+    `backend`, `routed`...), and `predict`: whether the schedule has the predict stage (guesses staged ahead)."""
+
+    values: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Table(StreamedSteps, PromptSteps):
+    name = "direct"  # the span a one-token MoE layer's step is traced under
+
+    def __init__(self, knobs: TableKnobs, rt, graphs=None, stream: str = "compute"):
+        """graphs: the plan's FnGraphs (CUDA, graphs on), which `hold: false`'s routers replay through, or None."""
+        self.knobs, self.rt, self.stream = knobs, rt, stream
+        backend = expert_backend("compute", knobs.backend, rt.device)
+        self.step: Callable | None = None  # the plan's one-token step of a layer (pipeline/plan.py `TokenPlan.step`)
+        if rt.recorder is not None and (knobs.hold or not knobs.routed):
+            raise ScheduleError("stage 'fetch' with hold: true keeps routed ids on the GPU and records no routing trace: "
+                                "record with hold: false (schedules/direct-stream.yaml) or a streaming schedule (e.g. overlap)")
+        self.backend = backend
+        store, dev = rt.store, rt.device
+        self.layers = list(store.moe_layers)  # MoE index -> model layer
+        self.index = {layer: i for i, layer in enumerate(self.layers)}
+        self.stream_ram = knobs.routed and not knobs.hold  # RAM is a cache: blocks read from disk when routed to
+        vram = rt.vram if knobs.vram and knobs.routed and rt.vram is not None and rt.vram.capacity else None
+        base = self.base = (vram.arena if vram is not None else rt.ram.arena).data
+        self.blocks = RamBlocks(rt, self.layers, base, knobs.routed and knobs.hold, self.stream_ram, stream)
+        triton = backend == "triton" and knobs.routed
+        self.tier = Tier(knobs, rt, self.layers, vram, self.blocks.off, self.blocks.resident, stream, banks=triton,
+                         staging=triton and knobs.predict and not self.stream_ram, stream_ram=self.stream_ram)
+        self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
+        self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
+        self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
+        self.token_blocks = 0  # one-token steps' routed blocks (host count)
+        self.token_disk = 0  # ... read from disk (stream_ram)
+        self.token_vram = 0  # ... read from VRAM (stream_ram: the host resolves them)
+        self._seen = (0, 0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk, token_vram) counted
+        S = self.tier.S  # one-token lookahead: blocks a staging half holds
+        self.guess_ids = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # by the guessed layer's parity: global ids
+        self.guess_src = torch.zeros(2, S, dtype=torch.int64, device=dev)  # ... and their RAM offsets (predict's)
+        self.held = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # what each staging half holds (copies landed)
+        self.copied: list = [None, None]  # per half: the event after its copies, for the step's stream to wait on (h2d's)
+        self.ahead_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and S else None  # the staging copies' stream
+        self.num_experts, self.block_bytes = store.manifest.num_experts, store.block_bytes
+        self._ahead: tuple | None = None  # (MoE index, {expert: offset}, copy event, [(i, e, slot)] tier slots it filled)
+        self._kernels = {}
+        self._graphs = graphs
+        self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
+        self._guessed: dict[int, tuple[int, ...]] = {}  # stream_ram, recording: MoE layer -> the guesses made for it
+        self._offs: dict[int, torch.Tensor] = {}  # stream_ram: per MoE index, the device offsets its one-token steps read
+        self._landing_of: tuple | None = None  # stream_ram: (tier.landing, its (i, e) as a set), made once per refresh
+        self._staging: torch.Tensor | None = None  # prompts: 2 x prompt_group block slots in VRAM
+        self._staged: list = [None, None]  # per staging half: the event after the compute that last read it
+        rt.stats.sources.append(self._flush_counts)
+
+    def steps_on_gpu(self, block) -> bool:
+        """Whether a one-token step of `block` is the plan's composed step on the GPU (triton kernels; over a RAM cache
+        only after the host has routed it)."""
+        return self.backend == "triton"
+
+    # -- the layer step --------------------------------------------------------------------------
+
+    async def layer(self, li: LayerInput) -> LayerOutput:
+        """A MoE layer's step where the plan's one-token step does not run it whole: one-token steps of blocks whose
+        MoE input is not pure (the plan's step on x, residual), `hold: false`'s one-token steps (routed on the host
+        first), prompts and the torch backend (the ids to the host)."""
+        block, T = li.block, li.x.shape[0]
+        i = self.index[block.layer]
+        token = T == 1 and self.backend == "triton"
+        if token and not self.stream_ram:
+            return LayerOutput(self.step(block, li.next_block, None, (li.x, li.residual)))
+        if token and i == 0:
+            self.between_tokens()
+        if token and block.graph_safe:  # stream_ram: the routed ids to the host, misses read, then the same step
+            return LayerOutput(await self._token_streamed(li, i))
+        self.tier.land(wait=True)  # a prompt reads the slots the host believes in: wait for their copies
+        if not token:
+            self.tier.reclaim_bank()
+        # prompts' lookahead: the next MoE layer's router on this layer's input, its ids brought back with these
+        ahead = self.knobs.prompt_ahead and self.knobs.routed and self.backend == "triton" and li.next_block is not None \
+            and self.tier.vram is not None and not token
+        with self.rt.streams.use(self.stream):
+            weights, ids = block.router(li.x)
+            xe = block.expert_input(li.x)
+            self.tier.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+            both = torch.cat((ids, li.next_block.guessed(li.x)[1].to(ids.dtype)), dim=1) if ahead else ids
+        host, arrived = self.rt.streams.to_host(self.stream, both)
+        shared = None
+        if block.shared is not None and self.knobs.shared == "side":  # the GPU runs it while the host waits for the ids
+            with self.rt.streams.use(self.stream):
+                shared = block.shared(li.x)
+        await self.rt.ids_arrived(arrived)
+        ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
+        flat = ids_cpu.flatten().long()
+        experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
+        try:
+            if self.stream_ram:  # the blocks read from RAM: not those in VRAM, nor those the layer before copied ahead
+                early = self._copied_ahead(i)
+                need = experts if self.backend != "triton" else \
+                    [e for e in experts if (i, e) not in self.tier.slot_of and e not in early]
+                await self.blocks.ensure(block.layer, i, need)
+                if self.rt.recorder is not None:
+                    self._record(block.layer, i, flat.tolist(), experts, set(experts) - set(need))
+            return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared)
+        finally:
+            self.blocks.release()  # also after a failed read: the engine's recovery then drops every RAM block
+
+    def _record(self, layer: int, i: int, ids: list[int], experts: list[int], vram: set[int], further=()) -> None:
+        """stream_ram with --record-routing: the layer's routing as fetch records it (a tier per expert: the blocks the
+        step reads from VRAM, those `blocks.ensure` read from disk, the rest from RAM), with the guesses the step of
+        the MoE layer before made for it (those the VRAM tier lacked: what it offered the reader), and `further`: this
+        step's guesses for the layers after the next one (`depth` > 1), as ((layer, experts), ...)."""
+        if i == 0:
+            self._guessed.clear()  # a step that ended early (an error) left its guesses for layers it did not reach
+        tiers = ["vram" if e in vram else "disk" if e in self.blocks.disk else "ram" for e in experts]
+        self.rt.recorder.layer(layer, ids, tuple(experts), tiers, self._guessed.pop(layer, None), further)
+
+    def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared) -> LayerOutput:
+        with self.rt.streams.use(self.stream):
+            y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
+            w = weights.reshape(-1)
+            if not self.knobs.routed:
+                y.zero_()
+            elif self.backend == "triton":
+                self._prompt_experts(block, i, flat, experts, xe, w, y)
+                if guess is not None:
+                    self._look_ahead(self.index[li.next_block.layer], guess.flatten().long())
+            else:
+                for e in experts:
+                    self.rt.stats.tier("vram" if (i, e) in self.tier.slot_of else "disk" if e in self.blocks.disk else "ram")
+                self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
+            routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
+            h = li.residual + block.output(routed, li.x, shared).view_as(li.residual)
+        return LayerOutput(h)
+
+    def kernel(self, block):
+        return triton_experts(self._kernels, self.rt, block, False, self.knobs.fp4_matvec)  # the whole layer is one graph here
+
+    def _torch(self, block, experts, rows, xe, w, y) -> None:
+        """The plain-torch reference path, each expert from its RAM slot."""
+        for e in experts:
+            torch_expert(self.rt.store, block, self.rt.store.logical(self.blocks.entries[(block.layer, e)].buf), rows[e], xe, w, y)
+
+    # -- the VRAM tier (stages/table_tier.py)  ---------------------------------------------------
+
+    def empty_vram(self) -> None:
+        """Point every table entry back at its RAM slot and free the VRAM tier's slots (the host has synchronized:
+        no copy is in flight); `sluice bench model` times a prompt on an empty tier with it."""
+        if self.tier.vram is not None:
+            self._ahead = None  # its moves are in the tier's slot_of: pointed back with the rest
+            self.tier.empty()
+
+    def between_tokens(self) -> None:
+        """At a one-token step's first MoE layer: the tier's turn (stages/table_tier.py Tier.between_tokens)."""
+        self._settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
+        self.tier.between_tokens()
+
+    def _flush_counts(self) -> None:
+        """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""
+        now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks, self.token_disk,
+               self.token_vram)
+        dv, ds, dc, db, dd, dh = (a - b for a, b in zip(now, self._seen))
+        dv += dh
+        stats = self.rt.stats
+        stats.blocks["vram"] += dv + ds  # a staged block is read from VRAM; its copy is counted as a guess copied ahead
+        stats.blocks["disk"] += dd
+        stats.blocks["ram"] += db - dv - ds - dd
+        stats.vram_prefetches += dc
+        stats.vram_prefetch_hits += ds
+        self._seen = now
