@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=options.at_least(1), default=1, metavar="N", help="requests that are decoding share "
                     "one step, up to N: each MoE layer runs once over all their rows, resident layers without CUDA graphs "
                     "(not yet measured on a GPU; default: %(default)s: one request a step)")
+    sv.add_argument("--step-tokens", type=options.at_least(1), metavar="N", help="with --max-batch: the rows a shared step "
+                    "holds at most: decoding requests' tokens first, then prompt chunks cut to what is left (default: "
+                    "--prefill-chunk)")
     sv.set_defaults(func=cmd_serve)
 
     add_bench_parser(sub)
@@ -322,7 +325,8 @@ def cmd_serve(args) -> int:
     app = create_app(engine, options.tokenizer(engine), model_id, snapshot_bytes=ram, context=args.context,
                      default_max_tokens=args.default_max_tokens, truncate=args.truncate, log_format=args.log_format,
                      snapshot_dir=args.snapshot_dir, snapshot_disk_bytes=disk, image_dirs=tuple(args.image_dir),
-                     api_key=args.api_key, max_body=body, max_batch=args.max_batch)
+                     api_key=args.api_key, max_body=body, max_batch=args.max_batch,
+                     step_tokens=args.step_tokens)
     log.info("serving", model=model_id, url=f"http://{args.host}:{args.port}", openai_base_url=f"http://{args.host}:{args.port}/v1")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -75,7 +75,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
                prefill_chunk: int | None = None, default_max_tokens: int | None = None, truncate: str = "error",
                log_format: str = "console", snapshot_dir: Path | None = None, snapshot_disk_bytes: int = 8 << 30,
                image_dirs: tuple[Path, ...] = (), api_key: str | None = None, max_body: int = Guard.max_body,
-               max_batch: int = 1) -> Starlette:
+               max_batch: int = 1, step_tokens: int | None = None) -> Starlette:
     limit_arenas()  # before the worker and thread pools allocate (api/memory.py)
     log = RequestLog(log_format)
     metrics = Metrics()
@@ -84,7 +84,7 @@ def create_app(engine, tokenizer, model_id: str, snapshot_bytes: int = 1 << 30, 
         classes = cache_classes(engine.new_sequence().cache)
         disk = DiskSnapshots(snapshot_dir, snapshot_disk_bytes, model_identity(engine), classes, log.log)
     snapshots = SnapshotStore(snapshot_bytes, on_evict=disk.spill if disk else None)
-    worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk, max_batch)
+    worker = EngineWorker(engine, snapshots, metrics, prefill_chunk or engine.prefill_chunk, max_batch, step_tokens)
     models = {model_id: False}
     if "enable_thinking" in (tokenizer.chat_template or ""):
         models[f"{model_id}-think"] = True

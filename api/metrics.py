@@ -27,6 +27,7 @@ class Metrics:
         self.snapshots = Gauge("sluice_snapshots", "Conversation snapshots held", registry=r)
         self.snapshot_bytes = Gauge("sluice_snapshot_bytes", "Bytes of conversation snapshots held", registry=r)
         self.active = Gauge("sluice_active_requests", "Requests being served", registry=r)
+        self.queued = Gauge("sluice_queued_requests", "Requests waiting for a turn (not in the step being run)", registry=r)
         self.batch = Gauge("sluice_decode_batch", "Sequences in the last step shared by several requests", registry=r)
         self.bytes_per_token = Gauge("sluice_expert_bytes_per_token", "Routed expert bytes served (every tier) per prompt or "
                                      "generated token, since start: falls as requests share steps", registry=r)

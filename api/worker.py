@@ -1,11 +1,14 @@
 """The engine worker: one thread that owns the engine and serves every request fairly.
 
 Requests (jobs) arrive on a queue; the worker takes them in turns, one step each: a prefill chunk
-or one decode token. So a long prompt does not hold back the others' tokens. Jobs that are decoding
-share a turn, up to `max_batch` of them: one step whose MoE layers run once over all their rows
-(`Engine.extend_many`: each block read once for every sequence that routed to it); their tokens are
-those they would get alone within the kernels' rounding. With `max_batch` 1 (or a model that cannot
-batch) N requests at once produce exactly what they would one at a time. Events go back to the
+or one decode token. So a long prompt does not hold back the others' tokens. With `max_batch` > 1
+jobs share a step, up to `max_batch` of them, within a budget of `step_tokens` rows (as continuous
+batching schedulers do): the decoding jobs' tokens first (the turn's job and those waiting, in
+order), then prompt chunks (the turn's job's, then those of jobs waiting to prefill) cut to what the
+budget leaves. The step's MoE layers run once over all its rows (`Engine.extend_many`: each block
+read once for every sequence that routed to it); tokens are those the jobs would get alone within
+the kernels' rounding. With `max_batch` 1 (or a model that cannot batch) N requests at once produce
+exactly what they would one at a time. Events go back to the
 server's event loop through a callback. A cancelled job (client gone, stop string seen) is dropped
 at its next turn and its state freed.
 """
@@ -55,12 +58,15 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, engine, snapshots: SnapshotStore, metrics, prefill_chunk: int = 512, max_batch: int = 1):
+    def __init__(self, engine, snapshots: SnapshotStore, metrics, prefill_chunk: int = 512, max_batch: int = 1,
+                 step_tokens: int | None = None):
+        """step_tokens: the rows a shared step holds at most (default: prefill_chunk; at least max_batch)."""
         self.engine = engine
         self.snapshots = snapshots
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch if engine.model.batchable else 1
+        self.step_tokens = max(step_tokens or prefill_chunk, self.max_batch)
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
@@ -92,14 +98,15 @@ class EngineWorker:
             except queue.Empty:
                 pass
             self.active = len(jobs)
+            self.metrics.queued.set(len(jobs) - 1)
             job = jobs.popleft()
             if job.cancelled.is_set():
                 self._close(job, None)
             else:
                 try:
                     self._begin(job)
-                    if self.max_batch > 1 and _shareable(job) and any(_decoding(j) for j in jobs):
-                        self._batch_turn([job] + _take(jobs, self.max_batch - 1), jobs)
+                    if self.max_batch > 1 and _shareable(job) and (step := self._compose(job, jobs)):
+                        self._batch_turn(*step, jobs)
                         continue
                     finished = self._turn(job)
                 except Exception as e:  # the job fails; the server keeps serving
@@ -156,18 +163,52 @@ class EngineWorker:
                     rows = engine.encode_images(job.images.pixel_values, job.images.image_grid_hw)
                     job.rows = rows[sum(1 for i in job.prompt[: job.cached] if i == token) :]
 
-    def _batch_turn(self, batch: list[Job], jobs: deque) -> None:
-        """One step shared by `batch`'s jobs: decode tokens, and the first job's next prompt chunk if it is prefilling;
-        each job goes back to `jobs` or finishes. A failed step fails them all (the server keeps serving); a batch's
-        expert I/O is shared out evenly among its jobs."""
+    def _compose(self, job: Job, jobs: deque) -> tuple[list[Job], list[list[int]]] | None:
+        """The step `job`'s turn shares, or None where it would be `job`'s alone: decode tokens first (job's, then those
+        of decoding jobs in `jobs`, in order), then prompt chunks (job's, then those of jobs in `jobs` waiting to
+        prefill, begun on the way) cut to the rows `step_tokens` leaves, up to `max_batch` jobs. The jobs taken leave
+        `jobs`; each job's piece is taken off its pending prompt."""
+        waiting = [j for j in jobs if _decoding(j)] + [j for j in jobs if _prefilling(j)]
+        if not waiting:
+            return None
+        decode = [j for j in [job] + waiting if _decoding(j)][: self.max_batch]
+        room, batch, sizes = self.step_tokens - len(decode), list(decode), [1] * len(decode)
+        for j in [job] + waiting:
+            if len(batch) == self.max_batch or room < 1:
+                break
+            if j in batch:
+                continue
+            if j.seq is None:
+                try:
+                    self._begin(j)  # a fresh job's sequence (from a snapshot if one covers its prompt)
+                except Exception:
+                    continue  # its own turn begins it again and reports the error to it
+            if not _prefilling(j):
+                continue
+            n = min(len(j.pending), self.prefill_chunk, room)
+            batch.append(j)
+            sizes.append(n)
+            room -= n
+        if job not in batch or len(batch) == 1:
+            return None
+        taken = set(map(id, batch))
+        kept = [j for j in jobs if id(j) not in taken]
+        jobs.clear()
+        jobs.extend(kept)
+        pieces = []
+        for j, n in zip(batch, sizes):
+            pieces.append(self._next_chunk(j, n) if j.pending else [j.generated[-1]])
+            if j.constraint is not None and not j.pending:
+                j.constraint.start()
+        return batch, pieces
+
+    def _batch_turn(self, batch: list[Job], pieces: list[list[int]], jobs: deque) -> None:
+        """One step shared by `batch`'s jobs, each with its piece (a decode token or a prompt chunk); each job goes back
+        to `jobs` or finishes. A failed step fails them all (the server keeps serving); a batch's expert I/O is shared
+        out evenly among its jobs."""
         engine = self.engine
         self.metrics.batch.set(len(batch))
         before = engine.rt.stats.counters(device=True)
-        pieces = []
-        for job in batch:
-            pieces.append(self._next_chunk(job) if job.pending else [job.generated[-1]])
-            if job.constraint is not None and not job.pending:
-                job.constraint.start()
         try:
             logits = engine.extend_many([j.seq for j in batch], pieces)
         except Exception as e:
@@ -192,9 +233,10 @@ class EngineWorker:
             else:
                 self._close(job, finished)
 
-    def _next_chunk(self, job: Job) -> list[int]:
-        """The next `prefill_chunk` tokens of the job's prompt, taken off what is pending."""
-        chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk :]
+    def _next_chunk(self, job: Job, n: int | None = None) -> list[int]:
+        """The next n (default `prefill_chunk`) tokens of the job's prompt, taken off what is pending."""
+        n = n or self.prefill_chunk
+        chunk, job.pending = job.pending[:n], job.pending[n:]
         return chunk
 
     def _emit(self, job: Job, token: int) -> str | None:
@@ -261,19 +303,16 @@ def _decoding(job: Job) -> bool:
     return job.seq is not None and not job.pending and bool(job.generated) and not job.cancelled.is_set()
 
 
+def _prefilling(job: Job) -> bool:
+    """Whether the job's next step is a prompt chunk that may share a step (no image rows), or it has not begun (its
+    sequence is made when a step takes it); not a cancelled one."""
+    fresh = job.seq is None and job.images is None and not job.cancelled.is_set()
+    return fresh or (job.seq is not None and bool(job.pending) and job.rows is None and not job.cancelled.is_set())
+
+
 def _shareable(job: Job) -> bool:
     """Whether the job's next step may share a batch: a decode token, or a prompt chunk with no image rows."""
     return _decoding(job) or (job.seq is not None and bool(job.pending) and job.rows is None)
-
-
-def _take(jobs: deque, n: int) -> list[Job]:
-    """Up to n decoding jobs out of `jobs`, in their order; the others keep their places."""
-    taken, kept = [], deque()
-    while jobs:
-        j = jobs.popleft()
-        (taken if len(taken) < n and _decoding(j) else kept).append(j)
-    jobs.extend(kept)
-    return taken
 
 
 def _scaled(counts: dict, f: float) -> dict:

@@ -1,4 +1,4 @@
-"""`sluice bench model | batch | baseline | images | cpu | kernels | peer | routing`: the benchmark commands' arguments and what
+"""`sluice bench model | batch | load | baseline | images | cpu | kernels | peer | routing`: the benchmark commands' arguments and what
 they run (the measuring itself: benchmarks/model.py, kernels.py, images.py, peer.py, routing.py)."""
 
 from __future__ import annotations
@@ -53,10 +53,12 @@ def add_bench_parser(sub) -> None:
     bc.set_defaults(func=cmd_bench_cpu)
 
     from sluice.benchmarks.batch import add_batch_parser
+    from sluice.benchmarks.load import add_load_parser
     from sluice.benchmarks.peer import add_peer_parser
     from sluice.benchmarks.routing import add_routing_parser
 
     add_batch_parser(bsub)
+    add_load_parser(bsub)
     add_peer_parser(bsub)
     add_routing_parser(bsub)
 
