@@ -4,8 +4,8 @@ Requests (jobs) arrive on a queue; the worker takes them in turns, one step each
 or one decode token. So a long prompt does not hold back the others' tokens. With `max_batch` > 1
 jobs share a step, up to `max_batch` of them, within a budget of `step_tokens` rows (as continuous
 batching schedulers do): the decoding jobs' tokens first (the turn's job and those waiting, in
-order), then prompt chunks (the turn's job's, then those of jobs waiting to prefill) cut to what the
-budget leaves. The step's MoE layers run once over all its rows (`Engine.extend_many`: each block
+order), then prompt chunks in arrival order (first come, first prefilled) cut to what the budget
+leaves. The step's MoE layers run once over all its rows (`Engine.extend_many`: each block
 read once for every sequence that routed to it); tokens are those the jobs would get alone within
 the kernels' rounding. With `max_batch` 1 (or a model that cannot batch) N requests at once produce
 exactly what they would one at a time. Events go back to the
@@ -15,6 +15,7 @@ at its next turn and its state freed.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -52,6 +53,7 @@ class Job:
     io: dict = field(default_factory=dict)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+    arrival: int = 0  # its place in the worker's arrival order
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -70,6 +72,7 @@ class EngineWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._arrivals = itertools.count()  # each job's place in arrival order (shared steps prefill first come first)
         self.active = 0
         self.fault: str | None = None  # the first store fault a step met (a corrupt block): /health reports it
 
@@ -82,6 +85,7 @@ class EngineWorker:
         self._thread.join(timeout=30)
 
     def submit(self, job: Job) -> None:
+        job.arrival = next(self._arrivals)
         self._inbox.put(job)
 
     def _run(self) -> None:
@@ -165,36 +169,36 @@ class EngineWorker:
 
     def _compose(self, job: Job, jobs: deque) -> tuple[list[Job], list[list[int]]] | None:
         """The step `job`'s turn shares, or None where it would be `job`'s alone: decode tokens first (job's, then those
-        of decoding jobs in `jobs`, in order), then prompt chunks (job's, then those of jobs in `jobs` waiting to
-        prefill, begun on the way) cut to the rows `step_tokens` leaves, up to `max_batch` jobs. The jobs taken leave
-        `jobs`; each job's piece is taken off its pending prompt."""
-        waiting = [j for j in jobs if _decoding(j)] + [j for j in jobs if _prefilling(j)]
-        if not waiting:
+        of decoding jobs in `jobs`, in order), then prompt chunks in arrival order (first come, first prefilled: the
+        first prompts in get their first tokens soonest; fresh jobs begun on the way) cut to the rows `step_tokens`
+        leaves, up to `max_batch` jobs. The jobs taken leave `jobs` (job, if left out, stays at its front); each job's
+        piece is taken off its pending prompt."""
+        if not any(_decoding(j) or _prefilling(j) for j in jobs):
             return None
-        decode = [j for j in [job] + waiting if _decoding(j)][: self.max_batch]
+        decode = [j for j in [job, *jobs] if _decoding(j)][: self.max_batch]
         room, batch, sizes = self.step_tokens - len(decode), list(decode), [1] * len(decode)
-        for j in [job] + waiting:
+        for j in sorted((j for j in [job, *jobs] if _prefilling(j)), key=lambda j: j.arrival):
             if len(batch) == self.max_batch or room < 1:
                 break
-            if j in batch:
-                continue
             if j.seq is None:
                 try:
                     self._begin(j)  # a fresh job's sequence (from a snapshot if one covers its prompt)
                 except Exception:
                     continue  # its own turn begins it again and reports the error to it
-            if not _prefilling(j):
-                continue
+                if not _prefilling(j):
+                    continue
             n = min(len(j.pending), self.prefill_chunk, room)
             batch.append(j)
             sizes.append(n)
             room -= n
-        if job not in batch or len(batch) == 1:
+        if batch == [job] or not batch:
             return None
         taken = set(map(id, batch))
         kept = [j for j in jobs if id(j) not in taken]
         jobs.clear()
         jobs.extend(kept)
+        if job not in batch:
+            jobs.appendleft(job)
         pieces = []
         for j, n in zip(batch, sizes):
             pieces.append(self._next_chunk(j, n) if j.pending else [j.generated[-1]])
