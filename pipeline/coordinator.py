@@ -174,10 +174,10 @@ class Coordinator:
             stage.close()
 
     async def run_layer(self, li: LayerInput) -> LayerOutput:
-        if self.plan is not None:  # the device table's host side: prompts, ids to the host
+        if self.plan is not None:  # the table stages' steps that are not one composed one-token step
             table = self.plan.table
             with self.rt.tracer.span(table.name, layer=li.block.layer, stream=table.stream):
-                return await table.layer(li)
+                return LayerOutput(await self.plan.layer(li))
         run = _LayerRun(self.schedule, li)
         try:
             async with asyncio.TaskGroup() as tg:

@@ -9,8 +9,14 @@ layer (`FnGraphs`, only for blocks whose MoE functions are pure: `MoEBlock.graph
 still without a host wait); on a CPU it runs in line. With a trace each part times itself under its stage's name
 (GPU spans that the graph records on every replay).
 
-What the step cannot do without the host (prompts, a routed-id wait over a RAM cache, the torch backend) is the
-device table's (stages/table.py `Table.layer`), which calls back into the plan's step where it can.
+A step whose routed ids must come to the host (a prompt, the torch backend, a one-token step of a block whose MoE
+input is not pure over a RAM cache) runs the same stages' host faces in order (`layer`): fetch readies the tier,
+route brings the ids to the host, fetch pins (reads from disk) and places the blocks, h2d plans and copies them
+group by group while compute runs each group as it lands, h2d copies the next layer's guesses ahead, combine sums
+and finishes; each under its stage's span in the trace. The values pass by name in one dict (li, i, token;
+weights, ids, xe, ids_cpu, flat, experts, guess, shared; in_vram, ahead, in_ram, early, rows, counts, offsets;
+groups, copies, filled, offs, at; y, w, h). One-token steps over a RAM cache that route on the host and then run
+the composed step are the table's (stages/table_stream.py).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from sluice.pipeline.runtime import Runtime
 from sluice.stages.table import Table, TableKnobs
-from sluice.stages.types import TokenLayer
+from sluice.stages.types import LayerInput, TokenLayer
 
 OUTPUT = "output"  # the value of the stage that finishes the step, after the side stream's join
 
@@ -35,6 +41,7 @@ class TokenPlan:
             knobs.update(dataclasses.asdict(spec.knobs))
         knobs["predict"] = any(spec.name == "predict" for spec, _ in stages)
         self.rt, self.stages = rt, [stage for _, stage in stages]
+        self._by = {spec.name: stage for spec, stage in stages}
         cuda = rt.device.type == "cuda"
         self.graphs = None
         if knobs["graphs"] and cuda and knobs["backend"] in ("auto", "triton"):
@@ -47,6 +54,61 @@ class TokenPlan:
             stage.table = self.table
         self._side = torch.cuda.Stream(rt.device) if cuda else None
         self._steps: dict[tuple, tuple] = {}  # (model layer, whole, hosted) -> (step, TokenLayer, marks)
+
+    async def layer(self, li: LayerInput) -> torch.Tensor:
+        """A MoE layer's step the composed one-token step does not run whole: its output h."""
+        table = self.table
+        h = await table.token_layer(li)
+        if h is not None:
+            return h
+        route, fetch, h2d, compute, combine = (self._by[n] for n in ("route", "fetch", "h2d", "compute", "combine"))
+        block, span = li.block, self.rt.tracer.span
+        v = {"li": li, "i": table.index[block.layer], "token": li.x.shape[0] == 1 and table.backend == "triton"}
+        fetch.ready(v)
+        with span("route", layer=block.layer, stream=table.stream):
+            await route.on_host(v)
+        try:
+            with span("fetch", layer=block.layer, stream=table.stream):
+                await fetch.on_host(v)
+                fetch.place(v)
+            with self.rt.streams.use(table.stream):
+                self._experts(v, h2d, compute)
+            with span("combine", layer=block.layer, stream=table.stream):
+                combine.finish(v)
+        finally:
+            table.blocks.release()  # also after a failed read: the engine's recovery then drops every RAM block
+        return v["h"]
+
+    def _experts(self, v: dict, h2d, compute) -> None:
+        """y [T*K, Dx]: the step's routed experts, each group computed once its blocks are where it reads them."""
+        table, li, span = self.table, v["li"], self.rt.tracer.span
+        layer, xe = li.block.layer, v["xe"]
+        v["y"] = torch.empty(xe.shape[0] * li.block.top_k, xe.shape[1], dtype=li.block.combine_dtype, device=xe.device)
+        v["w"] = v["weights"].reshape(-1)
+        if not table.knobs.routed:
+            v["y"].zero_()
+            return
+        if table.backend != "triton":
+            with span("compute", layer=layer, stream=table.stream):
+                compute.reference(v)
+            return
+        with span("h2d", layer=layer, stream=table.stream):
+            h2d.plan(v)
+        try:
+            with span("compute", layer=layer, stream=table.stream):
+                if v["in_vram"]:
+                    compute.group(v, v["in_vram"])
+                table.settle_ahead()  # the step's stream waits for the copies ahead; the tier slots they filled pointed at
+                if v["ahead"]:
+                    compute.group(v, v["ahead"])
+                for group in h2d.copied(v):
+                    compute.group(v, group)
+        except BaseException:  # tier slots planned for copies that may not have been queued: free again, unread
+            table.unfill(v["filled"])
+            raise
+        with span("h2d", layer=layer, stream=table.stream):
+            h2d.landed(v)
+            h2d.look_ahead(v)
 
     def token(self, layer, h: torch.Tensor, nxt) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole from its input h [1, 1, D] (its norm included: one replay is the

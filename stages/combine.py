@@ -38,3 +38,11 @@ class Combine(Stage):
                     routed = v["y"].view(1, K, -1).sum(dim=1).to(v["x"].dtype)
                 v["h"] = v["residual"] + block.output(routed, v["x"], v.get("shared")).view_as(v["residual"])
         return finish
+
+    def finish(self, v: dict) -> None:
+        """A step the host routed (a prompt): the fixed-order sum of y [T*K, Dx], the finish and the residual, into h."""
+        li = v["li"]
+        T, K = li.x.shape[0], li.block.top_k
+        with self.rt.streams.use(self.stream):
+            routed = v["y"].view(T, K, -1).sum(dim=1).to(li.x.dtype)
+            v["h"] = li.residual + li.block.output(routed, li.x, v["shared"]).view_as(li.residual)

@@ -2,7 +2,8 @@
 
 One launch of the decode kernels (kernels/decode.py) over the K routed blocks at their byte offsets from the table's
 base (VRAM slots, staging slots, or pinned RAM read over PCIe), each row weighted, into y [K, Dx] in rank order;
-combine sums them. `routed: false` skips the routed experts (and loading their blocks at open): a zero routed sum,
+combine sums them. A prompt's experts run group by group as their blocks land (`group`: the grouped GEMM over
+blocks wherever they lie), or through the plain-torch reference (`reference`, the torch backend). `routed: false` skips the routed experts (and loading their blocks at open): a zero routed sum,
 outputs that are not the model's, to time the resident part alone (schedules/resident-alone.yaml).
 """
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from sluice.stages.base import Stage
-from sluice.stages.compute import check_fp4_matvec
+from sluice.stages.compute import check_fp4_matvec, torch_expert
+from sluice.stages.route import group_by_expert
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,24 @@ class ComputeTable(Stage):
         if self.knobs.routed:
             self.table.token_blocks += t.block.top_k
             self.table.kernel(t.block).count_groups(t.block.top_k)
+
+    # -- a step whose ids come to the host (a prompt) ---------------------------------------------------------------
+
+    def group(self, v: dict, experts: list[int]) -> None:
+        """The grouped GEMM (kernels/prefill.py) of the next `experts` in place order, their blocks at the next
+        offsets of `offs` and their rows the next slice of the sorted rows, weighted into y."""
+        table, at, counts = self.table, v["at"], v["counts"]
+        n, c = len(experts), [counts[e] for e in experts]
+        offs, base = v["offs"][at[0] : at[0] + n], table.base
+        table.kernel(v["li"].block).run(base, offs, base, offs, c, v["rows"][at[1] : at[1] + sum(c)], v["li"].block.top_k,
+                                        v["xe"], v["w"], v["y"], self.knobs.zero_skip)
+        at[0] += n
+        at[1] += sum(c)
+
+    def reference(self, v: dict) -> None:
+        """The plain-torch reference path (the torch backend), each expert from its RAM slot."""
+        table, block, store = self.table, v["li"].block, self.rt.store
+        experts, rows = group_by_expert(v["ids_cpu"].long(), v["li"].x.device)
+        for e in experts:
+            torch_expert(store, block, store.logical(table.blocks.entries[(block.layer, e)].buf), rows[e], v["xe"], v["w"],
+                         v["y"])

@@ -88,3 +88,53 @@ class FetchTable(Stage):
     def before(self, t, first: bool) -> None:
         if first:
             self.table.between_tokens()
+
+    # -- a step whose ids come to the host (a prompt) ---------------------------------------------------------------
+
+    def ready(self, v: dict) -> None:
+        """Before it routes: the tier's last copies landed (a prompt reads the slots the host believes in); a prompt
+        takes the lookahead bank back from the hot set."""
+        self.table.tier.land(wait=True)
+        if not v["token"]:
+            self.table.tier.reclaim_bank()
+
+    async def on_host(self, v: dict) -> None:
+        """`hold: false`: the blocks the step reads from RAM (not those in VRAM, nor those the layer before copied
+        ahead) pinned there, read from disk where missing (awaited); the routing recorded (`--record-routing`)."""
+        table, li, i, experts = self.table, v["li"], v["i"], v["experts"]
+        if not table.stream_ram:
+            return
+        early = table.copied_ahead(i)
+        need = experts if table.backend != "triton" else \
+            [e for e in experts if (i, e) not in table.tier.slot_of and e not in early]
+        await table.blocks.ensure(li.block.layer, i, need)
+        if self.rt.recorder is not None:
+            table.record(li.block.layer, i, v["flat"].tolist(), experts, set(experts) - set(need))
+
+    def place(self, v: dict) -> None:
+        """Where each of the step's experts is read from, in the order compute takes them: VRAM tier slots, blocks the
+        layer before copied ahead (`h2d: {prompt_ahead}`), RAM; each counted by tier; the (token, k) rows sorted into
+        that order once, so that each group's rows are one slice; the VRAM and copied-ahead blocks' offsets."""
+        table, i, experts, stats = self.table, v["i"], v["experts"], self.rt.stats
+        tier, blocks = table.tier, table.blocks
+        if not table.knobs.routed:
+            return
+        if table.backend != "triton":
+            for e in experts:
+                stats.tier("vram" if (i, e) in tier.slot_of else "disk" if e in blocks.disk else "ram")
+            return
+        table.drop_stale_ahead(i)
+        early = table.copied_ahead(i)
+        in_vram = [e for e in experts if (i, e) in tier.slot_of and e not in early]
+        ahead = [e for e in experts if e in early]
+        in_ram = [e for e in experts if (i, e) not in tier.slot_of and e not in early]
+        for e in experts:  # a block copied ahead is read from VRAM (its copy is counted as a guess copied, once)
+            stats.tier("vram" if e in in_vram or e in early else "disk" if e in blocks.disk else "ram")
+        stats.vram_prefetch_hits += len(ahead)
+        rank = torch.zeros(table.num_experts, dtype=torch.int64)
+        rank[in_vram + ahead + in_ram] = torch.arange(len(experts))
+        flat = v["flat"]
+        v.update(in_vram=in_vram, ahead=ahead, in_ram=in_ram, early=early,
+                 rows=torch.argsort(rank[flat], stable=True).to(v["xe"].device, non_blocking=True),
+                 counts=torch.bincount(flat, minlength=table.num_experts).tolist(),
+                 offsets=[tier.offset(i, e) for e in in_vram] + [early[e] for e in ahead])

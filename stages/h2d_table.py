@@ -3,8 +3,8 @@
 A one-token step's kernels read the blocks VRAM lacks from pinned RAM themselves. With `token_ahead` N, the next
 MoE layer's guessed blocks (predict's list, chosen in the step just queued) are copied into a staging half of N of
 the tier's slots, on a stream of their own, while the resident layers before that layer run: that layer's step waits
-for them and reads them there. Prompts (stages/table_prompt.py) copy RAM blocks into VRAM `prompt_group` at a time,
-into free tier slots first (`prompt_fill`), and copy the next layer's guessed blocks ahead (`prompt_ahead`).
+for them and reads them there. Prompts copy RAM blocks into VRAM `prompt_group` at a time (`plan`, `copied`), into
+free tier slots first (`prompt_fill`), and copy the next layer's guessed blocks ahead (`prompt_ahead`: `look_ahead`).
 """
 
 from __future__ import annotations
@@ -65,3 +65,105 @@ class H2DTable(Stage):
         if stream is not None:
             table.copied[h] = torch.cuda.Event()
             table.copied[h].record(stream)
+
+    # -- a step whose ids come to the host (a prompt) ---------------------------------------------------------------
+
+    def plan(self, v: dict) -> None:
+        """Where each RAM block of the step is read: copied `prompt_group` at a time into a free tier slot (where
+        `prompt_fill` finds one; it stays there) or a staging bank (double-buffered), or in place (`prompt_group: 0`);
+        every block's offset sent to the GPU in one copy (`offs`)."""
+        table, i = self.table, v["i"]
+        tier, G, bb, offsets = table.tier, self.knobs.prompt_group, table.block_bytes, v["offsets"]
+        in_ram = v["in_ram"]
+        groups = [in_ram[s : s + G] for s in range(0, len(in_ram), G)] if G else [in_ram] if in_ram else []
+        if G and in_ram and table.staging is None:
+            table.staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
+        copies, filled = [], []  # per RAM group [(expert, destination)]; (i, e, slot) copied into free VRAM tier slots
+        v["filled"] = filled
+        for g, group in enumerate(groups):
+            dsts = []
+            for j, e in enumerate(group):
+                if not G:
+                    offsets.append(table.blocks.off[i][e])
+                    continue
+                if self.knobs.prompt_fill and tier.free:  # a free slot is read by no kernel: the copy needs no wait
+                    slot = tier.slot_of[(i, e)] = tier.free.pop()
+                    filled.append((i, e, slot))
+                    dst = tier.vram.arena.slot(slot)
+                else:
+                    dst = table.staging[((g % 2) * G + j) * bb : ((g % 2) * G + j + 1) * bb]
+                dsts.append((e, dst))
+                offsets.append(dst.data_ptr() - table.base.data_ptr())
+            copies.append(dsts)
+        v.update(groups=groups, copies=copies, at=[0, 0],
+                 offs=torch.tensor(offsets, dtype=torch.int64).to(v["xe"].device, non_blocking=True))
+
+    def copied(self, v: dict):
+        """The step's RAM groups, each yielded once its copies are queued on the copy stream and the step's stream
+        waits for them; a staging half is copied into again once the compute that read it is queued."""
+        table, streams, layer = self.table, self.rt.streams, v["li"].block.layer
+        if not self.knobs.prompt_group:
+            yield from v["groups"]  # read in place
+            return
+        for g, (group, dsts) in enumerate(zip(v["groups"], v["copies"])):
+            half = g % 2
+            with streams.use("copy"):
+                streams.wait("copy", table.staged[half])
+                for e, dst in dsts:
+                    dst.copy_(table.blocks.entries[(layer, e)].buf, non_blocking=True)
+                landed = streams.record("copy")
+            streams.wait(table.stream, landed)
+            yield group
+            table.staged[half] = streams.record(table.stream)
+
+    def landed(self, v: dict) -> None:
+        """The step's kernels are queued: the lookahead bank's half they read is marked read, the tier slots filled are
+        pointed at (the table switches to them once their copies have landed, in stream order)."""
+        table = self.table
+        if v["early"]:
+            table.tier.ahead_read[v["i"] % 2] = self.rt.streams.record(table.stream)
+        self.rt.stats.vram_fills += len(v["filled"])
+        table.tier.point(v["filled"], vram=True)
+
+    def look_ahead(self, v: dict) -> None:
+        """Copy the next MoE layer's blocks that its router, run on this layer's input, chose for the step's tokens
+        (`guess`, most chosen first), behind the copies already queued: into free VRAM tier slots, else into the
+        lookahead bank's half for its parity (once the compute that last read it is done). That layer reads them from
+        there once they land; a guess it did not route to was a wasted copy."""
+        table, guess = self.table, v["guess"]
+        if guess is None:
+            return
+        i = table.index[v["li"].next_block.layer]
+        tier = table.tier
+        counts = torch.bincount(guess.flatten().long(), minlength=table.num_experts)
+        order = torch.argsort(counts, descending=True, stable=True)[: int((counts > 0).sum())].tolist()
+        bank = iter(tier.ahead_bank[i % 2])
+        early, filled, moves = {}, [], []
+        layer = table.layers[i]
+        for e in order:
+            if (i, e) in tier.slot_of or (src := table.blocks.resident(layer, e)) is None:
+                continue
+            if self.knobs.prompt_fill and tier.free:
+                slot = tier.slot_of[(i, e)] = tier.free.pop()
+                filled.append((i, e, slot))
+            else:
+                slot = next(bank, None)
+                if slot is None:
+                    break
+            early[e] = slot * table.block_bytes
+            moves.append((e, slot, src))
+        if not moves:
+            return
+        streams = self.rt.streams
+        try:
+            with streams.use("copy"):
+                streams.wait("copy", tier.ahead_read[i % 2])
+                for e, slot, src in moves:
+                    tier.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
+                landed = streams.record("copy")
+            tier.read_by([src for _, _, src in moves], landed)
+        except BaseException:
+            table.unfill(filled)
+            raise
+        self.rt.stats.vram_prefetches += len(moves)
+        table.ahead = (i, early, landed, filled)

@@ -9,17 +9,16 @@ Outputs are bit-identical to the streaming schedules' (the same kernels on the s
 case: with no VRAM tier the bank is host memory, for which the re-laid down kernel declares its rows aligned, and on
 a GPU its FP4 / FP8 partial sums then add in another order (equal within fp32 rounding; tests/test_kernels.py).
 
-The table and its host sides, in five files:
-- table.py: the shared state (tier, RAM blocks, staging lists, counters, kernels) and the host's layer step (`layer`:
-  prompts, the torch backend, and `hold: false`'s one-token steps, which route on the host first);
+The table and its host sides, in four files (a prompt runs the stages' host faces: pipeline/plan.py `TokenPlan.layer`):
+- table.py: the shared state (tier, RAM blocks, staging lists, counters, kernels, a prompt's copies ahead) and the
+  one-token steps the composed step does not run whole (`token_layer`);
 - table_stream.py: `hold: false`'s one-token steps (the ids to the host, misses read from disk, then the plan's step);
-- table_prompt.py: prompts (the ids to the host, blocks copied group by group; the next layer's copied ahead);
 - table_tier.py: the VRAM tier of the most routed blocks (fetch's `vram`, refreshed every `refresh` one-token steps
   from use counts made on the GPU) and the device table;
 - table_ram.py: the RAM side: every block held (fetch's `hold: true`, the default: `--ram-cache` at least the store's
   expert bytes), or an LRU cache filled from disk (`hold: false`).
 
-With `hold: true` routed ids stay on the GPU, so no routing trace is recorded (`hold: false` records: `_record`). A
+With `hold: true` routed ids stay on the GPU, so no routing trace is recorded (`hold: false` records: `record`). A
 trace (--trace) shows a `direct` span per MoE layer and, inside it, the span of each stage the step is composed of
 (route, predict, fetch, compute, combine: `Tracer.phase`), as GPU spans the layer's CUDA graph records on each replay.
 
@@ -47,13 +46,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from sluice.errors import ScheduleError
-from sluice.stages.compute import expert_backend, torch_expert, triton_experts
-from sluice.stages.route import group_by_expert
-from sluice.stages.table_prompt import PromptSteps
+from sluice.stages.compute import expert_backend, triton_experts
 from sluice.stages.table_ram import RamBlocks
 from sluice.stages.table_stream import StreamedSteps
 from sluice.stages.table_tier import Tier
-from sluice.stages.types import LayerInput, LayerOutput
+from sluice.stages.types import LayerInput
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,7 @@ class TableKnobs:
             raise AttributeError(name) from None
 
 
-class Table(StreamedSteps, PromptSteps):
+class Table(StreamedSteps):
     name = "direct"  # the span a one-token MoE layer's step is traced under
 
     def __init__(self, knobs: TableKnobs, rt, graphs=None, stream: str = "compute"):
@@ -107,15 +104,16 @@ class Table(StreamedSteps, PromptSteps):
         self.copied: list = [None, None]  # per half: the event after its copies, for the step's stream to wait on (h2d's)
         self.ahead_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and S else None  # the staging copies' stream
         self.num_experts, self.block_bytes = store.manifest.num_experts, store.block_bytes
-        self._ahead: tuple | None = None  # (MoE index, {expert: offset}, copy event, [(i, e, slot)] tier slots it filled)
+        self.ahead: tuple | None = None  # a prompt's copies ahead (h2d's `look_ahead`): (MoE index, {expert: offset},
+        # copy event, [(i, e, slot)] tier slots it filled)
         self._kernels = {}
         self._graphs = graphs
         self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
         self._guessed: dict[int, tuple[int, ...]] = {}  # stream_ram, recording: MoE layer -> the guesses made for it
         self._offs: dict[int, torch.Tensor] = {}  # stream_ram: per MoE index, the device offsets its one-token steps read
         self._landing_of: tuple | None = None  # stream_ram: (tier.landing, its (i, e) as a set), made once per refresh
-        self._staging: torch.Tensor | None = None  # prompts: 2 x prompt_group block slots in VRAM
-        self._staged: list = [None, None]  # per staging half: the event after the compute that last read it
+        self.staging: torch.Tensor | None = None  # prompts: 2 x prompt_group block slots in VRAM (h2d's)
+        self.staged: list = [None, None]  # per staging half: the event after the compute that last read it
         rt.stats.sources.append(self._flush_counts)
 
     def steps_on_gpu(self, block) -> bool:
@@ -125,52 +123,24 @@ class Table(StreamedSteps, PromptSteps):
 
     # -- the layer step --------------------------------------------------------------------------
 
-    async def layer(self, li: LayerInput) -> LayerOutput:
-        """A MoE layer's step where the plan's one-token step does not run it whole: one-token steps of blocks whose
-        MoE input is not pure (the plan's step on x, residual), `hold: false`'s one-token steps (routed on the host
-        first), prompts and the torch backend (the ids to the host)."""
-        block, T = li.block, li.x.shape[0]
+    async def token_layer(self, li: LayerInput) -> torch.Tensor | None:
+        """A one-token step the plan's composed step does not run whole: of a block whose MoE input is not pure (the
+        composed step on x, residual), or over a RAM cache (`hold: false`: routed on the host, misses read, then the
+        composed step); None where the step's ids must come to the host first (prompts, the torch backend, a block
+        with impure MoE functions over a RAM cache: the stages' host faces, pipeline/plan.py `TokenPlan.layer`)."""
+        block = li.block
         i = self.index[block.layer]
-        token = T == 1 and self.backend == "triton"
-        if token and not self.stream_ram:
-            return LayerOutput(self.step(block, li.next_block, None, (li.x, li.residual)))
-        if token and i == 0:
+        if li.x.shape[0] != 1 or self.backend != "triton":
+            return None
+        if not self.stream_ram:
+            return self.step(block, li.next_block, None, (li.x, li.residual))
+        if i == 0:
             self.between_tokens()
-        if token and block.graph_safe:  # stream_ram: the routed ids to the host, misses read, then the same step
-            return LayerOutput(await self._token_streamed(li, i))
-        self.tier.land(wait=True)  # a prompt reads the slots the host believes in: wait for their copies
-        if not token:
-            self.tier.reclaim_bank()
-        # prompts' lookahead: the next MoE layer's router on this layer's input, its ids brought back with these
-        ahead = self.knobs.prompt_ahead and self.knobs.routed and self.backend == "triton" and li.next_block is not None \
-            and self.tier.vram is not None and not token
-        with self.rt.streams.use(self.stream):
-            weights, ids = block.router(li.x)
-            xe = block.expert_input(li.x)
-            self.tier.uses[i].index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
-            both = torch.cat((ids, li.next_block.guessed(li.x)[1].to(ids.dtype)), dim=1) if ahead else ids
-        host, arrived = self.rt.streams.to_host(self.stream, both)
-        shared = None
-        if block.shared is not None and self.knobs.shared == "side":  # the GPU runs it while the host waits for the ids
-            with self.rt.streams.use(self.stream):
-                shared = block.shared(li.x)
-        await self.rt.ids_arrived(arrived)
-        ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
-        flat = ids_cpu.flatten().long()
-        experts = torch.unique(flat).tolist() if self.knobs.routed else []  # ascending
-        try:
-            if self.stream_ram:  # the blocks read from RAM: not those in VRAM, nor those the layer before copied ahead
-                early = self._copied_ahead(i)
-                need = experts if self.backend != "triton" else \
-                    [e for e in experts if (i, e) not in self.tier.slot_of and e not in early]
-                await self.blocks.ensure(block.layer, i, need)
-                if self.rt.recorder is not None:
-                    self._record(block.layer, i, flat.tolist(), experts, set(experts) - set(need))
-            return self._layer_step(li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared)
-        finally:
-            self.blocks.release()  # also after a failed read: the engine's recovery then drops every RAM block
+        if block.graph_safe:
+            return await self._token_streamed(li, i)
+        return None
 
-    def _record(self, layer: int, i: int, ids: list[int], experts: list[int], vram: set[int], further=()) -> None:
+    def record(self, layer: int, i: int, ids: list[int], experts: list[int], vram: set[int], further=()) -> None:
         """stream_ram with --record-routing: the layer's routing as fetch records it (a tier per expert: the blocks the
         step reads from VRAM, those `blocks.ensure` read from disk, the rest from RAM), with the guesses the step of
         the MoE layer before made for it (those the VRAM tier lacked: what it offered the reader), and `further`: this
@@ -180,31 +150,8 @@ class Table(StreamedSteps, PromptSteps):
         tiers = ["vram" if e in vram else "disk" if e in self.blocks.disk else "ram" for e in experts]
         self.rt.recorder.layer(layer, ids, tuple(experts), tiers, self._guessed.pop(layer, None), further)
 
-    def _layer_step(self, li, block, i, T, weights, ids, xe, ids_cpu, flat, experts, guess, shared) -> LayerOutput:
-        with self.rt.streams.use(self.stream):
-            y = torch.empty(T * block.top_k, xe.shape[1], dtype=block.combine_dtype, device=xe.device)
-            w = weights.reshape(-1)
-            if not self.knobs.routed:
-                y.zero_()
-            elif self.backend == "triton":
-                self._prompt_experts(block, i, flat, experts, xe, w, y)
-                if guess is not None:
-                    self._look_ahead(self.index[li.next_block.layer], guess.flatten().long())
-            else:
-                for e in experts:
-                    self.rt.stats.tier("vram" if (i, e) in self.tier.slot_of else "disk" if e in self.blocks.disk else "ram")
-                self._torch(block, *group_by_expert(ids_cpu.long(), li.x.device), xe, w, y)
-            routed = y.view(T, block.top_k, -1).sum(dim=1).to(li.x.dtype)
-            h = li.residual + block.output(routed, li.x, shared).view_as(li.residual)
-        return LayerOutput(h)
-
     def kernel(self, block):
         return triton_experts(self._kernels, self.rt, block, False, self.knobs.fp4_matvec)  # the whole layer is one graph here
-
-    def _torch(self, block, experts, rows, xe, w, y) -> None:
-        """The plain-torch reference path, each expert from its RAM slot."""
-        for e in experts:
-            torch_expert(self.rt.store, block, self.rt.store.logical(self.blocks.entries[(block.layer, e)].buf), rows[e], xe, w, y)
 
     # -- the VRAM tier (stages/table_tier.py)  ---------------------------------------------------
 
@@ -212,12 +159,12 @@ class Table(StreamedSteps, PromptSteps):
         """Point every table entry back at its RAM slot and free the VRAM tier's slots (the host has synchronized:
         no copy is in flight); `sluice bench model` times a prompt on an empty tier with it."""
         if self.tier.vram is not None:
-            self._ahead = None  # its moves are in the tier's slot_of: pointed back with the rest
+            self.ahead = None  # its moves are in the tier's slot_of: pointed back with the rest
             self.tier.empty()
 
     def between_tokens(self) -> None:
         """At a one-token step's first MoE layer: the tier's turn (stages/table_tier.py Tier.between_tokens)."""
-        self._settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
+        self.settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
         self.tier.between_tokens()
 
     def _flush_counts(self) -> None:
@@ -233,3 +180,30 @@ class Table(StreamedSteps, PromptSteps):
         stats.vram_prefetches += dc
         stats.vram_prefetch_hits += ds
         self._seen = now
+
+    # -- a prompt's copies ahead (h2d's `look_ahead`), read by the next layer's step ------------------------------
+
+    def copied_ahead(self, i: int) -> dict[int, int]:
+        """MoE index i's blocks that the layer before copied ahead: expert -> offset of its copy."""
+        return self.ahead[1] if self.ahead is not None and self.ahead[0] == i else {}
+
+    def drop_stale_ahead(self, i: int) -> None:
+        """Copies ahead made for a step that did not come (an error): settled, keeping the slots they filled."""
+        if self.ahead is not None and self.ahead[0] != i:
+            self.settle_ahead()
+
+    def settle_ahead(self) -> None:
+        """The step's stream waits for the copies ahead; tier slots they filled are pointed at."""
+        if self.ahead is None:
+            return
+        _, _, landed, filled = self.ahead
+        self.ahead = None
+        self.rt.streams.wait(self.stream, landed)
+        self.tier.point(filled, vram=True)
+
+    def unfill(self, filled: list[tuple[int, int, int]]) -> None:
+        """Give back free tier slots a step planned to fill (it failed before it pointed the table at them)."""
+        for i, e, slot in filled:
+            if self.tier.slot_of.get((i, e)) == slot:
+                del self.tier.slot_of[(i, e)]
+                self.tier.free.append(slot)

@@ -53,7 +53,7 @@ class StreamedSteps:
                 await self.blocks.ensure(block.layer, i, need, guesses)
             if self.rt.recorder is not None:
                 further = tuple((layer, tuple(g)) for layer, g in guesses[1 : len(ahead)])
-                self._record(block.layer, i, routed, sorted(set(routed)), set(routed) - set(need), further)
+                self.record(block.layer, i, routed, sorted(set(routed)), set(routed) - set(need), further)
                 if guesses:
                     self._guessed[guesses[0][0]] = tuple(guesses[0][1])
             bb, ram = self.rt.store.block_bytes, self.blocks.off[i]

@@ -236,7 +236,7 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
         assert stage.tier.ahead_bank == [[5, 6], [7, 8]] and stage.tier.free == [4, 3, 2, 1, 0]
         first = engine.forward(PROMPT)
         io = engine.rt.stats.snapshot()
-        assert sorted(stage.tier.slot_of.values()) == [0, 1, 2, 3, 4] and stage._ahead is None
+        assert sorted(stage.tier.slot_of.values()) == [0, 1, 2, 3, 4] and stage.ahead is None
         second = engine.forward(other)  # a full tier: the guesses go to the bank
         io2 = engine.rt.stats.since(io)
         assert 0 < io2["vram_prefetch_hits"] <= io2["vram_prefetches"] <= 2 * (len(engine.store.moe_layers) - 1)
@@ -257,16 +257,17 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
                 layer, e = key
                 return real[(layer, (e + 1) % engine.store.manifest.num_experts)]
 
-        look = stage._look_ahead
+        h2d = next(s for spec, s in engine.coordinator.stages if spec.name == "h2d")
+        look = h2d.look_ahead
 
-        def wrong(i, guess):
+        def wrong(v):
             stage.blocks.entries = Shifted(real)
             try:
-                look(i, guess)
+                look(v)
             finally:
                 stage.blocks.entries = real
 
-        monkeypatch.setattr(stage, "_look_ahead", wrong)
+        monkeypatch.setattr(h2d, "look_ahead", wrong)
         bad = engine.forward(other)
     room = engine.store.total_blocks  # the most slots a tier has: the bank takes 4 of them
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=ahead, vram_slots=room) as engine:
@@ -384,10 +385,12 @@ def test_resident_alone_skips_only_the_routed_experts(variant, backend, stores, 
 
     from sluice.kernels.experts import TritonExperts
     from sluice.models.base import cache_kw
-    from sluice.stages.table import Table as Direct
+    from sluice.stages.compute_table import ComputeTable
+    from sluice.stages.h2d_table import H2DTable
 
     ran = []
-    for cls, name in ((TritonExperts, "_decode"), (TritonExperts, "run"), (Direct, "_torch"), (Direct, "_prompt_experts")):
+    for cls, name in ((TritonExperts, "_decode"), (TritonExperts, "run"), (ComputeTable, "reference"), (ComputeTable, "group"),
+                      (H2DTable, "plan")):
         monkeypatch.setattr(cls, name, lambda self, *a, **k: ran.append(name))
     doc = yaml.safe_load((SCHEDULES_DIR / "resident-alone.yaml").read_text())
     doc["stages"]["compute"]["backend"] = backend
@@ -474,7 +477,8 @@ def test_direct_stream_reads_blocks_from_disk_and_matches_direct(variant, backen
 def test_one_token_steps_time_each_stage_they_fuse(hold, stores, refs, tmp_path):
     """The fast path's one-token step is one call (one CUDA graph) but its trace keeps a span per stage it fuses, under
     the stages' names: route, fetch, compute, combine (and predict where it guesses the next layer's blocks), one of
-    each per MoE layer and token, beside the layer's `direct` span; the logits are the untraced run's."""
+    each per MoE layer and token, beside the layer's `direct` span; a prompt runs the stages' host faces, each under
+    its name once per MoE layer (h2d twice: its plan, then its copies ahead); the logits are the untraced run's."""
     import json
 
     variant = "nemotron_h_latent"
@@ -487,10 +491,12 @@ def test_one_token_steps_time_each_stage_they_fuse(hold, stores, refs, tmp_path)
         layers = len(engine.store.moe_layers)
     assert torch.equal(plain, traced)
     lines = [json.loads(line) for line in (tmp_path / f"t-{hold}.json.jsonl").read_text().splitlines()]
-    per_stage = {}
+    per_stage, prompt = {}, {}
     for line in lines:
-        if line.get("event") == "stage" and line["step"] > 0:  # the one-token steps (step 0 is the prompt)
-            per_stage.setdefault(line["stage"], []).append(line["layer"])
+        if line.get("event") == "stage":  # step 0 is the prompt, the others one-token steps
+            (per_stage if line["step"] > 0 else prompt).setdefault(line["stage"], []).append(line["layer"])
     for stage in ("route", "fetch", "compute", "combine", "direct"):
         assert len(per_stage.get(stage, ())) >= 3 * layers, (stage, per_stage.get(stage))  # 3 one-token steps (the shared
         # expert is route's too; streamed, the reads are fetch's too)
+    for stage in ("route", "fetch", "h2d", "compute", "combine", "direct"):  # the prompt: the stages' host faces, a span each
+        assert sorted(prompt.get(stage, ())) == sorted(list(engine.store.moe_layers) * (2 if stage == "h2d" else 1)), stage
