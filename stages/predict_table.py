@@ -1,6 +1,6 @@
 """predict, `via: table`: a one-token step's guesses for the next MoE layer, kept on the GPU for h2d to copy ahead.
 
-On the side stream, the next MoE layer's router runs on this layer's input; of its top-k (most likely first), the
+On the side stream (`beside`; else in line after the router), the next MoE layer's router runs on this layer's input; of its top-k (most likely first), the
 first blocks that VRAM lacks, as many as a staging half holds (h2d's `token_ahead`), are written with their RAM
 offsets into the table's guess list for that layer's parity (kernels/ahead.py `select`), and counted as copies.
 h2d copies them after the step; without this stage (or with `token_ahead: 0`) nothing is staged. Reads from disk of
@@ -9,8 +9,16 @@ guesses (`hold: false`) are the fetch stage's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sluice.kernels.ahead import select
 from sluice.stages.base import Stage
+
+
+@dataclass(frozen=True)
+class PredictTableKnobs:
+    beside: bool = True  # the guesses on the side stream, beside the router and the routed experts; false: in line on
+    # the step's stream, after the router (the same guesses; what overlap buys is the experiment)
 
 
 class PredictTable(Stage):
@@ -18,8 +26,15 @@ class PredictTable(Stage):
     via = "table"
     consumes = ("layer",)
     produces = "prediction"
+    Knobs = PredictTableKnobs
 
     def beside(self, t):
+        return self._guess(t) if self.knobs.beside else None
+
+    def launch(self, t):
+        return None if self.knobs.beside else self._guess(t)
+
+    def _guess(self, t):
         table, nxt, part = self.table, t.nxt, t.part
         tier = table.tier
         if nxt is None or not tier.S:

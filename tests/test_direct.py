@@ -107,6 +107,19 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     assert (wrong - plain).abs().max().item() > 1e-3
 
 
+def test_guesses_beside_or_in_line_give_the_same_logits(stores, tmp_path):
+    """A reorder on the fast schedule as a YAML edit: the next layer's guesses on the side stream (beside the router
+    and the routed experts) or in line after the router; the same blocks are staged and read, the same logits."""
+    variant = "nemotron_h_latent"
+    knobs = dict(backend="triton", refresh=1000, prompt_fill=False, prompt_ahead=0, token_ahead=3)
+    runs = {}
+    for beside in (True, False):
+        schedule = direct_schedule(tmp_path, f"beside-{beside}", beside=beside, **knobs)
+        with sluice.load(stores[variant], device=DEVICE, schedule=schedule, vram_slots=24) as engine:
+            runs[beside] = greedy_logits(engine, PROMPT, 6), engine.rt.stats.snapshot()["vram_prefetch_hits"]
+    assert torch.equal(runs[True][0], runs[False][0]) and runs[True][1] == runs[False][1] > 0
+
+
 def test_a_fast_schedule_without_predict_stages_nothing(stores, tmp_path):
     """The plan composes the one-token step from the stages the file lists: without the predict stage there are no
     guesses, so h2d stages nothing (no staging bank is set aside, no copy is counted) whatever its `token_ahead`, and
