@@ -9,7 +9,7 @@ in a TaskGroup: the first failure cancels the rest of the layer and is re-raised
 
 `moe` is the engine's one call per MoE layer: it builds the layer's input (with the graph views of a one-token
 step), or, for a `via: table` schedule, runs a one-token layer whole as the plan's composed step (pipeline/plan.py)
-and gives the rest to the device table's host side.
+and any other step through the same stages' host faces (`TokenPlan.layer`).
 """
 
 from __future__ import annotations

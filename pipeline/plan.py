@@ -114,7 +114,7 @@ class TokenPlan:
         """A one-token step of MoE `layer` whole from its input h [1, 1, D] (its norm included: one replay is the
         layer's whole host cost), or None where the table's host side must act (stages/table.py `Table.layer`)."""
         block, table = layer.moe, self.table
-        if not table.steps_on_gpu(block) or not block.graph_safe or table.stream_ram:
+        if table.backend != "triton" or not block.graph_safe or table.stream_ram:
             return None
         with self.rt.tracer.span(table.name, layer=block.layer, stream=table.stream):
             return self.step(block, nxt, layer, (h,))

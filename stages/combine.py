@@ -22,11 +22,14 @@ class Combine(Stage):
         li: LayerInput = await io.value("layer")
         routing: Routing = await io.value("routing")
         out: ExpertOutputs = await io.value("expert_outputs")
+        return LayerOutput(self._finish(li, out.y, routing.shared))
+
+    def _finish(self, li: LayerInput, y, shared):
+        """h: the fixed-order sum of y [T*K, Dx] over k, the block's finish and shared term, the residual."""
         T, K = li.x.shape[0], li.block.top_k
         with self.rt.streams.use(self.stream):
-            routed = out.y.view(T, K, -1).sum(dim=1).to(li.x.dtype)
-            h = li.residual + li.block.output(routed, li.x, routing.shared).view_as(li.residual)
-        return LayerOutput(h)
+            routed = y.view(T, K, -1).sum(dim=1).to(li.x.dtype)
+            return li.residual + li.block.output(routed, li.x, shared).view_as(li.residual)
 
     def launch(self, t):
         block, part, K = t.block, t.part, t.block.top_k
@@ -40,9 +43,5 @@ class Combine(Stage):
         return finish
 
     def finish(self, v: dict) -> None:
-        """A step the host routed (a prompt): the fixed-order sum of y [T*K, Dx], the finish and the residual, into h."""
-        li = v["li"]
-        T, K = li.x.shape[0], li.block.top_k
-        with self.rt.streams.use(self.stream):
-            routed = v["y"].view(T, K, -1).sum(dim=1).to(li.x.dtype)
-            v["h"] = li.residual + li.block.output(routed, li.x, v["shared"]).view_as(li.residual)
+        """A step the host routed (the table stages' host faces: a prompt): the same finish, into h."""
+        v["h"] = self._finish(v["li"], v["y"], v["shared"])

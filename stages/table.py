@@ -116,11 +116,6 @@ class Table(StreamedSteps):
         self.staged: list = [None, None]  # per staging half: the event after the compute that last read it
         rt.stats.sources.append(self._flush_counts)
 
-    def steps_on_gpu(self, block) -> bool:
-        """Whether a one-token step of `block` is the plan's composed step on the GPU (triton kernels; over a RAM cache
-        only after the host has routed it)."""
-        return self.backend == "triton"
-
     # -- the layer step --------------------------------------------------------------------------
 
     async def token_layer(self, li: LayerInput) -> torch.Tensor | None:
