@@ -70,7 +70,8 @@ class TokenPlan:
         try:
             with span("fetch", layer=block.layer, stream=table.stream):
                 await fetch.on_host(v)
-                fetch.place(v)
+                with self.rt.streams.use(table.stream):  # its rows go to the device on the stream that reads them
+                    fetch.place(v)
             with self.rt.streams.use(table.stream):
                 self._experts(v, h2d, compute)
             with span("combine", layer=block.layer, stream=table.stream):
@@ -112,7 +113,7 @@ class TokenPlan:
 
     def token(self, layer, h: torch.Tensor, nxt) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole from its input h [1, 1, D] (its norm included: one replay is the
-        layer's whole host cost), or None where the table's host side must act (stages/table.py `Table.layer`)."""
+        layer's whole host cost), or None where the host must act first (`layer`)."""
         block, table = layer.moe, self.table
         if table.backend != "triton" or not block.graph_safe or table.stream_ram:
             return None
