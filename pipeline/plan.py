@@ -126,8 +126,9 @@ class TokenPlan:
         token's first MoE layer is due (the table's host side did it already when it routed)."""
         key = (block.layer, layer is None, routing is not None)
         made = self._steps.get(key)
-        if made is None:
-            made = self._steps[key] = self._compose(block, nxt, layer, routing is not None)
+        if made is None:  # its constants made on the stream that reads them
+            with self.rt.streams.use(self.table.stream):
+                made = self._steps[key] = self._compose(block, nxt, layer, routing is not None)
         fn, t, marks = made
         for stage in self.stages:
             stage.before(t, first and t.i == 0)

@@ -128,6 +128,12 @@ def parse_schedule(doc: Any, source: str = "<schedule>") -> Schedule:
         table = ", ".join(n for n, spec in specs.items() if spec.cls.via == "table")
         raise ScheduleError(f"{source}: every stage of a schedule takes the same variant: {table} have via: table, the "
                             f"others not (a schedule streams through the caches or reads through the device table)")
+    if vias == {"table"}:
+        for name in SHARED:
+            spec = specs.get(name)
+            if spec is not None and (spec.after or spec.stream != "compute"):
+                raise ScheduleError(f"{source}: stage {name!r}: 'after' and 'stream' mean nothing in a via: table schedule "
+                                    f"(the plan orders a step's parts and runs them on the step's stream)")
     missing = [s for s in REQUIRED if s not in specs]
     if missing:
         raise ScheduleError(f"{source}: required stage(s) missing: {', '.join(missing)}")

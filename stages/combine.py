@@ -3,8 +3,9 @@
 The sum runs over k = 0..K-1 of y viewed [T, K, Dx], a fixed-order reduction with no atomics, so
 the layer output is bit-identical whatever the schedule, cache size or arrival order. `finish`
 is the model's: the latent up-projection for NemotronH, identity for Qwen3-MoE; then the block's shared
-term (its shared expert), which route has run already unless its `shared` knob is `late`. The same sum and finish
-end the fast path's one-token step (`launch`: pipeline/plan.py), after the join of its side stream.
+term (its shared expert), which route has run already unless its `shared` knob is `late`. The same finish ends the
+fast path's one-token step (`launch`: pipeline/plan.py), after the join of its side stream (compute, via: table, has
+summed the routed experts there, before the join).
 """
 
 from __future__ import annotations
@@ -32,14 +33,11 @@ class Combine(Stage):
             return li.residual + li.block.output(routed, li.x, shared).view_as(li.residual)
 
     def launch(self, t):
-        block, part, K = t.block, t.part, t.block.top_k
+        block, part = t.block, t.part
 
-        def finish(v):
+        def finish(v):  # compute has summed the routed experts (before the join of the shared term's stream)
             with part("combine"):
-                routed = v.get("routed")
-                if routed is None:
-                    routed = v["y"].view(1, K, -1).sum(dim=1).to(v["x"].dtype)
-                v["h"] = v["residual"] + block.output(routed, v["x"], v.get("shared")).view_as(v["residual"])
+                v["h"] = v["residual"] + block.output(v["routed"], v["x"], v.get("shared")).view_as(v["residual"])
         return finish
 
     def finish(self, v: dict) -> None:

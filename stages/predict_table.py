@@ -1,6 +1,6 @@
 """predict, `via: table`: a one-token step's guesses for the next MoE layer, kept on the GPU for h2d to copy ahead.
 
-On the side stream (`beside`; else in line after the router), the next MoE layer's router runs on this layer's input; of its top-k (most likely first), the
+On the side stream (`beside`; else in line, in the schedule's order), the next MoE layer's router runs on this layer's input; of its top-k (most likely first), the
 first blocks that VRAM lacks, as many as a staging half holds (h2d's `token_ahead`), are written with their RAM
 offsets into the table's guess list for that layer's parity (kernels/ahead.py `select`), and counted as copies.
 h2d copies them after the step; without this stage (or with `token_ahead: 0`) nothing is staged. Reads from disk of
@@ -18,7 +18,7 @@ from sluice.stages.base import Stage
 @dataclass(frozen=True)
 class PredictTableKnobs:
     beside: bool = True  # the guesses on the side stream, beside the router and the routed experts; false: in line on
-    # the step's stream, after the router (the same guesses; what overlap buys is the experiment)
+    # the step's stream, in the schedule's order (after route where the file lists route first; the same guesses)
 
 
 class PredictTable(Stage):

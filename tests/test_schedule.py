@@ -65,6 +65,8 @@ def test_serial_waits_and_overlap_streams():
         (with_table("compute", {"fp4_matvec": "bytes"}), "stage 'compute': 'fp4_matvec' must be one of auto"),
         (with_stage("fetch", {"via": "disk"}), "stage 'fetch': 'via' must be one of cache, table, got 'disk'"),
         (with_table("fetch", {"after": ["route"]}), "stage 'fetch': unknown key 'after' \\(allowed: via, vram, "),
+        ({"name": "t", "stages": {**TABLE["stages"], "combine": {"stream": "copy"}}},
+         "stage 'combine': 'after' and 'stream' mean nothing in a via: table schedule"),
         (with_stage("combine", {"via": "disk"}), "stage 'combine': 'via' must be one of cache, table, got 'disk'"),
         ({"name": "t", "stages": {**TABLE["stages"], "h2d": {}}},
          "every stage of a schedule takes the same variant: route, fetch, compute have via: table"),
