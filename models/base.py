@@ -132,6 +132,11 @@ class Layer(ABC):
         """Everything before the routed experts. Returns (x [T,D] the MoE input, residual [1,T,D])."""
         raise NotImplementedError
 
+    def forward_rows(self, hs: list[torch.Tensor], ctxs: list) -> list[torch.Tensor] | None:
+        """Several sequences' one-token steps h [1,1,D] at once (pipeline/batch.py), each on its own state; None (the
+        default) where the layer runs them one sequence at a time."""
+        return None
+
     def decode_state(self, ctx: Any) -> tuple[torch.Tensor, ...] | None:
         """The tensors a one-token `forward` reads and updates in place besides h, when that step may be
         replayed as a CUDA graph (kernels/graphs.py); None (the default) when it may not."""

@@ -151,6 +151,26 @@ class _MixerLayer(Layer):
                 return call()
         return call()
 
+    def forward_rows(self, hs, ctxs):
+        """A Mamba-2 block's one-token steps of several sequences: its norm and projections once over all their rows
+        (one read of the weights), each sequence's conv and SSM step on its own states (updated in place, as a
+        one-token step updates them)."""
+        if self.block.block_type not in MAMBA or any(h.shape[1] != 1 for h in hs):
+            return None
+        states = [self.decode_state(ctx) for ctx in ctxs]
+        if any(s is None for s in states):
+            return None
+        from sluice.kernels.mamba import mamba_step, mamba_step_ref
+
+        blk, m, step = self.block, self.block.mixer, mamba_step if self.fused_decode else mamba_step_ref
+        h = torch.cat(hs, dim=1)
+        zx = m.in_proj(blk.norm(h.to(dtype=blk.norm.weight.dtype)))[0]
+        y = torch.stack([step(zx[b].contiguous(), conv[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log,
+                              m.D, ssm[0], m.norm.weight, m.norm.variance_epsilon, m.num_heads, m.head_dim, m.n_groups,
+                              m.ssm_state_size, m.intermediate_size // m.norm.group_size)
+                         for b, (conv, ssm) in enumerate(states)])
+        return list((h + m.out_proj(y.view(1, len(hs), -1))).split(1, dim=1))
+
     def _fused_step(self, h, conv_state, ssm_state):
         """The block's one-token step with its Mamba-2 mixer between the projections in two Triton launches
         (kernels/mamba.py), reading the module's own weights and the cache's states (updated in place)."""

@@ -2,9 +2,11 @@
 all their rows.
 
 The tokens of B sequences in one MoE layer route to the union of their experts, so each block read or copied
-serves every row that routed to it (expert bytes per generated token fall as sequences are added). Resident layers
-(attention, Mamba-2, dense MLPs) run per sequence on its own cache, as a one-token step does, but eagerly: their
-one-token graphs are keyed by one sequence's state. The MoE layer gets the rows as one prompt-like step (T = B), so
+serves every row that routed to it (expert bytes per generated token fall as sequences are added). A resident
+layer that can (`Layer.forward_rows`: a Mamba-2 block of decode rows) runs its projections once over every row and
+each sequence's state update on its own state; the others (attention, dense MLPs, prompt pieces) run per sequence
+on its own cache, as a one-token step does, but eagerly: their one-token graphs are keyed by one sequence's state.
+The MoE layer gets the rows as one prompt-like step (T = B), so
 its experts run as grouped kernels and each row is combined in the same fixed order as alone; logits agree with
 one-at-a-time decode within the kernels' rounding (a row's sums are grouped differently), not bit for bit.
 """
@@ -28,7 +30,7 @@ async def step_many(engine, seqs: list, pieces: list[list[int]]) -> list[torch.T
         hs, ctxs = [h for h, _ in begun], [c for _, c in begun]
         for layer in model.layers:
             if layer.moe is None:
-                hs = [layer.forward(h, ctx) for h, ctx in zip(hs, ctxs)]
+                hs = layer.forward_rows(hs, ctxs) or [layer.forward(h, ctx) for h, ctx in zip(hs, ctxs)]
             else:
                 hs = await coordinator.moe_rows(layer, hs, ctxs)
         logits = [model.head(h[:, -1:]) for h in hs]

@@ -68,6 +68,35 @@ def test_prompt_pieces_beside_decode_tokens(variant, stores):
                         f"{variant} decode beside a prompt")
 
 
+def test_mamba_blocks_take_every_sequences_row_at_once(stores, monkeypatch):
+    """A Mamba-2 block's decode rows of several sequences go through its projections together (`forward_rows`),
+    each sequence's state updated on its own: the logits are still each one's alone; with the states handed to the
+    wrong sequences (a fault) they are not."""
+    from sluice.models.nemotron_h import _MixerLayer
+
+    variant, taken, real = "nemotron_h_latent", [], _MixerLayer.forward_rows
+
+    def spy(self, hs, ctxs):
+        out = real(self, hs, ctxs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_MixerLayer, "forward_rows", spy)
+    with sluice.load(stores[variant], device=DEVICE) as engine:
+        want = [alone(engine, p) for p in PROMPTS]
+        got = together(engine, PROMPTS)
+        for b, (g, w) in enumerate(zip(got, want)):
+            assert_logits_close(variant, g, w, f"{variant} sequence {b}")
+        assert any(taken)
+
+        def swapped(self, hs, ctxs):
+            return real(self, hs, ctxs[1:] + ctxs[:1])  # each row stepped on another sequence's state
+
+        monkeypatch.setattr(_MixerLayer, "forward_rows", swapped)
+        bad = together(engine, PROMPTS)
+    assert any((b - w).abs().max() > 1e-3 for b, w in zip(bad, want))
+
+
 def test_rows_that_trade_places_are_caught(stores):
     with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         want = [alone(engine, p) for p in PROMPTS]
