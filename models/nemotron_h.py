@@ -165,10 +165,7 @@ class _MixerLayer(Layer):
         blk, m, step = self.block, self.block.mixer, mamba_step if self.fused_decode else mamba_step_ref
         h = torch.cat(hs, dim=1)
         zx = m.in_proj(blk.norm(h.to(dtype=blk.norm.weight.dtype)))[0]
-        y = torch.stack([step(zx[b].contiguous(), conv[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log,
-                              m.D, ssm[0], m.norm.weight, m.norm.variance_epsilon, m.num_heads, m.head_dim, m.n_groups,
-                              m.ssm_state_size, m.intermediate_size // m.norm.group_size)
-                         for b, (conv, ssm) in enumerate(states)])
+        y = torch.stack([self._mix(step, zx[b].contiguous(), conv, ssm) for b, (conv, ssm) in enumerate(states)])
         return list((h + m.out_proj(y.view(1, len(hs), -1))).split(1, dim=1))
 
     def _fused_step(self, h, conv_state, ssm_state):
@@ -179,10 +176,15 @@ class _MixerLayer(Layer):
         blk, m = self.block, self.block.mixer
         x = blk.norm(h.to(dtype=blk.norm.weight.dtype))
         zx = m.in_proj(x).reshape(-1)
-        y = mamba_step(zx, conv_state[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log, m.D, ssm_state[0],
-                       m.norm.weight, m.norm.variance_epsilon, m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size,
-                       m.intermediate_size // m.norm.group_size)
-        return h + m.out_proj(y.view(1, 1, -1))
+        return h + m.out_proj(self._mix(mamba_step, zx, conv_state, ssm_state).view(1, 1, -1))
+
+    def _mix(self, step, zx, conv_state, ssm_state):
+        """The mixer between its projections for one token's zx (kernels/mamba.py `mamba_step` or its reference), on
+        one sequence's conv and SSM states [1, ...], updated in place."""
+        m = self.block.mixer
+        return step(zx, conv_state[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log, m.D, ssm_state[0],
+                    m.norm.weight, m.norm.variance_epsilon, m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size,
+                    m.intermediate_size // m.norm.group_size)
 
     def decode_state(self, ctx):
         """A Mamba-2 mixer's one-token step updates its conv and SSM states in place (kernels/graphs.py)."""
