@@ -51,3 +51,19 @@ def test_shared_steps_pack_decodes_then_prompt_chunks_into_the_budget(stores):
     assert any(n < 8 for s in steps for n in s if n > 1)  # a chunk cut to the budget's rest (or a prompt's tail)
     assert any(1 in s and max(s) > 1 for s in steps)  # decode tokens beside a prompt chunk
     assert sum(len(s) for s in steps) > len(steps)  # steps were shared
+
+
+def test_bench_load_reports_each_setting(stores, tmp_path, capsys):
+    import json
+
+    from sluice.cli import main
+
+    out = tmp_path / "load.json"
+    assert main(["bench", "load", "--model", str(stores["nemotron_h_latent"]), "--device", DEVICE, "--clients", "1,3",
+                 "--max-batch", "1,4", "--decode-tokens", "3", "--prompt-length", "6", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [(row["clients"], row["max_batch"]) for row in r["rows"]] == [(1, 1), (3, 1), (1, 4), (3, 4)]
+    assert all(row["aggregate_tok_s"] > 0 and 0 < row["ttft_median_s"] <= row["ttft_max_s"] for row in r["rows"])
+    assert "routing: natural" in capsys.readouterr().out
+    assert main(["bench", "load", "--model", str(stores["nemotron_h_latent"]), "--device", DEVICE, "--clients", "0,x"]) != 0
+    assert "--clients '0,x': comma-separated counts >= 1" in capsys.readouterr().err
