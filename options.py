@@ -24,6 +24,17 @@ def at_least(low: int):
     return lambda text: int_in(text, low)
 
 
+def counts(flag: str, text: str) -> list[int]:
+    """A comma-separated list of counts >= 1 (a benchmark's sizes), or a one-line error naming the flag."""
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SluiceError(f"{flag} {text!r}: comma-separated counts >= 1, e.g. 1,4,16")
+    return values
+
+
 def seed(text: str) -> int:
     return int_in(text, 0, 2**63 - 1)  # what torch's generator takes
 

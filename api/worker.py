@@ -109,7 +109,7 @@ class EngineWorker:
             else:
                 try:
                     self._begin(job)
-                    if self.max_batch > 1 and _shareable(job) and (step := self._compose(job, jobs)):
+                    if self.max_batch > 1 and (_decoding(job) or _prefilling(job)) and (step := self._compose(job, jobs)):
                         self._batch_turn(*step, jobs)
                         continue
                     finished = self._turn(job)
@@ -312,11 +312,6 @@ def _prefilling(job: Job) -> bool:
     sequence is made when a step takes it); not a cancelled one."""
     fresh = job.seq is None and job.images is None and not job.cancelled.is_set()
     return fresh or (job.seq is not None and bool(job.pending) and job.rows is None and not job.cancelled.is_set())
-
-
-def _shareable(job: Job) -> bool:
-    """Whether the job's next step may share a batch: a decode token, or a prompt chunk with no image rows."""
-    return _decoding(job) or (job.seq is not None and bool(job.pending) and job.rows is None)
 
 
 def _scaled(counts: dict, f: float) -> dict:

@@ -67,15 +67,9 @@ def format_rows(rows: list[dict]) -> str:
 
 def cmd_bench_batch(args) -> int:
     from sluice.benchmarks.model import routing_line, routing_name, synthetic_weights
-    from sluice.errors import SluiceError
-    from sluice.options import open_engine
+    from sluice.options import counts, open_engine
 
-    try:
-        sizes = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        raise SluiceError(f"--batches {args.batches!r}: comma-separated batch sizes, e.g. 1,2,4,8") from None
-    if not sizes or min(sizes) < 1:
-        raise SluiceError(f"--batches {args.batches!r}: batch sizes are >= 1")
+    sizes = counts("--batches", args.batches)
     with open_engine(args) as engine:
         r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine)}
         r["rows"] = [bench_batch(engine, b, args.prompt_length, args.decode_tokens) for b in sizes]

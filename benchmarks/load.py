@@ -86,17 +86,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def cmd_bench_load(args) -> int:
     from sluice.benchmarks.model import routing_line, routing_name, synthetic_weights
-    from sluice.errors import SluiceError
-    from sluice.options import open_engine
-
-    def counts(flag, text):
-        try:
-            values = [int(v) for v in text.split(",") if v]
-        except ValueError:
-            values = []
-        if not values or min(values) < 1:
-            raise SluiceError(f"{flag} {text!r}: comma-separated counts >= 1, e.g. 1,4,16")
-        return values
+    from sluice.options import counts, open_engine
 
     clients, batches = counts("--clients", args.clients), counts("--max-batch", args.max_batch)
     with open_engine(args) as engine:
