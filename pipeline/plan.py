@@ -42,17 +42,12 @@ class TokenPlan:
         knobs["predict"] = any(spec.name == "predict" for spec, _ in stages)
         self.rt, self.stages = rt, [stage for _, stage in stages]
         self._by = {spec.name: stage for spec, stage in stages}
-        cuda = rt.device.type == "cuda"
-        self.graphs = None
-        if knobs["graphs"] and cuda and knobs["backend"] in ("auto", "triton"):
-            from sluice.kernels.graphs import FnGraphs
-
-            self.graphs = FnGraphs(rt.pools)
-        self.table = Table(TableKnobs(knobs), rt, self.graphs)
+        self.table = Table(TableKnobs(knobs), rt)
+        self.graphs = self.table.graphs
         self.table.step = self.step
         for stage in self.stages:
             stage.table = self.table
-        self._side = torch.cuda.Stream(rt.device) if cuda else None
+        self._side = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
         self._steps: dict[tuple, tuple] = {}  # (model layer, whole, hosted) -> (step, TokenLayer, marks)
 
     async def layer(self, li: LayerInput) -> torch.Tensor:
@@ -179,7 +174,7 @@ class TokenPlan:
 
         step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
         name = f"direct{'' if layer is None else '+input'}{'+ids' if hosted else ''}:{block.layer}"
-        graphed = self.graphs is not None and block.graph_safe and table.backend == "triton"
+        graphed = self.graphs is not None and block.graph_safe
         return (self.graphs.wrap(step, name) if graphed else step), t, marks
 
 

@@ -71,8 +71,7 @@ class TableKnobs:
 class Table(StreamedSteps):
     name = "direct"  # the span a one-token MoE layer's step is traced under
 
-    def __init__(self, knobs: TableKnobs, rt, graphs=None, stream: str = "compute"):
-        """graphs: the plan's FnGraphs (CUDA, graphs on), which `hold: false`'s routers replay through, or None."""
+    def __init__(self, knobs: TableKnobs, rt, stream: str = "compute"):
         self.knobs, self.rt, self.stream = knobs, rt, stream
         backend = expert_backend("compute", knobs.backend, rt.device)
         self.step: Callable | None = None  # the plan's one-token step of a layer (pipeline/plan.py `TokenPlan.step`)
@@ -107,7 +106,11 @@ class Table(StreamedSteps):
         self.ahead: tuple | None = None  # a prompt's copies ahead (h2d's `look_ahead`): (MoE index, {expert: offset},
         # copy event, [(i, e, slot)] tier slots it filled)
         self._kernels = {}
-        self._graphs = graphs
+        self.graphs = None  # CUDA graphs of one-token steps (the plan's) and of `hold: false`'s routers
+        if knobs.graphs and backend == "triton" and dev.type == "cuda":
+            from sluice.kernels.graphs import FnGraphs
+
+            self.graphs = FnGraphs(rt.pools)
         self._routers = {}  # stream_ram: each MoE layer's router, for the ids its one-token steps bring to the host
         self._guessed: dict[int, tuple[int, ...]] = {}  # stream_ram, recording: MoE layer -> the guesses made for it
         self._offs: dict[int, torch.Tensor] = {}  # stream_ram: per MoE index, the device offsets its one-token steps read

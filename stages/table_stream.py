@@ -85,8 +85,8 @@ class StreamedSteps:
                            *(b.guessed(x)[1] for b in ahead[1:]))
                 return weights, ids, torch.cat((ids, *(g.to(ids.dtype) for g in guesses)), dim=1)
 
-            graphed = self._graphs is not None and all(b.graph_safe for b in ahead)
-            router = self._routers[key] = self._graphs.wrap(route, f"router:{key}") if graphed else route
+            graphed = self.graphs is not None and all(b.graph_safe for b in ahead)
+            router = self._routers[key] = self.graphs.wrap(route, f"router:{key}") if graphed else route
         return router
 
     def _offsets(self, i: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
