@@ -68,9 +68,12 @@ def _head_tile(HPG, P, N, BP: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _ssm_step_kernel(zx, cs, cw, cb, dt_bias, a_log, d_skip, st, y, I, CONV_DIM, H, P, N, HPG, G, CS_C, CS_K,
-                     K: tl.constexpr, HAS_CB: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _ssm_step_kernel(zx, cs, cw, cb, dt_bias, a_log, d_skip, st, y, I, CONV_DIM, H, P, N, HPG, G, CS_C, CS_K, ZX_B,
+                     CS_B, ST_B, K: tl.constexpr, HAS_CB: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
     h, g, p, pm, n, nm = _head_tile(HPG, P, N, BP, BN)
+    r = tl.program_id(2)  # the sequence
+    zx, cs, st, y = zx + r * ZX_B, cs + r * CS_B, st + r * ST_B, y + r * I
     k = tl.arange(0, BK)
     x = _conv_silu(zx, cs, cw, cb, h * P + p, pm, k, I, CS_C, CS_K, K, HAS_CB)
     b = _conv_silu(zx, cs, cw, cb, I + g * N + n, nm, k, I, CS_C, CS_K, K, HAS_CB)
@@ -87,9 +90,10 @@ def _ssm_step_kernel(zx, cs, cw, cb, dt_bias, a_log, d_skip, st, y, I, CONV_DIM,
 
 
 @triton.jit
-def _gate_norm_kernel(zx, y, nw, out, cs, I, CONV_DIM, GS, CS_C, CS_K, CPP, eps, OUT_DT: tl.constexpr,
+def _gate_norm_kernel(zx, y, nw, out, cs, I, CONV_DIM, GS, CS_C, CS_K, CPP, eps, ZX_B, CS_B, OUT_DT: tl.constexpr,
                       K: tl.constexpr, BG: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    gi = tl.program_id(0)
+    gi, r = tl.program_id(0), tl.program_id(1)  # norm group, sequence
+    zx, y, out, cs = zx + r * ZX_B, y + r * I, out + r * I, cs + r * CS_B
     j = tl.arange(0, BG)
     jm = j < GS
     i = gi * GS + j
@@ -118,46 +122,64 @@ def mamba_step(zx: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor,
                norm_groups: int) -> torch.Tensor:
     """zxbcdt [I + conv_dim + H] of one token -> the gated, normalised scan output [I] in zx's dtype, ready for
     out_proj; conv_state [conv_dim, K] and ssm_state [H, P, N] (batch 1, any dtype) updated in place."""
+    return mamba_steps(zx[None], conv_state[None], conv_w, conv_b, dt_bias, a_log, d_skip, ssm_state[None], norm_w, eps,
+                       heads, head_dim, groups, state, norm_groups)[0]
+
+
+def mamba_steps(zx: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,
+                dt_bias: torch.Tensor, a_log: torch.Tensor, d_skip: torch.Tensor, ssm_state: torch.Tensor,
+                norm_w: torch.Tensor, eps: float, heads: int, head_dim: int, groups: int, state: int,
+                norm_groups: int) -> torch.Tensor:
+    """`mamba_step` of R sequences' tokens at once, each on its own states: zx [R, Z], conv_state [R, conv_dim, K],
+    ssm_state [R, H, P, N] -> [R, I]; the same two launches, a sequence per program column."""
     I = heads * head_dim
-    conv_dim, K = conv_state.shape
-    assert zx.numel() == I + conv_dim + heads and conv_dim == I + 2 * groups * state and zx.is_contiguous()
-    assert ssm_state.is_contiguous() and ssm_state.numel() == heads * head_dim * state
-    y = torch.empty(I, dtype=torch.float32, device=zx.device)
-    out = torch.empty(I, dtype=zx.dtype, device=zx.device)
+    R, conv_dim, K = conv_state.shape
+    assert zx.shape == (R, I + conv_dim + heads) and conv_dim == I + 2 * groups * state and zx.is_contiguous()
+    assert ssm_state.is_contiguous() and ssm_state.shape[1:].numel() == heads * head_dim * state
+    y = torch.empty(R, I, dtype=torch.float32, device=zx.device)
+    out = torch.empty(R, I, dtype=zx.dtype, device=zx.device)
     BP, BK = min(16, triton.next_power_of_2(head_dim)), triton.next_power_of_2(K)
     cb = conv_b if conv_b is not None else dt_bias
-    _ssm_step_kernel[(heads, triton.cdiv(head_dim, BP))](
+    strides = (zx.stride(0), conv_state.stride(0))
+    _ssm_step_kernel[(heads, triton.cdiv(head_dim, BP), R)](
         zx, conv_state, conv_w, cb, dt_bias, a_log, d_skip, ssm_state, y, I, conv_dim, heads, head_dim, state,
-        heads // groups, groups, conv_state.stride(0), conv_state.stride(1), K=K, HAS_CB=conv_b is not None, BP=BP,
-        BN=triton.next_power_of_2(state), BK=BK)
+        heads // groups, groups, conv_state.stride(1), conv_state.stride(2), *strides, ssm_state.stride(0), K=K,
+        HAS_CB=conv_b is not None, BP=BP, BN=triton.next_power_of_2(state), BK=BK)
     gs = I // norm_groups
-    _gate_norm_kernel[(norm_groups,)](
-        zx, y, norm_w, out, conv_state, I, conv_dim, gs, conv_state.stride(0), conv_state.stride(1),
-        triton.cdiv(conv_dim, norm_groups), eps, OUT_DT=TL_DTYPES[zx.dtype], K=K, BG=triton.next_power_of_2(gs),
-        BC=64, BK=BK)
+    _gate_norm_kernel[(norm_groups, R)](
+        zx, y, norm_w, out, conv_state, I, conv_dim, gs, conv_state.stride(1), conv_state.stride(2),
+        triton.cdiv(conv_dim, norm_groups), eps, *strides, OUT_DT=TL_DTYPES[zx.dtype], K=K,
+        BG=triton.next_power_of_2(gs), BC=64, BK=BK)
     return out
 
 
 def mamba_step_ref(zx, conv_state, conv_w, conv_b, dt_bias, a_log, d_skip, ssm_state, norm_w, eps, heads, head_dim,
                    groups, state, norm_groups) -> torch.Tensor:
     """The plain-torch reference of `mamba_step` (fp32; the same in-place state updates)."""
-    I = heads * head_dim
-    conv_dim, K = conv_state.shape
-    z, xbc, dt = zx.float().split([I, conv_dim, heads])
-    window = torch.cat([conv_state[:, 1:].float(), xbc[:, None]], dim=1)
-    conv = (window * conv_w.float()).sum(1) + (conv_b.float() if conv_b is not None else 0)
+    return mamba_steps_ref(zx[None], conv_state[None], conv_w, conv_b, dt_bias, a_log, d_skip, ssm_state[None], norm_w,
+                           eps, heads, head_dim, groups, state, norm_groups)[0]
+
+
+def mamba_steps_ref(zx, conv_state, conv_w, conv_b, dt_bias, a_log, d_skip, ssm_state, norm_w, eps, heads, head_dim,
+                    groups, state, norm_groups) -> torch.Tensor:
+    """The plain-torch reference of `mamba_steps` (fp32; the same in-place state updates), R sequences at once."""
+    R, I = zx.shape[0], heads * head_dim
+    conv_dim, K = conv_state.shape[1:]
+    z, xbc, dt = zx.float().split([I, conv_dim, heads], dim=-1)
+    window = torch.cat([conv_state[:, :, 1:].float(), xbc[:, :, None]], dim=2)
+    conv = (window * conv_w.float()).sum(-1) + (conv_b.float() if conv_b is not None else 0)
     conv_state.copy_(window.to(conv_state.dtype))
-    x, b, c = F.silu(conv).split([I, groups * state, groups * state])
-    dt = F.softplus(dt + dt_bias.float())  # [H]
-    x = x.view(heads, head_dim)
-    b = b.view(groups, state).repeat_interleave(heads // groups, 0)  # [H, N]
-    c = c.view(groups, state).repeat_interleave(heads // groups, 0)
+    x, b, c = F.silu(conv).split([I, groups * state, groups * state], dim=-1)
+    dt = F.softplus(dt + dt_bias.float())  # [R, H]
+    x = x.view(R, heads, head_dim)
+    b = b.reshape(R, groups, state).repeat_interleave(heads // groups, 1)  # [R, H, N]
+    c = c.reshape(R, groups, state).repeat_interleave(heads // groups, 1)
     decay = torch.exp(-dt * torch.exp(a_log.float()))
-    s = ssm_state.float() * decay[:, None, None] + (dt[:, None] * b)[:, None, :] * x[:, :, None]
-    ssm_state.copy_(s.to(ssm_state.dtype))
-    y = (s * c[:, None, :]).sum(-1) + x * d_skip.float()[:, None]
-    v = (y.reshape(-1) * F.silu(z)).view(norm_groups, -1)
-    v = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).reshape(-1)
+    s = ssm_state.float() * decay[:, :, None, None] + (dt[:, :, None] * b)[:, :, None, :] * x[:, :, :, None]
+    ssm_state.copy_(s.view(ssm_state.shape).to(ssm_state.dtype))
+    y = (s * c[:, :, None, :]).sum(-1) + x * d_skip.float()[:, None]
+    v = (y.reshape(R, -1) * F.silu(z)).view(R, norm_groups, -1)
+    v = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).reshape(R, -1)
     return (norm_w.float() * v.to(zx.dtype).float()).to(zx.dtype)
 
 

@@ -137,6 +137,11 @@ class Layer(ABC):
         default) where the layer runs them one sequence at a time."""
         return None
 
+    def moe_input_rows(self, hs: list[torch.Tensor], ctxs: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`moe_input` of several sequences' rows hs [1, T_b, D] at once: (x [sum(T_b), D], residual [1, sum(T_b), D]);
+        None (the default) where the layer takes them one sequence at a time."""
+        return None
+
     def decode_state(self, ctx: Any) -> tuple[torch.Tensor, ...] | None:
         """The tensors a one-token `forward` reads and updates in place besides h, when that step may be
         replayed as a CUDA graph (kernels/graphs.py); None (the default) when it may not."""

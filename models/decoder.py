@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sluice.models.base import Layer, MoEBlock, ResidentModel, cache_kw
+from sluice.models.rows import packed_call
 
 
 class MoECapture(nn.Module):
@@ -50,10 +51,29 @@ class DecoderLayer(Layer):
         return out[0] if isinstance(out, tuple) else out
 
     def moe_input(self, h, ctx: Ctx):
-        residual = self.forward(h, ctx)  # = h + mixer(h): the captured MoE added zeros
+        return self._captured(self.forward(h, ctx))  # = h + mixer(h): the captured MoE added zeros
+
+    def forward_rows(self, hs, ctxs):
+        h = self._packed(hs, ctxs)
+        return None if h is None else list(h.split([x.shape[1] for x in hs], dim=1))
+
+    def moe_input_rows(self, hs, ctxs):
+        return None if (h := self._packed(hs, ctxs)) is None else self._captured(h)
+
+    def _packed(self, hs, ctxs):
+        """The layer once over several sequences' rows packed together (models/rows.py), where its token mixer is
+        attention (a linear-attention layer keeps one recurrent state per sequence, and one sequence goes as alone: None)."""
+        if self.layer_type not in ATTENTION or len(hs) == 1:
+            return None
+        return packed_call(self.layer, self.layer.self_attn, hs, ctxs, self.layer_type)
+
+    def _captured(self, residual):
         x = self.capture.x
         self.capture.x = None
         return x.reshape(-1, x.shape[-1]), residual
+
+
+ATTENTION = ("full_attention", "sliding_attention")  # the layer types whose token mixer is attention
 
 
 def layer_masks(config, layer_types, h: torch.Tensor, position_ids: torch.Tensor, cache) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from sluice.models.base import (
     expert_names,
 )
 from sluice.models.decoder import Ctx, layer_masks
+from sluice.models.rows import packed_call
 
 
 class NemotronH(Architecture):
@@ -90,6 +91,7 @@ class NemotronH(Architecture):
 
 
 MAMBA = ("mamba", "linear_attention")  # a Mamba-2 mixer's block type: "mamba"; "linear_attention" in later transformers
+NO_MIXING = ("mlp", "moe")  # block types whose mixer does not mix tokens
 
 
 _SCAN_SWAP = threading.RLock()
@@ -152,39 +154,54 @@ class _MixerLayer(Layer):
         return call()
 
     def forward_rows(self, hs, ctxs):
-        """A Mamba-2 block's one-token steps of several sequences: its norm and projections once over all their rows
-        (one read of the weights), each sequence's conv and SSM step on its own states (updated in place, as a
-        one-token step updates them)."""
-        if self.block.block_type not in MAMBA or any(h.shape[1] != 1 for h in hs):
+        """Several sequences' rows at once. A Mamba-2 block's one-token steps: its norm and projections once over all
+        their rows (one read of the weights), each sequence's conv and SSM step on its own states (updated in place,
+        as a one-token step updates them), a prompt piece beside them as alone; an attention or MLP block's rows
+        packed (`_packed`)."""
+        if self.block.block_type not in MAMBA:
+            return self._packed(hs, ctxs)
+        states = [self.decode_state(ctx) if h.shape[1] == 1 else None for h, ctx in zip(hs, ctxs)]
+        steps = [b for b, s in enumerate(states) if s is not None]
+        if len(steps) < 2:
             return None
-        states = [self.decode_state(ctx) for ctx in ctxs]
-        if any(s is None for s in states):
-            return None
-        from sluice.kernels.mamba import mamba_step, mamba_step_ref
+        from sluice.kernels.mamba import mamba_steps, mamba_steps_ref
 
-        blk, m, step = self.block, self.block.mixer, mamba_step if self.fused_decode else mamba_step_ref
-        h = torch.cat(hs, dim=1)
+        blk, m = self.block, self.block.mixer
+        h = torch.cat([hs[b] for b in steps], dim=1)
         zx = m.in_proj(blk.norm(h.to(dtype=blk.norm.weight.dtype)))[0]
-        y = torch.stack([self._mix(step, zx[b].contiguous(), conv, ssm) for b, (conv, ssm) in enumerate(states)])
-        return list((h + m.out_proj(y.view(1, len(hs), -1))).split(1, dim=1))
+        conv, ssm = ([states[b][i] for b in steps] for i in (0, 1))
+        # the states gathered for one launch (a copy each way: the caches hold them apart)
+        many = torch.cat(conv), torch.cat(ssm)
+        y = self._mix(mamba_steps if self.fused_decode else mamba_steps_ref, zx.contiguous(), *many)
+        torch._foreach_copy_(conv + ssm, [*many[0].split(1), *many[1].split(1)])
+        out = dict(zip(steps, (h + m.out_proj(y.view(1, len(steps), -1))).split(1, dim=1)))
+        return [out[b] if b in out else self.forward(x, ctx) for b, (x, ctx) in enumerate(zip(hs, ctxs))]
+
+    def _packed(self, hs, ctxs):
+        """An attention or MLP block once over several sequences' rows packed together (models/rows.py), attention
+        per sequence on its own cache; one sequence goes as alone (None)."""
+        if len(hs) == 1:
+            return None
+        attention = self.block.mixer if self.block.block_type not in NO_MIXING else None
+        return list(packed_call(self.block, attention, hs, ctxs, self.block.block_type).split([h.shape[1] for h in hs], dim=1))
 
     def _fused_step(self, h, conv_state, ssm_state):
         """The block's one-token step with its Mamba-2 mixer between the projections in two Triton launches
         (kernels/mamba.py), reading the module's own weights and the cache's states (updated in place)."""
-        from sluice.kernels.mamba import mamba_step
+        from sluice.kernels.mamba import mamba_steps
 
         blk, m = self.block, self.block.mixer
         x = blk.norm(h.to(dtype=blk.norm.weight.dtype))
         zx = m.in_proj(x).reshape(-1)
-        return h + m.out_proj(self._mix(mamba_step, zx, conv_state, ssm_state).view(1, 1, -1))
+        return h + m.out_proj(self._mix(mamba_steps, zx[None], conv_state, ssm_state).view(1, 1, -1))
 
-    def _mix(self, step, zx, conv_state, ssm_state):
-        """The mixer between its projections for one token's zx (kernels/mamba.py `mamba_step` or its reference), on
-        one sequence's conv and SSM states [1, ...], updated in place."""
+    def _mix(self, steps, zx, conv_state, ssm_state):
+        """The mixer between its projections for R tokens' zx [R, Z] of R sequences (kernels/mamba.py `mamba_steps` or
+        its reference), on their conv and SSM states [R, ...], updated in place."""
         m = self.block.mixer
-        return step(zx, conv_state[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log, m.D, ssm_state[0],
-                    m.norm.weight, m.norm.variance_epsilon, m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size,
-                    m.intermediate_size // m.norm.group_size)
+        return steps(zx, conv_state, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log, m.D, ssm_state,
+                     m.norm.weight, m.norm.variance_epsilon, m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size,
+                     m.intermediate_size // m.norm.group_size)
 
     def decode_state(self, ctx):
         """A Mamba-2 mixer's one-token step updates its conv and SSM states in place (kernels/graphs.py)."""
@@ -223,6 +240,9 @@ class _MoELayer(Layer):
     def moe_input(self, h, ctx):
         x = self.block.norm(h.to(dtype=self.block.norm.weight.dtype))
         return x.view(-1, x.shape[-1]), h
+
+    def moe_input_rows(self, hs, ctxs):
+        return self.moe_input(torch.cat(hs, dim=1), None)  # a norm: nothing mixes tokens
 
 
 def _router(gate, config):

@@ -3,10 +3,11 @@ all their rows.
 
 The tokens of B sequences in one MoE layer route to the union of their experts, so each block read or copied
 serves every row that routed to it (expert bytes per generated token fall as sequences are added). A resident
-layer that can (`Layer.forward_rows`: a Mamba-2 block of decode rows) runs its projections once over every row and
-each sequence's state update on its own state; the others (attention, dense MLPs, prompt pieces) run per sequence
-on its own cache, as a one-token step does, but eagerly: their one-token graphs are keyed by one sequence's state.
-The MoE layer gets the rows as one prompt-like step (T = B), so
+layer takes the rows in one call where it can (`Layer.forward_rows`): an attention or MLP block over the rows packed
+together, each sequence's attention over its own cache (models/rows.py); a Mamba-2 block's projections over every
+decode row and its conv and SSM step over all their states at once. What cannot (a Mamba-2 block's
+prompt pieces, a DeltaNet layer) runs per sequence on its own cache, as a one-token step does, but eagerly: the
+one-token graphs are keyed by one sequence's state. The MoE layer gets the rows as one prompt-like step (T = B), so
 its experts run as grouped kernels and each row is combined in the same fixed order as alone; logits agree with
 one-at-a-time decode within the kernels' rounding (a row's sums are grouped differently), not bit for bit.
 """

@@ -141,8 +141,11 @@ class Coordinator:
     async def moe_rows(self, layer, hs: list[torch.Tensor], ctxs: list) -> list[torch.Tensor]:
         """A MoE layer over several sequences' inputs hs [1, T_b, D] at once (pipeline/batch.py): their rows run as
         one step of sum(T_b) tokens; each sequence's output h."""
-        parts = [layer.moe_input(h, ctx) for h, ctx in zip(hs, ctxs)]
-        x, residual = torch.cat([x for x, _ in parts]), torch.cat([r for _, r in parts], dim=1)
+        packed = layer.moe_input_rows(hs, ctxs)
+        if packed is None:
+            parts = [layer.moe_input(h, ctx) for h, ctx in zip(hs, ctxs)]
+            packed = torch.cat([x for x, _ in parts]), torch.cat([r for _, r in parts], dim=1)
+        x, residual = packed
         block = layer.moe
         decoding = all(h.shape[1] == 1 for h in hs)
         li = LayerInput(block, self._next[block.index], x, residual, self._ahead[block.index], decoding)

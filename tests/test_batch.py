@@ -52,20 +52,21 @@ def test_batched_decode_equals_one_at_a_time(variant, schedule, stores):
 
 @pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", "qwen3_next", "gpt_oss"])
 def test_prompt_pieces_beside_decode_tokens(variant, stores):
-    """A prompt prefilled in pieces that share steps with other sequences' decode tokens (and with each other) ends
-    in the same logits as its prompt run alone; the decoding sequences' logits are theirs alone too."""
+    """A prompt prefilled in pieces that share steps with two other sequences' decode tokens (and with each other)
+    ends in the same logits as its prompt run alone; the decoding sequences' logits are theirs alone too."""
     with sluice.load(stores[variant], device=DEVICE) as engine:
         want_prompt = alone(engine, PROMPTS[0])[0]
-        want_other = alone(engine, PROMPTS[1])
-        new, other = engine.new_sequence(), engine.new_sequence()
-        got_other = [engine.extend(other, PROMPTS[1])[-1]]
+        want_others = [alone(engine, p) for p in PROMPTS[1:]]
+        new, others = engine.new_sequence(), [engine.new_sequence() for _ in PROMPTS[1:]]
+        got_others = [[engine.extend(o, p)[-1]] for o, p in zip(others, PROMPTS[1:])]
         pieces = [PROMPTS[0][:5], PROMPTS[0][5:9], PROMPTS[0][9:]]
-        for piece in pieces:  # the new prompt's pieces beside the other's decode steps
-            logits = engine.extend_many([new, other], [piece, int(got_other[-1].argmax())])
-            got_other.append(logits[1][-1])
+        for piece in pieces:  # the new prompt's pieces beside the others' decode steps
+            logits = engine.extend_many([new, *others], [piece, *(int(g[-1].argmax()) for g in got_others)])
+            for g, l in zip(got_others, logits[1:]):
+                g.append(l[-1])
     assert_logits_close(variant, logits[0][-1:].cpu(), want_prompt[None], f"{variant} prompt in pieces")
-    assert_logits_close(variant, torch.stack(got_other[:STEPS]).cpu()[: len(got_other)], want_other[: len(got_other)],
-                        f"{variant} decode beside a prompt")
+    for b, (g, w) in enumerate(zip(got_others, want_others)):
+        assert_logits_close(variant, torch.stack(g).cpu(), w[: len(g)], f"{variant} decode {b} beside a prompt")
 
 
 def test_mamba_blocks_take_every_sequences_row_at_once(stores, monkeypatch):
@@ -95,6 +96,41 @@ def test_mamba_blocks_take_every_sequences_row_at_once(stores, monkeypatch):
         monkeypatch.setattr(_MixerLayer, "forward_rows", swapped)
         bad = together(engine, PROMPTS)
     assert any((b - w).abs().max() > 1e-3 for b, w in zip(bad, want))
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5_moe"])
+def test_attention_layers_take_every_sequences_rows_at_once(variant, stores, monkeypatch):
+    """An attention layer runs once over every sequence's rows, each sequence's attention over its own cache
+    (models/rows.py): the logits are still each one's alone; with each sequence's keys and queries sent to another's
+    cache (a fault) they are not."""
+    from dataclasses import replace
+
+    from sluice.models.rows import RowsCache
+
+    calls, real = [], RowsCache.update
+
+    def spy(self, *args, **kwargs):
+        calls.append(len(self.rows.lengths))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RowsCache, "update", spy)
+    with sluice.load(stores[variant], device=DEVICE) as engine:
+        want = [alone(engine, p) for p in PROMPTS]
+        got = together(engine, PROMPTS)
+        for b, (g, w) in enumerate(zip(got, want)):
+            assert_logits_close(variant, g, w, f"{variant} sequence {b}")
+        assert calls and set(calls) == {len(PROMPTS)}
+
+        def rotated(self, *args, **kwargs):
+            rows = self.rows  # each sequence's cache and mask, one place on
+            self.rows = replace(rows, caches=rows.caches[1:] + rows.caches[:1], masks=rows.masks[1:] + rows.masks[:1])
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(RowsCache, "update", rotated)
+        bad = together(engine, PROMPTS)
+    with pytest.raises(AssertionError, match="max \\|dlogit\\|"):  # the check that passed above
+        for b, w in zip(bad, want):
+            assert_logits_close(variant, b, w, f"{variant} rows on each other's caches")
 
 
 def test_rows_that_trade_places_are_caught(stores):

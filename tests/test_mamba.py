@@ -10,7 +10,7 @@ import triton.language as tl
 
 import sluice
 from sluice.errors import ConfigError
-from sluice.kernels.mamba import _softplus, mamba_step, mamba_step_ref
+from sluice.kernels.mamba import _softplus, mamba_step, mamba_step_ref, mamba_steps, mamba_steps_ref
 from common import DEVICE, PROMPT, greedy_logits
 
 
@@ -57,6 +57,28 @@ def test_mamba_step_matches_its_reference(shape):
     assert torch.equal(dev_args["conv_state"].cpu()[:, 0], args["conv_state"][:, 1])
 
 
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=["odd", "bf16"])
+def test_mamba_steps_are_each_sequences_step(shape):
+    """`mamba_steps` (and its reference) over three sequences, each on its own states: each one's output and states
+    are its `mamba_step` alone; with the states in another order (a fault) they are not."""
+    rows = [case(*shape, seed=seed) for seed in range(3)]
+    shared = {k: v for k, v in rows[0].items() if k not in ("zx", "conv_state", "ssm_state")}
+    alone = [on(DEVICE, {**shared, **{k: r[k].clone() for k in ("zx", "conv_state", "ssm_state")}}) for r in rows]
+    want = torch.stack([mamba_step(**a) for a in alone]).cpu().float()
+    stacked = lambda order: {k: torch.stack([rows[i][k] for i in order]).to(DEVICE) for k in ("zx", "conv_state", "ssm_state")}  # noqa: E731
+    tol = 1e-5 if shape[6] == torch.float32 else 2e-2
+    for steps, device in ((mamba_steps, DEVICE), (mamba_steps_ref, "cpu")):
+        many = stacked(range(3))
+        got = steps(**on(device, shared), **on(device, many)).cpu().float()
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item(), steps.__name__
+        assert torch.allclose(many["conv_state"].cpu(), torch.stack([a["conv_state"].cpu() for a in alone]))
+        assert torch.allclose(many["ssm_state"].cpu().float(), torch.stack([a["ssm_state"].cpu().float() for a in alone]),
+                              rtol=1e-2, atol=1e-2)
+    wrong = stacked([0, 2, 1])
+    wrong["zx"] = torch.stack([r["zx"] for r in rows]).to(DEVICE)  # each token on another sequence's states
+    assert (mamba_steps(**on(DEVICE, shared), **wrong).cpu().float() - want).abs().max().item() > 1e-2
+
+
 def test_swapped_b_and_c_or_a_stale_window_change_the_step():
     """The step tells B from C and uses the new input: a zx with B and C swapped, or the state not
     shifted in (the input left out), gives another output."""
@@ -89,8 +111,8 @@ def test_fused_mamba_decode_follows_transformers(stores, refs, monkeypatch):
     from sluice.kernels import mamba
 
     calls = []
-    step = mamba.mamba_step
-    monkeypatch.setattr(mamba, "mamba_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    steps = mamba.mamba_steps
+    monkeypatch.setattr(mamba, "mamba_steps", lambda *a, **k: calls.append(1) or steps(*a, **k))
     # without graphs, so that every step calls the kernels from Python and is counted (a graph runs them at capture)
     with sluice.load(stores[variant], device=DEVICE, fused_mamba=True, resident_graphs=False) as engine:
         mixers = sum(layer.decode_state is not None and type(layer).__name__ == "_MixerLayer"

@@ -1,0 +1,114 @@
+"""Several sequences' tokens through one layer in one call (pipeline/batch.py's shared steps).
+
+Their rows are packed along the token axis into one [1, sum(T_b), D] input, so the layer's norms, projections and
+rotary read their weights once for every sequence. What mixes tokens runs per sequence on its own state: the cache
+update and the attention of an attention layer, through `RowsCache` (standing in the layer's cache) and
+`rows_attention` (switched in as the model's attention function for the call), which calls the model's own attention
+function once per sequence with that sequence's keys, values and mask. Per-token arithmetic is unchanged; the
+projections' matmuls see more rows, so their sums may round differently (as the MoE layer's grouped kernels do).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sluice.models.base import cache_kw
+
+ROWS = "sluice_rows"  # the attention function's name in transformers' registry, and its keyword
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The sequences of one packed call, in order."""
+
+    caches: tuple  # each sequence's own cache (transformers' Cache)
+    lengths: tuple[int, ...]  # each sequence's tokens in the packed input
+    masks: tuple  # each sequence's attention mask for the layer called (None: it attends to all it holds)
+    implementation: str  # the model's own attention function (`config._attn_implementation`), called per sequence
+
+
+class RowsCache:
+    """Stands in a layer's cache for one packed call: each sequence's own cache updated with its tokens' keys and
+    values, and what the caches hold given back joined along the tokens, as one sequence's would be (a copy: the
+    price of letting the layer treat them as its own, e.g. DeepSeek-V3 expanding its cached latents after the update);
+    `rows_attention` splits them again at `held`."""
+
+    def __init__(self, rows: Rows):
+        self.rows = rows
+        self.held: tuple[int, ...] | None = None  # each sequence's cached tokens, after the update
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        n = self.rows.lengths
+        kv = [cache.update(k, v, layer_idx, *args, **kwargs) for cache, k, v
+              in zip(self.rows.caches, key_states.split(n, dim=-2), value_states.split(n, dim=-2))]
+        self.held = tuple(k.shape[-2] for k, _ in kv)
+        return torch.cat([k for k, _ in kv], dim=-2), torch.cat([v for _, v in kv], dim=-2)
+
+
+def rows_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's attention function per sequence: its queries (of the packed query [1, H, sum(T_b), d]) over its own
+    cache's keys and values (of the joined ones), with its own mask; the outputs [1, T_b, H, d] joined again."""
+    cache: RowsCache = kwargs.pop(ROWS)
+    rows = cache.rows
+    if cache.held is None:
+        raise RuntimeError(f"{type(module).__name__}: a packed call whose attention did not update its cache")
+    own = _implementation(module, rows.implementation)
+    positions = kwargs.pop("position_ids", None)
+    per_row = positions.split(rows.lengths, dim=-1) if positions is not None else [None] * len(rows.lengths)
+    outs = [own(module, q, k, v, mask, position_ids=p, **kwargs)[0]
+            for q, k, v, mask, p in zip(query.split(rows.lengths, dim=2), key.split(cache.held, dim=-2),
+                                        value.split(cache.held, dim=-2), rows.masks, per_row)]
+    return torch.cat(outs, dim=1), None
+
+
+def _implementation(module, name: str):
+    """transformers' attention function `name` as `module` would call it (`eager`: its modeling file's own)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager" or name is None:
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+@contextmanager
+def attention_per_row(config):
+    """config's attention function switched to `rows_attention` for one packed call (the layers read it each call),
+    its own restored after; yields its own name."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if ROWS not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(ROWS, rows_attention)
+    own = config._attn_implementation
+    config._attn_implementation = ROWS
+    try:
+        yield own
+    finally:
+        config._attn_implementation = own
+
+
+def packed_call(call, attention, hs: list[torch.Tensor], ctxs: list, layer_type: str, **kw) -> torch.Tensor:
+    """call(h, **kwargs) (a transformers decoder layer or block) once over the rows hs [1, T_b, D] packed into one, with
+    each sequence's positions and, where `attention` (the layer's attention module) is not None, its attention per
+    sequence; the packed output [1, sum(T_b), D]."""
+    h = torch.cat(hs, dim=1)
+    kwargs: dict[str, Any] = dict(attention_mask=None, position_ids=torch.cat([c.position_ids for c in ctxs], dim=-1),
+                                  use_cache=True, **kw)
+    pe = [c.position_embeddings for c in ctxs]
+    if pe[0] is not None:
+        kwargs["position_embeddings"] = tuple(torch.cat(parts, dim=-2) for parts in zip(*pe))
+    if attention is None:
+        return _first(call(h, **kwargs))
+    with attention_per_row(attention.config) as own:
+        rows = Rows(tuple(c.cache for c in ctxs), tuple(x.shape[1] for x in hs),
+                    tuple(c.masks.get(layer_type) for c in ctxs), own)
+        cache = RowsCache(rows)
+        return _first(call(h, **kwargs, **cache_kw(cache), **{ROWS: cache}))
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
