@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from sluice.models.base import Layer, MoEBlock, ResidentModel, cache_kw
-from sluice.models.rows import packed_call
+from sluice.models.rows import RowsStates, packed_call, recurrent_rows
 
 
 class MoECapture(nn.Module):
@@ -54,18 +54,40 @@ class DecoderLayer(Layer):
         return self._captured(self.forward(h, ctx))  # = h + mixer(h): the captured MoE added zeros
 
     def forward_rows(self, hs, ctxs):
-        h = self._packed(hs, ctxs)
-        return None if h is None else list(h.split([x.shape[1] for x in hs], dim=1))
+        rows = self._rows(hs, ctxs)
+        return None if rows is None else [h for h, _ in rows]
 
     def moe_input_rows(self, hs, ctxs):
-        return None if (h := self._packed(hs, ctxs)) is None else self._captured(h)
+        rows = self._rows(hs, ctxs)
+        return None if rows is None else (torch.cat([x for _, x in rows]), torch.cat([h for h, _ in rows], dim=1))
 
-    def _packed(self, hs, ctxs):
-        """The layer once over several sequences' rows packed together (models/rows.py), where its token mixer is
-        attention (a linear-attention layer keeps one recurrent state per sequence, and one sequence goes as alone: None)."""
-        if self.layer_type not in ATTENTION or len(hs) == 1:
+    def _rows(self, hs, ctxs) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """The layer over several sequences' rows in one call where it can: (its output h [1, T_b, D], the MoE input
+        x [T_b, D] or None) per sequence. An attention layer takes the rows packed together (models/rows.py); a
+        linear-attention layer its decode rows batched over their own states, a prompt piece beside them as alone.
+        One sequence goes as alone (None)."""
+        if len(hs) == 1:
             return None
-        return packed_call(self.layer, self.layer.self_attn, hs, ctxs, self.layer_type)
+        if self.layer_type in ATTENTION:
+            h = packed_call(self.layer, self.layer.self_attn, hs, ctxs, self.layer_type)
+            n = [x.shape[1] for x in hs]
+            return list(zip(h.split(n, dim=1), self._taken(n)))
+        i = getattr(self.layer.linear_attn, "layer_idx", None) if self.layer_type == "linear_attention" else None
+        steps = [b for b, h in enumerate(hs) if h.shape[1] == 1]
+        if i is None or len(steps) < 2 or not RowsStates.takes([ctxs[b].cache for b in steps], i):
+            return None
+        h = recurrent_rows(self.layer, i, [hs[b] for b in steps], [ctxs[b] for b in steps])
+        got = dict(zip(steps, zip(h.split(1), self._taken([1] * len(steps)))))
+        return [got[b] if b in got else (self.forward(x, ctx), self._taken([x.shape[1]])[0])
+                for b, (x, ctx) in enumerate(zip(hs, ctxs))]
+
+    def _taken(self, lengths: list[int]) -> list:
+        """The captured MoE input, per sequence (None in a layer without routed experts)."""
+        if self.capture is None:
+            return [None] * len(lengths)
+        x = self.capture.x
+        self.capture.x = None
+        return list(x.reshape(-1, x.shape[-1]).split(lengths))
 
     def _captured(self, residual):
         x = self.capture.x

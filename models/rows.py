@@ -112,3 +112,63 @@ def packed_call(call, attention, hs: list[torch.Tensor], ctxs: list, layer_type:
 
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
+
+
+class RowsStates:
+    """Stands in a linear-attention (DeltaNet) layer's cache for one call over R sequences' one-token steps, batched
+    along the batch axis: their conv and recurrent states gathered [R, ...] (a copy: the caches hold them apart), the
+    layer's in-place and returned updates put back into each sequence's own cache after the call (`put_back`)."""
+
+    def __init__(self, caches: list, layer_idx: int):
+        self.caches, self.layer_idx = caches, layer_idx
+        self.conv = torch.cat([c.get_conv_state(layer_idx) for c in caches])
+        self.recurrent = torch.cat([c.get_recurrent_state(layer_idx) for c in caches])
+
+    @staticmethod
+    def takes(caches: list, layer_idx: int) -> bool:
+        """Whether every cache holds this layer's states from an earlier step, as transformers' one-token path needs
+        (a cache recording past states for snapshots, or of a transformers without these calls, goes one at a time)."""
+        need = ("get_conv_state", "get_recurrent_state", "update_recurrent_state", "increase_count", "is_recording_past")
+        return all(all(hasattr(c, n) for n in need) and c.has_previous_state(layer_idx) and not c.is_recording_past(layer_idx)
+                   for c in caches)
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self._mine(layer_idx, state_idx, self.conv)
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self._mine(layer_idx, state_idx, self.recurrent)
+
+    def is_recording_past(self, layer_idx):
+        return False
+
+    def increase_count(self, layer_idx, state_idx=0):
+        for c in self.caches:
+            c.increase_count(layer_idx, state_idx)
+
+    def update_recurrent_state(self, states, layer_idx, state_idx=0, **kwargs):
+        self.recurrent = self._mine(layer_idx, state_idx, states)
+        return states
+
+    def put_back(self) -> None:
+        for b, c in enumerate(self.caches):
+            c.get_conv_state(self.layer_idx).copy_(self.conv[b : b + 1])
+            c.update_recurrent_state(self.recurrent[b : b + 1], self.layer_idx)
+
+    def _mine(self, layer_idx, state_idx, value):
+        if layer_idx != self.layer_idx or state_idx != 0:
+            raise RuntimeError(f"a batched DeltaNet step asked for layer {layer_idx} state {state_idx}, holds layer {self.layer_idx}'s")
+        return value
+
+
+def recurrent_rows(call, layer_idx: int, hs: list[torch.Tensor], ctxs: list) -> torch.Tensor:
+    """call(h, **kwargs) (a transformers decoder layer with a linear-attention mixer) once over R sequences' one-token
+    steps hs [1, 1, D] batched along the batch axis [R, 1, D], each on its own states (`RowsStates`); the output
+    [R, 1, D]."""
+    states = RowsStates([c.cache for c in ctxs], layer_idx)
+    kwargs: dict[str, Any] = dict(attention_mask=None, position_ids=torch.cat([c.position_ids for c in ctxs]), use_cache=True)
+    pe = [c.position_embeddings for c in ctxs]
+    if pe[0] is not None:
+        kwargs["position_embeddings"] = tuple(torch.cat(parts) for parts in zip(*pe))
+    out = _first(call(torch.cat(hs), **kwargs, **cache_kw(states)))
+    states.put_back()
+    return out

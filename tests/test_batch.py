@@ -133,6 +133,38 @@ def test_attention_layers_take_every_sequences_rows_at_once(variant, stores, mon
             assert_logits_close(variant, b, w, f"{variant} rows on each other's caches")
 
 
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_moe"])
+def test_deltanet_layers_take_every_sequences_decode_row_at_once(variant, stores, monkeypatch):
+    """A DeltaNet layer's decode rows of several sequences run in one call over their gathered states, which go back to
+    each sequence's cache (models/rows.py `RowsStates`): the logits are still each one's alone; with the states put
+    back into the wrong sequences' caches (a fault) they are not."""
+    from sluice.models.rows import RowsStates
+
+    calls, real = [], RowsStates.put_back
+
+    def spy(self):
+        calls.append(len(self.caches))
+        return real(self)
+
+    monkeypatch.setattr(RowsStates, "put_back", spy)
+    with sluice.load(stores[variant], device=DEVICE) as engine:
+        want = [alone(engine, p) for p in PROMPTS]
+        got = together(engine, PROMPTS)
+        for b, (g, w) in enumerate(zip(got, want)):
+            assert_logits_close(variant, g, w, f"{variant} sequence {b}")
+        assert calls and set(calls) == {len(PROMPTS)}
+
+        def rotated(self):
+            self.caches = self.caches[1:] + self.caches[:1]
+            return real(self)
+
+        monkeypatch.setattr(RowsStates, "put_back", rotated)
+        bad = together(engine, PROMPTS)
+    with pytest.raises(AssertionError, match="max \\|dlogit\\|"):
+        for b, w in zip(bad, want):
+            assert_logits_close(variant, b, w, f"{variant} states put back into each other's caches")
+
+
 def test_rows_that_trade_places_are_caught(stores):
     with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         want = [alone(engine, p) for p in PROMPTS]
