@@ -165,10 +165,12 @@ def recurrent_rows(call, layer_idx: int, hs: list[torch.Tensor], ctxs: list) -> 
     steps hs [1, 1, D] batched along the batch axis [R, 1, D], each on its own states (`RowsStates`); the output
     [R, 1, D]."""
     states = RowsStates([c.cache for c in ctxs], layer_idx)
-    kwargs: dict[str, Any] = dict(attention_mask=None, position_ids=torch.cat([c.position_ids for c in ctxs]), use_cache=True)
+    # the batch axis: position ids [1, T] (or [3, 1, T], multimodal rotary), rotary tables [1, T, d]
+    kwargs: dict[str, Any] = dict(attention_mask=None, position_ids=torch.cat([c.position_ids for c in ctxs], dim=-2),
+                                  use_cache=True)
     pe = [c.position_embeddings for c in ctxs]
     if pe[0] is not None:
-        kwargs["position_embeddings"] = tuple(torch.cat(parts) for parts in zip(*pe))
+        kwargs["position_embeddings"] = tuple(torch.cat(parts, dim=-3) for parts in zip(*pe))
     out = _first(call(torch.cat(hs), **kwargs, **cache_kw(states)))
     states.put_back()
     return out

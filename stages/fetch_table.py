@@ -1,6 +1,6 @@
 """fetch, `via: table`: each routed expert to the byte offset its kernels read it at, through a device table.
 
-Every block is held in pinned RAM (`hold: true`); the table (stages/table_tier.py) points each (MoE layer, expert)
+Every block is held in pinned RAM (`hold: true`); the table (storage/vram_tier.py) points each (MoE layer, expert)
 at its VRAM tier slot or its RAM slot, and a one-token step resolves its routed ids on the GPU (kernels/ahead.py
 `resolve`: a staged guess's slot wins over RAM), counting the uses the tier's refreshes rank by. With `hold: false`
 RAM is an LRU cache filled from disk: the table's host side brings each step's ids to the host, reads what neither

@@ -13,7 +13,7 @@ The table and its host sides, in four files (a prompt runs the stages' host face
 - table.py: the shared state (tier, RAM blocks, staging lists, counters, kernels, a prompt's copies ahead) and the
   one-token steps the composed step does not run whole (`token_layer`);
 - table_stream.py: `hold: false`'s one-token steps (the ids to the host, misses read from disk, then the plan's step);
-- table_tier.py: the VRAM tier of the most routed blocks (fetch's `vram`, refreshed every `refresh` one-token steps
+- storage/vram_tier.py: the VRAM tier of the most routed blocks (fetch's `vram`, refreshed every `refresh` one-token steps
   from use counts made on the GPU) and the device table;
 - table_ram.py: the RAM side: every block held (fetch's `hold: true`, the default: `--ram-cache` at least the store's
   expert bytes), or an LRU cache filled from disk (`hold: false`).
@@ -49,8 +49,8 @@ from sluice.errors import ScheduleError
 from sluice.stages.compute import expert_backend, triton_experts
 from sluice.stages.table_ram import RamBlocks
 from sluice.stages.table_stream import StreamedSteps
-from sluice.stages.table_tier import Tier
 from sluice.stages.types import LayerInput
+from sluice.storage.vram_tier import VramTier
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Table(StreamedSteps):
         base = self.base = (vram.arena if vram is not None else rt.ram.arena).data
         self.blocks = RamBlocks(rt, self.layers, base, knobs.routed and knobs.hold, self.stream_ram, stream)
         triton = backend == "triton" and knobs.routed
-        self.tier = Tier(knobs, rt, self.layers, vram, self.blocks.off, self.blocks.resident, stream, banks=triton,
+        self.tier = VramTier(knobs, rt, self.layers, vram, self.blocks.off, self.blocks.resident, stream, banks=triton,
                          staging=triton and knobs.predict and not self.stream_ram, stream_ram=self.stream_ram)
         self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
@@ -151,7 +151,7 @@ class Table(StreamedSteps):
     def kernel(self, block):
         return triton_experts(self._kernels, self.rt, block, False, self.knobs.fp4_matvec)  # the whole layer is one graph here
 
-    # -- the VRAM tier (stages/table_tier.py)  ---------------------------------------------------
+    # -- the VRAM tier (storage/vram_tier.py)  ---------------------------------------------------
 
     def empty_vram(self) -> None:
         """Point every table entry back at its RAM slot and free the VRAM tier's slots (the host has synchronized:
@@ -161,7 +161,7 @@ class Table(StreamedSteps):
             self.tier.empty()
 
     def between_tokens(self) -> None:
-        """At a one-token step's first MoE layer: the tier's turn (stages/table_tier.py Tier.between_tokens)."""
+        """At a one-token step's first MoE layer: the tier's turn (storage/vram_tier.py VramTier.between_tokens)."""
         self.settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
         self.tier.between_tokens()
 

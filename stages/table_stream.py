@@ -22,7 +22,7 @@ class StreamedSteps:
         layer first), the routed blocks the VRAM tier does not serve are brought into RAM (demand reads from disk for
         the misses) and pinned; then the layer's step runs as `direct`'s does, on these ids and on the offsets the host
         found them at (the blocks checked are the blocks read), sent with one copy instead of pointing the table at them
-        (`Tier.point`: several launches a layer)."""
+        (`VramTier.point`: several launches a layer)."""
         block, K = li.block, li.block.top_k
         ahead = (li.next_block, *li.ahead) if self.knobs.prefetch and li.next_block is not None else ()  # guessed layers
         tracer = self.rt.tracer

@@ -1,7 +1,8 @@
 """A memory tier: a cache of expert blocks in fixed-size slots of one arena, LRU or LFU.
 
 Used twice: the host-RAM tier (page-aligned, pinned when CUDA; filled by reader threads) and the
-VRAM slot bank (filled by H2D copies). Threading: all bookkeeping runs on the engine's event-loop
+VRAM slot bank (filled by H2D copies; under the device-table schedules its arena's slots are storage/vram_tier.py's,
+chosen from GPU use counts rather than by this policy). Threading: all bookkeeping runs on the engine's event-loop
 thread; reader threads only fill slot memory and the loop learns of completion through an
 asyncio future. No locks.
 

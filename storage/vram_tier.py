@@ -1,18 +1,29 @@
-"""The device table and its VRAM tier: where each routed block is read from.
+"""The VRAM tier of the device-table schedules (`via: table`): which routed blocks sit in VRAM slots, and the
+device table that says where each block is read from.
 
-The table gives each (MoE index, expert) its block's byte offset from one base (the tier's arena, else the RAM
-arena): a VRAM slot for the blocks the tier holds, else the block's pinned RAM slot, which the expert kernels read
-over PCIe themselves. `in_vram` marks the entries that point at VRAM and `uses` counts routed (token, k) per block,
-both on the GPU, where one-token steps update them without the host.
+The slots are the VRAM slot bank's (storage/cache.py's BlockCache arena, the same bank the streaming schedules fill
+under their LRU / LFU policy, indexed on the host); here the policy is a hot set chosen from use counts that the GPU
+keeps itself. The table gives each (MoE index, expert) its block's byte offset from one base (the bank's arena, else
+the RAM arena): a VRAM slot for the blocks the tier holds, else the block's pinned RAM slot, which the expert kernels
+read over PCIe themselves. `in_vram` marks the entries that point at VRAM and `uses` counts routed (token, k) per
+block, both on the GPU, where one-token steps update them without the host.
 
 The tier's slots, in order: the hot set's own; the one-token staging bank (2 x S, `token_ahead`); the prompts'
 lookahead bank (2 x A, `prompt_ahead`), lent to the hot set between prompts.
 
 Every `refresh` one-token steps the host reads the counts (decayed by `decay` each time), and the most used blocks
-that the hot set lacks are copied into its slots on the copy stream, in place of the least used. The table only
-points at a slot in stream order: a leaving block's entry goes back to its RAM slot before the slot is overwritten,
-and a new block's entry switches to the slot once its copy has landed (checked at each one-token step's first MoE
-layer, so compute never waits for the copies).
+that the hot set lacks are copied into its slots on the copy stream, in place of the least used.
+
+Invariants:
+- The table points at a slot only in stream order: a leaving block's entry goes back to its RAM slot (on the tier's
+  stream) before the copy stream overwrites the slot, and a new block's entry switches to the slot once its copy has
+  landed (checked at each one-token step's first MoE layer, so compute never waits for the copies).
+- A slot belongs to one of: the free list, `slot_of` (a held block), the staging bank, the lookahead bank; the bank's
+  slots join the free list only while lent (`lend_bank`) and leave it, their blocks pointed back at RAM, before a
+  prompt copies into them (`reclaim_bank`).
+- Under `stream_ram` (blocks read from disk into a RAM cache, not all held) no step reads the table: the host finds
+  every offset; a RAM entry a copy reads carries the copy's event (`busy`) so that its slot is not refilled first.
+- `empty` runs only after the host synchronized: no copy in flight, every entry back at RAM, every slot free.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from typing import Callable
 import torch
 
 
-class Tier:
+class VramTier:
     def __init__(self, knobs, rt, layers: list[int], vram, ram_off: list[list[int]], resident: Callable, stream: str,
                  banks: bool, staging: bool, stream_ram: bool):
         """vram: the VRAM cache whose slots the tier uses, or None (no tier: the table points at RAM only). ram_off
