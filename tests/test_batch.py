@@ -98,22 +98,16 @@ def test_mamba_blocks_take_every_sequences_row_at_once(stores, monkeypatch):
     assert any((b - w).abs().max() > 1e-3 for b, w in zip(bad, want))
 
 
-@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5_moe"])
-def test_attention_layers_take_every_sequences_rows_at_once(variant, stores, monkeypatch):
-    """An attention layer runs once over every sequence's rows, each sequence's attention over its own cache
-    (models/rows.py): the logits are still each one's alone; with each sequence's keys and queries sent to another's
-    cache (a fault) they are not."""
-    from dataclasses import replace
-
-    from sluice.models.rows import RowsCache
-
-    calls, real = [], RowsCache.update
+def shared_and_faulted(variant, stores, monkeypatch, cls, name: str, width, fault) -> None:
+    """Batched decode through `cls.name` (a part of models/rows.py, counted: `width(self)` sequences a call) gives each
+    sequence's logits alone; with `fault(self)` applied before each call, the same check fails."""
+    calls, real = [], getattr(cls, name)
 
     def spy(self, *args, **kwargs):
-        calls.append(len(self.rows.lengths))
+        calls.append(width(self))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(RowsCache, "update", spy)
+    monkeypatch.setattr(cls, name, spy)
     with sluice.load(stores[variant], device=DEVICE) as engine:
         want = [alone(engine, p) for p in PROMPTS]
         got = together(engine, PROMPTS)
@@ -121,16 +115,31 @@ def test_attention_layers_take_every_sequences_rows_at_once(variant, stores, mon
             assert_logits_close(variant, g, w, f"{variant} sequence {b}")
         assert calls and set(calls) == {len(PROMPTS)}
 
-        def rotated(self, *args, **kwargs):
-            rows = self.rows  # each sequence's cache and mask, one place on
-            self.rows = replace(rows, caches=rows.caches[1:] + rows.caches[:1], masks=rows.masks[1:] + rows.masks[:1])
+        def faulted(self, *args, **kwargs):
+            fault(self)
             return real(self, *args, **kwargs)
 
-        monkeypatch.setattr(RowsCache, "update", rotated)
+        monkeypatch.setattr(cls, name, faulted)
         bad = together(engine, PROMPTS)
     with pytest.raises(AssertionError, match="max \\|dlogit\\|"):  # the check that passed above
         for b, w in zip(bad, want):
-            assert_logits_close(variant, b, w, f"{variant} rows on each other's caches")
+            assert_logits_close(variant, b, w, f"{variant} {name} faulted")
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5_moe"])
+def test_attention_layers_take_every_sequences_rows_at_once(variant, stores, monkeypatch):
+    """An attention layer runs once over every sequence's rows, each sequence's attention over its own cache
+    (models/rows.py): the logits are still each one's alone; with each sequence's keys, queries and mask sent to
+    another's cache (a fault) they are not."""
+    from dataclasses import replace
+
+    from sluice.models.rows import RowsCache
+
+    def rotate(self):
+        rows = self.rows
+        self.rows = replace(rows, caches=rows.caches[1:] + rows.caches[:1], masks=rows.masks[1:] + rows.masks[:1])
+
+    shared_and_faulted(variant, stores, monkeypatch, RowsCache, "update", lambda c: len(c.rows.lengths), rotate)
 
 
 @pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_moe"])
@@ -144,29 +153,11 @@ def test_deltanet_layers_take_every_sequences_decode_row_at_once(variant, stores
 
     if not hasattr(DynamicCache, "get_recurrent_state"):  # RowsStates.takes: then one sequence at a time, as alone
         pytest.skip("this transformers' cache has no per-layer state calls (before 5.2x)")
-    calls, real = [], RowsStates.put_back
 
-    def spy(self):
-        calls.append(len(self.caches))
-        return real(self)
+    def rotate(self):
+        self.caches = self.caches[1:] + self.caches[:1]
 
-    monkeypatch.setattr(RowsStates, "put_back", spy)
-    with sluice.load(stores[variant], device=DEVICE) as engine:
-        want = [alone(engine, p) for p in PROMPTS]
-        got = together(engine, PROMPTS)
-        for b, (g, w) in enumerate(zip(got, want)):
-            assert_logits_close(variant, g, w, f"{variant} sequence {b}")
-        assert calls and set(calls) == {len(PROMPTS)}
-
-        def rotated(self):
-            self.caches = self.caches[1:] + self.caches[:1]
-            return real(self)
-
-        monkeypatch.setattr(RowsStates, "put_back", rotated)
-        bad = together(engine, PROMPTS)
-    with pytest.raises(AssertionError, match="max \\|dlogit\\|"):
-        for b, w in zip(bad, want):
-            assert_logits_close(variant, b, w, f"{variant} states put back into each other's caches")
+    shared_and_faulted(variant, stores, monkeypatch, RowsStates, "put_back", lambda s: len(s.caches), rotate)
 
 
 def test_rows_that_trade_places_are_caught(stores):
