@@ -51,7 +51,8 @@ class DecoderLayer(Layer):
         return out[0] if isinstance(out, tuple) else out
 
     def moe_input(self, h, ctx: Ctx):
-        return self._captured(self.forward(h, ctx))  # = h + mixer(h): the captured MoE added zeros
+        residual = self.forward(h, ctx)  # = h + mixer(h): the captured MoE added zeros
+        return self._moe_x(), residual
 
     def forward_rows(self, hs, ctxs):
         rows = self._rows(hs, ctxs)
@@ -83,16 +84,12 @@ class DecoderLayer(Layer):
 
     def _taken(self, lengths: list[int]) -> list:
         """The captured MoE input, per sequence (None in a layer without routed experts)."""
-        if self.capture is None:
-            return [None] * len(lengths)
-        x = self.capture.x
-        self.capture.x = None
-        return list(x.reshape(-1, x.shape[-1]).split(lengths))
+        return [None] * len(lengths) if self.capture is None else list(self._moe_x().split(lengths))
 
-    def _captured(self, residual):
-        x = self.capture.x
-        self.capture.x = None
-        return x.reshape(-1, x.shape[-1]), residual
+    def _moe_x(self) -> torch.Tensor:
+        """The MoE input the capture kept [T, D], taken from it."""
+        x, self.capture.x = self.capture.x, None
+        return x.reshape(-1, x.shape[-1])
 
 
 ATTENTION = ("full_attention", "sliding_attention")  # the layer types whose token mixer is attention

@@ -96,11 +96,7 @@ def packed_call(call, attention, hs: list[torch.Tensor], ctxs: list, layer_type:
     each sequence's positions and, where `attention` (the layer's attention module) is not None, its attention per
     sequence; the packed output [1, sum(T_b), D]."""
     h = torch.cat(hs, dim=1)
-    kwargs: dict[str, Any] = dict(attention_mask=None, position_ids=torch.cat([c.position_ids for c in ctxs], dim=-1),
-                                  use_cache=True, **kw)
-    pe = [c.position_embeddings for c in ctxs]
-    if pe[0] is not None:
-        kwargs["position_embeddings"] = tuple(torch.cat(parts, dim=-2) for parts in zip(*pe))
+    kwargs = {**_joined(ctxs, packed=True), **kw}
     if attention is None:
         return _first(call(h, **kwargs))
     with attention_per_row(attention.config) as own:
@@ -108,6 +104,19 @@ def packed_call(call, attention, hs: list[torch.Tensor], ctxs: list, layer_type:
                     tuple(c.masks.get(layer_type) for c in ctxs), own)
         cache = RowsCache(rows)
         return _first(call(h, **kwargs, **cache_kw(cache), **{ROWS: cache}))
+
+
+def _joined(ctxs: list, packed: bool) -> dict[str, Any]:
+    """A layer call's keywords for several sequences' steps: their positions joined along the tokens (`packed`) or the
+    batch axis (position ids [1, T], or [3, 1, T] for a multimodal rotary; rotary tables [1, T, d]); masks per
+    sequence are the attention function's."""
+    ids, tables = (-1, -2) if packed else (-2, -3)
+    kwargs: dict[str, Any] = dict(attention_mask=None, position_ids=torch.cat([c.position_ids for c in ctxs], dim=ids),
+                                  use_cache=True)
+    pe = [c.position_embeddings for c in ctxs]
+    if pe[0] is not None:
+        kwargs["position_embeddings"] = tuple(torch.cat(parts, dim=tables) for parts in zip(*pe))
+    return kwargs
 
 
 def _first(out):
@@ -165,12 +174,6 @@ def recurrent_rows(call, layer_idx: int, hs: list[torch.Tensor], ctxs: list) -> 
     steps hs [1, 1, D] batched along the batch axis [R, 1, D], each on its own states (`RowsStates`); the output
     [R, 1, D]."""
     states = RowsStates([c.cache for c in ctxs], layer_idx)
-    # the batch axis: position ids [1, T] (or [3, 1, T], multimodal rotary), rotary tables [1, T, d]
-    kwargs: dict[str, Any] = dict(attention_mask=None, position_ids=torch.cat([c.position_ids for c in ctxs], dim=-2),
-                                  use_cache=True)
-    pe = [c.position_embeddings for c in ctxs]
-    if pe[0] is not None:
-        kwargs["position_embeddings"] = tuple(torch.cat(parts, dim=-3) for parts in zip(*pe))
-    out = _first(call(torch.cat(hs), **kwargs, **cache_kw(states)))
+    out = _first(call(torch.cat(hs), **_joined(ctxs, packed=False), **cache_kw(states)))
     states.put_back()
     return out

@@ -5,9 +5,9 @@ The tokens of B sequences in one MoE layer route to the union of their experts, 
 serves every row that routed to it (expert bytes per generated token fall as sequences are added). A resident
 layer takes the rows in one call where it can (`Layer.forward_rows`): an attention or MLP block over the rows packed
 together, each sequence's attention over its own cache (models/rows.py); a Mamba-2 block's projections over every
-decode row and its conv and SSM step over all their states at once. What cannot (a Mamba-2 block's
-prompt pieces, a DeltaNet layer) runs per sequence on its own cache, as a one-token step does, but eagerly: the
-one-token graphs are keyed by one sequence's state. The MoE layer gets the rows as one prompt-like step (T = B), so
+decode row and its conv and SSM step over all their states at once; a DeltaNet layer its decode rows over their
+gathered states. What cannot (a Mamba-2 or DeltaNet layer's prompt pieces) runs per sequence on its own cache, as
+alone. Every layer runs eagerly here: the one-token graphs are keyed by one sequence's state. The MoE layer gets the rows as one prompt-like step (T = B), so
 its experts run as grouped kernels and each row is combined in the same fixed order as alone; logits agree with
 one-at-a-time decode within the kernels' rounding (a row's sums are grouped differently), not bit for bit.
 """
