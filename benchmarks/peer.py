@@ -43,13 +43,21 @@ def run_peer(args) -> dict:
     out["ram_read_gbps"] = ram_read_bandwidth() / 1e9
     if args.gguf:
         out["llama"] = [vars(r) for r in _llama_runs(args, budget, prompts)]
+        _save(args, out)
     for routing in split_settings(args.routing):
         for schedule in args.schedules.split(","):
             out["sluice"].append(_sluice_run(args, routing, schedule))
             print(format_row(out["sluice"][-1]), flush=True)
+            _save(args, out)
     if args.resident_alone:
         out["resident_alone"] = _sluice_run(args, split_settings(args.routing)[0], "resident-alone")
     return out
+
+
+def _save(args, out: dict) -> None:
+    """The JSON so far, rewritten after every run: a run cut off by a time limit keeps what it measured."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 def _llama_runs(args, budget: int, prompts: list[int]):
@@ -136,8 +144,7 @@ def cmd_bench_peer(args) -> int:
     out = run_peer(args)
     table = format_table(out, args.title or Path(args.model).name)
     print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(out, table=table), indent=1))
+    _save(args, dict(out, table=table))
     return 0
 
 

@@ -107,9 +107,9 @@ def _gate_norm_kernel(zx, y, nw, out, cs, I, CONV_DIM, GS, CS_C, CS_K, CPP, eps,
     k = tl.arange(0, BK)
     km = k < K
     for c0 in range(0, CPP, BC):
-        r = c0 + tl.arange(0, BC)
-        c = gi * CPP + r
-        cm = (c < CONV_DIM) & (r < CPP)
+        cr = c0 + tl.arange(0, BC)  # a name of its own: Triton keeps a name's type through a loop
+        c = gi * CPP + cr
+        cm = (c < CONV_DIM) & (cr < CPP)
         old = tl.load(cs + c[:, None] * CS_C + (k[None, :] + 1) * CS_K, mask=cm[:, None] & (k[None, :] + 1 < K), other=0.0)
         new = tl.load(zx + I + c, mask=cm, other=0.0).to(old.dtype)
         tl.store(cs + c[:, None] * CS_C + k[None, :] * CS_K, tl.where(k[None, :] == K - 1, new[:, None], old),

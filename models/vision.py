@@ -226,7 +226,8 @@ class ImageEncoder:
         hf_logging.disable_progress_bar()
         try:
             cls = AutoModelForImageTextToText._model_mapping[type(config)]
-            model = cls.from_pretrained(None, config=stand_in, state_dict=tensors, dtype=dtype)
+            # transformers' own layers: Hub kernels would swap them (and none can be fetched)
+            model = cls.from_pretrained(None, config=stand_in, state_dict=tensors, dtype=dtype, use_kernels=False)
         finally:
             hf_logging.set_verbosity(level)
             hf_logging.enable_progress_bar()

@@ -9,6 +9,9 @@ from collections.abc import Mapping
 # Triton kernels run on the CPU through the interpreter; it must be chosen before triton is imported.
 if os.environ.get("SLUICE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# references are transformers' own modules, never Hub kernels (none can be fetched; where the `kernels` package is
+# missing, this repo's kernels/ folder on sys.path passes for it and transformers refuses to load)
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 os.environ.setdefault("SLUICE_CHECK_STREAMS", "1")  # on a GPU: every stream switch `Streams.use` skips is checked
 from pathlib import Path
 

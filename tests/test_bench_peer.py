@@ -46,3 +46,30 @@ def test_bench_routing_prints_each_setting(capsys):
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("| uniform") or line.startswith("| skewed")]
     assert len(rows) == 2 and "skewed:popularity=1.5,reuse=0.2,recall=0.7" in rows[1]
+
+
+def test_a_run_cut_off_keeps_the_rows_it_measured(stores, tmp_path, monkeypatch):
+    """The JSON is rewritten after every run, so a call that runs past its time limit keeps what it measured; the
+    check fails when only the end writes it (the second run never returns here)."""
+    import json
+    from types import SimpleNamespace
+
+    import pytest
+
+    from sluice.benchmarks import peer
+
+    done = []
+
+    def fake_run(args, routing, schedule):
+        if done:
+            raise KeyboardInterrupt  # the time limit
+        done.append(schedule)
+        return _sluice(schedule, routing, 25.0, 2000.0, 30.0)
+
+    monkeypatch.setattr(peer, "_sluice_run", fake_run)
+    path = tmp_path / "peer.json"
+    args = SimpleNamespace(vram_budget="8GiB", prompt_lengths="512", decode_tokens=4, model=str(stores["qwen3_moe"]),
+                           gguf=None, routing="uniform", schedules="direct,overlap", resident_alone=False, json=str(path))
+    with pytest.raises(KeyboardInterrupt):
+        peer.run_peer(args)
+    assert [s["schedule"] for s in json.loads(path.read_text())["sluice"]] == ["direct"]

@@ -243,11 +243,12 @@ def _softplus_kernel(x, y, N, B: tl.constexpr):
 
 def test_softplus_matches_torch_where_one_plus_exp_rounds():
     """The kernels' softplus against torch's in float64 from -30 to 30: log(1 + exp(v)) in fp32 is 0 below about -17
-    (its error grows from about -9, where 1 + exp(v) starts to round); Kahan's log1p keeps every value within a few ulps."""
+    (its error grows from about -9, where 1 + exp(v) starts to round); Kahan's log1p keeps every value within a few ulps
+    (on a GPU tens: Triton's exp and log there are the hardware's approximations; 1.7e-6 seen on an H100)."""
     x = torch.linspace(-30, 30, 1000, device=DEVICE)
     y = torch.empty_like(x)
     _softplus_kernel[(1,)](x, y, 1000, B=1024)
     ref = torch.nn.functional.softplus(x.double())
-    assert float(((y.double() - ref).abs() / ref).max()) < 1e-6
+    assert float(((y.double() - ref).abs() / ref).max()) < (1e-6 if DEVICE == "cpu" else 4e-6)
     plain = torch.where(x > 20, x, torch.log(1 + torch.exp(x))).double()
     assert float(((plain - ref).abs() / ref).max()) > 0.5  # the formula it replaces

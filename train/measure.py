@@ -65,7 +65,7 @@ def main() -> None:
 def relu2_sparsity(path: Path, ids: list[int]) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager", use_kernels=False).eval()
     totals = {"n": 0, "zero": 0, "groups": 0, "dead": 0}
 
     def hook(module, inputs):
