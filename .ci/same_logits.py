@@ -1,7 +1,11 @@
 """Logits of the fast schedule under several settings, saved for comparison between two versions of Sluice (the
 A/B's base tree and this one): `python3 .ci/same_logits.py STORE OUT.pt`, then `--compare A.pt B.pt`. Reads either
-schedule format (the old one-stage `direct`, or the stages' `via: table` variants), so the check spans the split."""
+schedule format (the old one-stage `direct`, or the stages' `via: table` variants), so the check spans the split.
+SAME_EXTRA (JSON) adds engine settings, e.g. '{"static_kv": 64, "whole_step": false}' against '{"static_kv": 64}': a
+step replayed whole against the same step layer by layer."""
 
+import json
+import os
 import sys
 
 import torch
@@ -38,7 +42,8 @@ def run(store: str, out: str) -> None:
         path = f"/tmp/same-{name}.yaml"
         with open(path, "w") as f:
             yaml.safe_dump(schedule(knobs, split), f)
-        with sluice.load(store, device=device, schedule=path, vram_slots=24) as engine:
+        extra = json.loads(os.environ.get("SAME_EXTRA", "{}"))
+        with sluice.load(store, device=device, schedule=path, vram_slots=24, **extra) as engine:
             seq, ids, rows = engine.new_sequence(), [5, 9, 17, 3, 22, 8, 40, 2], []
             logits = engine.extend(seq, ids)[-1]
             for _ in range(12):

@@ -96,6 +96,10 @@ def cmd_bench_model(args) -> int:
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name} | "
               f"RAM {engine.rt.ram.capacity} blocks | block {engine.store.block_bytes:,} bytes")
         print(format_bench(r, engine.store.block_bytes))
+        whole = engine.whole
+        print(f"one-token steps: {'layer by layer' if whole is None or not whole.replays else 'replayed whole as one graph'}"
+              + (f" ({whole.replays} replays, {whole.captures} captures)" if whole is not None else "")
+              + (f"; whole steps stopped: {whole.off}" if whole is not None and whole.off else ""))
         if args.profile:
             split: dict = {}
             print(profile_decode(engine, split=split))

@@ -52,6 +52,12 @@ class GraphPools:
 
 
 
+def capturing() -> bool:
+    """Whether a graph is being captured on the current stream: a graph around these (pipeline/whole.py) takes their
+    functions' kernels into itself, so they neither replay nor capture one of their own meanwhile."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _outside(like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Buffers for a graph's outputs, allocated before its capture (so not in the shared pool)."""
     return [torch.empty_like(t) for t in like]
@@ -75,7 +81,7 @@ class DecodeGraphs:
 
     def run(self, i: int, layer, h: torch.Tensor, ctx) -> torch.Tensor:
         """Layer i on a one-token h [1,1,D]: replay its graph, or run it eagerly (and capture one)."""
-        state = layer.decode_state(ctx) if i not in self._eager else None
+        state = layer.decode_state(ctx) if i not in self._eager and not capturing() else None
         if state is None:
             return layer.forward(h, ctx)
         key = tuple(t.data_ptr() for t in state)
@@ -125,7 +131,7 @@ class FnGraphs:
 
     def wrap(self, fn: Callable, name: str) -> Callable:
         def call(*args: torch.Tensor):
-            if name in self._eager:
+            if name in self._eager or capturing():
                 return fn(*args)
             key = (name,) + tuple((a.shape, a.dtype) for a in args)
             g = self._graphs.get(key)

@@ -177,8 +177,9 @@ class ResidentModel(ABC):
                               f"({self.config.model_type}); leave static_kv off") from None
 
     @abstractmethod
-    def begin(self, ids: torch.Tensor, cache: Any, past: int) -> tuple[torch.Tensor, Any]:
-        """Embed ids [1,T] at positions past..past+T-1. Returns (h [1,T,D], ctx for the layers)."""
+    def begin(self, ids: torch.Tensor, cache: Any, past: int | torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Embed ids [1,T] at positions past..past+T-1 (`past` a host int, or a device int64 scalar: a step captured
+        whole reads it at each replay, pipeline/whole.py). Returns (h [1,T,D], ctx for the layers)."""
 
     @abstractmethod
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,8 @@ class EngineConfig:
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
     routing: str = "natural"  # natural | uniform | skewed[:...] | trace:FILE (storage/routing.py): benchmarks' routing
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
+    whole_step: bool = True  # CUDA: replay a one-token step whole as one graph where nothing in it needs the host
+    # (pipeline/whole.py: a `via: table` schedule holding every block, and static_kv)
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048

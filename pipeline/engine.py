@@ -33,6 +33,7 @@ from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.schedule import load_schedule
 from sluice.pipeline.snapshot import Snapshot, restore, take
+from sluice.pipeline.whole import WholeStep
 from sluice.storage.home import resolve_store
 from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder, trace_header
@@ -69,6 +70,11 @@ class Engine:
         # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
         self.fn_graphs = FnGraphs(rt.pools) if graphs else None
         coordinator.bind(model, self.fn_graphs)
+        # one-token steps replayed whole as one graph where nothing in them needs the host (pipeline/whole.py)
+        refusal = WholeStep.refusal(model, coordinator, rt, config.static_kv) if graphs and config.whole_step else "off"
+        self.whole = WholeStep(model, coordinator, rt, routing) if refusal is None else None
+        if refusal not in (None, "off"):
+            get_logger().debug("one-token steps run layer by layer", why=refusal)
 
     @classmethod
     def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":
@@ -316,34 +322,44 @@ class Engine:
 
     async def _step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None,
                     head: str = "all", cancel=None) -> torch.Tensor | None:
-        """Embed ids (image rows in place of image tokens), run every layer (MoE layers through the stage
-        graph), return logits: every position's [T, V] (`head` "all"), the last one's [1, V] ("last"), or
-        None ("none": a prompt piece before the last)."""
-        model, recorder = self.model, self.rt.recorder
+        """Run ids through the model: a one-token step as one graph replayed whole where it can be (`WholeStep`), else
+        layer by layer (`_layers`). Returns logits: every position's [T, V] (`head` "all"), the last one's [1, V]
+        ("last"), or None ("none": a prompt piece before the last)."""
+        recorder = self.rt.recorder
         if recorder is not None:
             recorder.begin_step(len(ids))
         with torch.inference_mode():
-            h, ctx = model.begin(torch.tensor([ids], device=self.device), seq.cache, len(seq.tokens))
-            if images is not None and images.shape[0]:
-                mask = torch.tensor(ids, device=self.device) == self._images.image_token_id
-                h[0, mask] = images.to(h.device, h.dtype)
-            graphs = self.graphs if len(ids) == 1 else None
-            for i, layer in enumerate(model.layers):
-                if cancel is not None and cancel.is_set():  # its client left: a long prefill stops here, not at its end
-                    raise StepCancelled(f"step cancelled at layer {i}")
-                if layer.moe is not None:
-                    h = await self.coordinator.moe(i, layer, h, ctx, graphs is not None)
-                else:
-                    h = graphs.run(i, layer, h, ctx) if graphs is not None else layer.forward(h, ctx)
-            logits = None if head == "none" else model.head(h[:, -1:] if head == "last" else h)
-            if self.routing is not None:
-                self.routing.advance(len(ids))
+            whole = self.whole if len(ids) == 1 and images is None else None
+            logits = whole.run(seq.cache, len(seq.tokens), ids[0]) if whole is not None else None
+            if logits is None:
+                logits = await self._layers(seq, ids, images, head, cancel)
         seq.tokens.extend(ids)
         if recorder is not None:
             recorder.end_step()
         self.rt.stats.steps += 1
         self.rt.stats.tokens += len(ids)
         self.rt.tracer.flush()
+        return logits
+
+    async def _layers(self, seq: Sequence, ids: list[int], images: torch.Tensor | None, head: str, cancel) -> torch.Tensor | None:
+        """Embed ids (image rows in place of image tokens), run every layer (MoE layers through the stage graph), the
+        head."""
+        model = self.model
+        h, ctx = model.begin(torch.tensor([ids], device=self.device), seq.cache, len(seq.tokens))
+        if images is not None and images.shape[0]:
+            mask = torch.tensor(ids, device=self.device) == self._images.image_token_id
+            h[0, mask] = images.to(h.device, h.dtype)
+        graphs = self.graphs if len(ids) == 1 else None
+        for i, layer in enumerate(model.layers):
+            if cancel is not None and cancel.is_set():  # its client left: a long prefill stops here, not at its end
+                raise StepCancelled(f"step cancelled at layer {i}")
+            if layer.moe is not None:
+                h = await self.coordinator.moe(i, layer, h, ctx, graphs is not None)
+            else:
+                h = graphs.run(i, layer, h, ctx) if graphs is not None else layer.forward(h, ctx)
+        logits = None if head == "none" else model.head(h[:, -1:] if head == "last" else h)
+        if self.routing is not None:
+            self.routing.advance(len(ids))
         return logits
 
 

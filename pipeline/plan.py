@@ -49,6 +49,7 @@ class TokenPlan:
             stage.table = self.table
         self._side = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
         self._steps: dict[tuple, tuple] = {}  # (model layer, whole, hosted) -> (step, TokenLayer, marks)
+        self._whole: tuple[list, list] | None = None  # while a graph around the steps captures (`whole`): (ran, marks)
 
     async def layer(self, li: LayerInput) -> torch.Tensor:
         """A MoE layer's step the composed one-token step does not run whole: its output h."""
@@ -106,14 +107,39 @@ class TokenPlan:
             h2d.landed(v)
             h2d.look_ahead(v)
 
-    def token(self, layer, h: torch.Tensor, nxt) -> torch.Tensor | None:
+    def token(self, layer, h: torch.Tensor, nxt, first: bool = True) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole from its input h [1, 1, D] (its norm included: one replay is the
-        layer's whole host cost), or None where the host must act first (`layer`)."""
+        layer's whole host cost), or None where the host must act first (`layer`). `first`: the token's host work
+        of its first MoE layer is due here (a whole step does it before its replay: `begin_token`)."""
         block, table = layer.moe, self.table
         if table.backend != "triton" or not block.graph_safe or table.stream_ram:
             return None
         with self.rt.tracer.span(table.name, layer=block.layer, stream=table.stream):
-            return self.step(block, nxt, layer, (h,))
+            return self.step(block, nxt, layer, (h,), first=first)
+
+    def begin_token(self) -> None:
+        """The host work due once a token before its first MoE layer (fetch: the VRAM tier's turn)."""
+        for stage in self.stages:
+            stage.token_begins()
+
+    @contextlib.contextmanager
+    def whole(self):
+        """Steps composed into a graph around them (pipeline/whole.py) while this is open: their tallies are left to
+        `replayed`, their parts' trace marks go to the graph's own list. Yields (the TokenLayers of the steps that
+        ran, in order; the marks)."""
+        ran, marks = [], []
+        self._whole = (ran, marks)
+        try:
+            yield ran, marks
+        finally:
+            self._whole = None
+
+    def replayed(self, ran: list, marks: list) -> None:
+        """A graph holding the steps `ran` (and their parts' `marks`) replayed: their tallies and GPU spans."""
+        for t in ran:
+            for stage in self.stages:
+                stage.tally(t)
+        self.rt.tracer.replayed(marks)
 
     def step(self, block, nxt, layer, args: tuple, routing: tuple | None = None, first: bool = True) -> torch.Tensor:
         """The composed one-token step of `block`'s layer on args: (h,) with `layer` (its MoE input in the step), else
@@ -135,14 +161,19 @@ class TokenPlan:
             self.rt.tracer.replayed(marks)
         for stage in self.stages:
             stage.after(t)
+        if self._whole is None:
+            for stage in self.stages:
+                stage.tally(t)
+        else:
+            self._whole[0].append(t)
         return h
 
     def _compose(self, block, nxt, layer, hosted: bool) -> tuple:
         tracer, table = self.rt.tracer, self.table
         marks: list = []
         untimed = contextlib.nullcontext()
-        part = (lambda name: tracer.phase(name, block.layer, table.stream, marks)) if tracer.enabled else \
-            (lambda name: untimed)  # noqa: E731
+        part = (lambda name: tracer.phase(name, block.layer, table.stream, marks if self._whole is None else self._whole[1])) \
+            if tracer.enabled else (lambda name: untimed)  # noqa: E731
         t = TokenLayer(block, table.index[block.layer], nxt, hosted, part)
         besides = [f for s in self.stages if (f := s.beside(t)) is not None]
         launches = [f for s in self.stages if s.produces != OUTPUT and (f := s.launch(t)) is not None]
@@ -151,8 +182,8 @@ class TokenPlan:
 
         def experts(x, residual, *routing):
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            if marks and capturing:
-                marks.clear()  # a new capture records its own parts
+            if marks and capturing and self._whole is None:
+                marks.clear()  # a new capture records its own parts (a graph around it keeps its own: `whole`)
             v = {"x": x, "residual": residual}
             if routing:
                 v["weights"], v["ids"], v["offs"] = routing

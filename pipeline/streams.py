@@ -29,6 +29,7 @@ class Streams:
         self._host: dict[Any, torch.Tensor] = {}  # `host_buffer`'s tensors
         if self.cuda:
             self._streams = {"compute": torch.cuda.current_stream(device), "copy": torch.cuda.Stream(device)}
+            self._capturing = torch.cuda.Stream(device)  # stands for the compute stream while a graph captures (`capture`)
         else:
             self._streams = {}
 
@@ -62,6 +63,25 @@ class Streams:
                 yield
             finally:
                 self._local.current = before
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any):
+        """Capture into `graph` what is queued on the compute stream meanwhile (`pool`: the graph's memory pool). The
+        compute stream is the device's default stream, which cannot be captured: a private stream stands for it under
+        its name until the capture ends, after the work already queued there; replays run on the current stream."""
+        compute, s = self._streams["compute"], self._capturing
+        s.wait_stream(compute)
+        self._streams["compute"] = s
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=s, capture_error_mode="thread_local"):
+                yield
+        finally:
+            self._streams["compute"] = compute
+
+    def capture_pool(self, pools: Any) -> Any:
+        """The memory pool of the graphs `capture` makes (kernels/graphs.py GraphPools: one per capturing stream)."""
+        with torch.cuda.stream(self._capturing):
+            return pools.current()
 
     def record(self, name: str, timing: bool = False) -> Any:
         """An event recorded now on stream `name`; None on CPU. `timing` for trace events."""

@@ -51,7 +51,9 @@ class Tracer:
 
     @contextlib.contextmanager
     def span(self, name: str, layer: int, stream: str | None = None):
-        if not self.enabled:
+        """A stage's host span (and with `stream` its GPU span) around what it wraps; nothing inside a graph's capture,
+        whose parts time themselves (`phase`)."""
+        if not self.enabled or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             yield
             return
         start_ev = self.streams.record(stream, timing=True) if stream else None

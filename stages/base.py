@@ -104,6 +104,14 @@ class Stage(ABC):
     def after(self, t: Any) -> None:
         """Host work after each one-token step of layer t is queued (not captured)."""
 
+    def token_begins(self) -> None:
+        """Host work due once a token, before its first MoE layer's step (not captured; `before` with `first` calls it,
+        and a whole step replayed as one graph before each replay: pipeline/whole.py)."""
+
+    def tally(self, t: Any) -> None:
+        """The host's counts of a one-token step of layer t that ran (after `after`, or after each replay of a whole
+        step that holds it); counts only, nothing queued."""
+
     async def run(self, io: StageIO) -> Any:
         """Do this layer's work; return the produced value (channel stages return None)."""
         raise NotImplementedError(f"stage {self.name!r} has no streaming face")

@@ -65,7 +65,7 @@ class ComputeTable(Stage):
                 v["routed"] = y.view(1, K, -1).sum(dim=1).to(v["x"].dtype)
         return experts
 
-    def after(self, t) -> None:
+    def tally(self, t) -> None:
         if self.knobs.routed:
             self.table.token_blocks += t.block.top_k
             self.table.kernel(t.block).count_groups(t.block.top_k)

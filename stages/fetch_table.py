@@ -87,7 +87,10 @@ class FetchTable(Stage):
 
     def before(self, t, first: bool) -> None:
         if first:
-            self.table.between_tokens()
+            self.token_begins()
+
+    def token_begins(self) -> None:
+        self.table.between_tokens()
 
     # -- a step whose ids come to the host (a prompt) ---------------------------------------------------------------
 

@@ -1,0 +1,147 @@
+"""A one-token step whole, embed to logits over every layer, replayed as one CUDA graph.
+
+Where a schedule's one-token MoE layers need no host wait (the plan's composed steps: routed ids kept on the GPU,
+blocks read where they lie, in VRAM or pinned RAM) and every resident layer's one-token step is a fixed set of
+kernels over state updated in place (attention over a static cache, `--static-kv`; Mamba-2 and MLP blocks), the
+whole step is captured once per sequence state and replayed: one launch a token instead of hundreds of launches and
+the Python between them. The host work that is left runs around the replay: the token's first host work (fetch: the
+VRAM tier's turn, `TokenPlan.begin_token`) before it, each MoE layer's tallies and trace spans after it.
+
+A sequence's first one-token step runs as it would without this (eagerly: its kernels compiled and tuned, its
+per-layer graphs made); its second captures the step (capture runs nothing) and replays it; the later ones replay it
+while the sequence's state tensors stay where they were. A replay runs the kernels the eager step runs, in its order,
+on the same tensors, so its logits are bit-identical to the eager step's (tests/test_whole.py on CUDA). A capture
+that fails (a step that needs the host) leaves every later step eager, with a warning naming why.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sluice.log import get_logger
+
+
+@dataclass
+class _Whole:
+    """One sequence state's captured step."""
+
+    ids: torch.Tensor  # [1, 1] int64 on the device: the token, written before each replay
+    past: torch.Tensor  # [] int64 on the device: its position
+    graph: Any = None  # torch.cuda.CUDAGraph; None: the body runs eagerly at each step (a CPU: tests/test_whole.py)
+    logits: torch.Tensor | None = None  # [1, V] fp32, in the graphs' pool: read before the next replay
+    ran: list = field(default_factory=list)  # the plan's composed steps the body holds (their tallies per replay)
+    marks: list = field(default_factory=list)  # their parts' trace marks
+
+
+class WholeStep:
+    KEEP = 4  # sequence states whose step is kept (a server's turns between requests switch among a few)
+
+    def __init__(self, model, coordinator, rt, routing, graphs: bool = True):
+        self.model, self.coordinator, self.rt, self.routing = model, coordinator, rt, routing
+        self.graphs = graphs  # False: no capture, the body runs eagerly (the same composition, checked on a CPU)
+        self.pool = rt.streams.capture_pool(rt.pools) if graphs else None
+        self._seen: OrderedDict[tuple, _Whole | None] = OrderedDict()  # state key -> its step (None: warmed up only)
+        self.off: str | None = None  # why whole steps stopped (a failed capture)
+        self.captures = self.replays = 0
+
+    @staticmethod
+    def refusal(model, coordinator, rt, static_kv: int | None) -> str | None:
+        """Why this engine's one-token steps cannot be replayed whole, or None where they can."""
+        plan = coordinator.plan
+        if plan is None:
+            return "the schedule's MoE layers are not composed into one-token steps (a `via: table` schedule is)"
+        table = plan.table
+        if table.backend != "triton" or table.stream_ram:
+            return "one-token MoE steps wait for the host (the torch backend, or fetch's hold: false)"
+        if not all(b.graph_safe for b in model.moe_blocks):
+            return f"the MoE layers' functions of {model.config.model_type} are not pure (MoEBlock.graph_safe)"
+        if static_kv is None:
+            return "attention over a growing cache (--static-kv N fixes its tensors)"
+        if rt.recorder is not None:
+            return "routing is recorded"
+        return None
+
+    def run(self, cache, past: int, token: int) -> torch.Tensor | None:
+        """The logits [1, V] fp32 of one token at position `past` of the sequence whose state is `cache`, from its
+        whole step's replay; None where the step runs eagerly instead (its first one-token step, or whole steps off)."""
+        if self.off is not None:
+            return None
+        key = _state_key(cache)
+        if key not in self._seen:
+            self._keep(key, None)  # its first one-token step warms up eagerly
+            return None
+        w = self._seen[key]
+        self._seen.move_to_end(key)
+        if w is None:
+            w = self._capture(cache)
+            if w is None:
+                return None
+            self._keep(key, w)
+        plan = self.coordinator.plan
+        plan.begin_token()
+        w.ids.fill_(token)
+        w.past.fill_(past)
+        if w.graph is None:
+            self._body(w, cache)
+        else:
+            w.graph.replay()
+        self.replays += 1
+        plan.replayed(w.ran, w.marks)
+        return w.logits.clone()  # the pool's output is overwritten by the next replay
+
+    def _keep(self, key: tuple, w: _Whole | None) -> None:
+        self._seen[key] = w
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.KEEP:
+            self._seen.popitem(last=False)
+
+    def _capture(self, cache) -> _Whole | None:
+        dev = self.model.device
+        w = _Whole(torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.zeros((), dtype=torch.int64, device=dev))
+        if not self.graphs:
+            return w
+        w.graph = torch.cuda.CUDAGraph()
+        try:
+            with self.rt.streams.capture(w.graph, self.pool):
+                self._body(w, cache)
+        except Exception as e:
+            self.off = str(e)[:200]
+            self.coordinator.plan.table.copied = [None, None]  # events a failed capture recorded: never waited on
+            get_logger().warning("one-token steps run layer by layer: the whole step cannot be captured", error=self.off)
+            return None
+        self.captures += 1
+        return w
+
+    def _body(self, w: _Whole, cache) -> None:
+        """The step's work: the engine's layer loop (pipeline/engine.py `_step`) for one token on the device alone."""
+        model = self.model
+        with self.coordinator.plan.whole() as (ran, marks):
+            h, ctx = model.begin(w.ids, cache, w.past)
+            for layer in model.layers:
+                if layer.moe is None:
+                    h = layer.forward(h, ctx)
+                elif (h := self.coordinator.token(layer, h)) is None:
+                    raise RuntimeError(f"layer {layer.moe.layer}'s one-token MoE step needs the host")
+            w.logits = model.head(h)
+            if self.routing is not None:
+                self.routing.advance(1)
+        w.ran, w.marks = ran, marks
+
+
+def _state_key(cache) -> tuple[int, ...]:
+    """Where a sequence's state tensors lie (the addresses a captured step reads and writes)."""
+    return tuple(t.data_ptr() for layer in cache.layers for t in _tensors(vars(layer).values()))
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(_tensors(v))
+    return out

@@ -1,0 +1,84 @@
+"""A one-token step replayed whole as one graph (pipeline/whole.py) against the same step run layer by layer: the same
+logits bit for bit at every decode step, on the fast schedule's variants. On a CPU the whole step's body runs eagerly
+(what a capture would take in: the position read from a device tensor, masks made from the static cache, the MoE
+layers' composed steps with the token's host work before them and their tallies after); SLUICE_TEST_DEVICE=cuda
+captures and replays it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sluice
+from sluice.pipeline.whole import WholeStep
+from common import DEVICE, PROMPT, greedy_logits
+from test_direct import direct_schedule
+
+STEPS = 8
+
+
+def _open(store, schedule, whole: bool, **settings):
+    engine = sluice.load(store, device=DEVICE, schedule=schedule, static_kv=len(PROMPT) + STEPS + 4, whole_step=whole,
+                         **settings)
+    if whole and DEVICE == "cpu":  # no graphs on a CPU: the body itself, eagerly, at every step
+        engine.whole = WholeStep(engine.model, engine.coordinator, engine.rt, engine.routing, graphs=False)
+    return engine
+
+
+SETTINGS = {  # the fast schedule's variants: VRAM tier and staging ahead; shared expert after the routed ones; routing drawn
+    "tier-staged": dict(backend="triton", refresh=2, token_ahead=2),
+    "shared-late": dict(backend="triton", shared="late", refresh=3),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_whole_step_gives_the_layer_by_layer_logits(setting, stores, tmp_path):
+    """Greedy decode's logits at every step equal bit for bit with the step replayed whole and run layer by layer; the
+    replays happened (a sequence's first one-token step runs layer by layer), and the tier counted the same blocks."""
+    schedule = direct_schedule(tmp_path, **SETTINGS[setting])
+    got = {}
+    for whole in (False, True):
+        with _open(stores["nemotron_h_latent"], schedule, whole, vram_slots=12) as engine:
+            got[whole] = greedy_logits(engine, PROMPT, STEPS)
+            blocks = dict(engine.rt.stats.blocks)
+            if whole:
+                assert engine.whole.replays == STEPS - 2, "every one-token step but the first replays the whole step"
+                assert engine.whole.captures == (1 if DEVICE != "cpu" else 0)
+            got[whole, "blocks"] = blocks
+    assert torch.equal(got[True], got[False]), f"{setting}: whole-step logits differ by {(got[True] - got[False]).abs().max()}"
+    assert got[True, "blocks"] == got[False, "blocks"], "the replays' tallies are the layer-by-layer steps'"
+
+
+def test_whole_step_under_controlled_routing(stores, tmp_path):
+    """Routing drawn from tables (`--routing uniform`): the cursor moves inside the whole step, so each replay routes
+    the next position's ids, as layer by layer."""
+    schedule = direct_schedule(tmp_path, backend="triton")
+    got = []
+    for whole in (False, True):
+        with _open(stores["nemotron_h"], schedule, whole, routing="uniform") as engine:
+            got.append(greedy_logits(engine, PROMPT, STEPS))
+    assert torch.equal(got[0], got[1])
+
+
+def test_a_cursor_left_behind_is_caught(stores, tmp_path):
+    """The check must fail: a whole step that does not move the routing cursor inside itself routes every replay to
+    the ids of the position it was captured at, and gives other logits."""
+    schedule = direct_schedule(tmp_path, backend="triton")
+    with _open(stores["nemotron_h"], schedule, False, routing="uniform") as engine:
+        want = greedy_logits(engine, PROMPT, STEPS)
+    with _open(stores["nemotron_h"], schedule, True, routing="uniform") as engine:
+        engine.whole.routing = None  # the body's advance left out
+        got = greedy_logits(engine, PROMPT, STEPS)
+    assert torch.equal(got[:2], want[:2]) and not torch.equal(got, want)
+
+
+def test_refusals_name_the_reason(stores, tmp_path):
+    """Whole steps where nothing in a one-token step needs the host; otherwise the reason, and steps layer by layer."""
+    fast = direct_schedule(tmp_path, backend="triton")
+    cases = [("nemotron_h", fast, None, "--static-kv"), ("nemotron_h", "overlap", 64, "not composed"),
+             ("qwen3_moe", fast, 64, "not pure"), ("nemotron_h", "direct-stream", 64, "hold: false"),
+             ("nemotron_h", fast, 64, None)]
+    for variant, schedule, static_kv, why in cases:
+        with sluice.load(stores[variant], device=DEVICE, schedule=schedule, static_kv=static_kv) as engine:
+            refusal = WholeStep.refusal(engine.model, engine.coordinator, engine.rt, static_kv)
+            assert refusal is None if why is None else why in refusal, (variant, schedule, refusal)
