@@ -80,8 +80,9 @@ def _sluice_run(args, routing: str, schedule: str) -> dict:
         cmd = [sys.executable, "-m", "sluice.cli", "bench", "model", "--model", str(args.model), "--device", args.device,
                "--routing", routing, "--schedule", schedule, "--prompt-lengths", args.prompt_lengths,
                "--decode-tokens", str(args.decode_tokens), "--json", str(path)]
-        if args.device != "cpu":
-            cmd += ["--vram-budget", args.vram_budget]
+        if args.device != "cpu":  # a static cache for the longest prompt and its decode: one-token steps replay whole
+            longest = max(int(n) for n in args.prompt_lengths.split(",") if n)
+            cmd += ["--vram-budget", args.vram_budget, "--static-kv", str(longest + args.decode_tokens + 64)]
         with PeakMemory() as peak:
             done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         if done.returncode != 0:

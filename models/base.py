@@ -170,8 +170,10 @@ class ResidentModel(ABC):
 
         if static is None:
             return DynamicCache(config=self.config)
+        from sluice.models.static_cache import windowed
+
         try:
-            return StaticCache(config=self.config, max_cache_len=static)
+            return windowed(StaticCache(config=self.config, max_cache_len=static))
         except KeyError as e:  # a layer type transformers has no static layer for
             raise ConfigError(f"static_kv: transformers' StaticCache cannot hold this model's {e.args[0]} layers "
                               f"({self.config.model_type}); leave static_kv off") from None

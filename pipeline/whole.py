@@ -133,8 +133,10 @@ class WholeStep:
 
 
 def _state_key(cache) -> tuple[int, ...]:
-    """Where a sequence's state tensors lie (the addresses a captured step reads and writes)."""
-    return tuple(t.data_ptr() for layer in cache.layers for t in _tensors(vars(layer).values()))
+    """Where a sequence's state tensors lie (the addresses a captured step reads and writes), and the windows its
+    attention reads them through (models/static_cache.py: a captured step reads a fixed number of slots)."""
+    return tuple(t.data_ptr() for layer in cache.layers for t in _tensors(vars(layer).values())) + \
+        tuple(getattr(layer, "window", 0) for layer in cache.layers)
 
 
 def _tensors(values) -> list[torch.Tensor]:

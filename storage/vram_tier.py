@@ -12,7 +12,8 @@ The tier's slots, in order: the hot set's own; the one-token staging bank (2 x S
 lookahead bank (2 x A, `prompt_ahead`), lent to the hot set between prompts.
 
 Every `refresh` one-token steps the host reads the counts (decayed by `decay` each time), and the most used blocks
-that the hot set lacks are copied into its slots on the copy stream, in place of the least used.
+that the hot set lacks are copied into its slots on the copy stream, in place of the least used. A bank with a slot
+for every block takes them all at open and keeps them (`holds_all`).
 
 Invariants:
 - The table points at a slot only in stream order: a leaving block's entry goes back to its RAM slot (on the tier's
@@ -53,6 +54,9 @@ class VramTier:
         self._last_uses = torch.zeros(n, E, dtype=torch.int64)
         self._steps = 0
         cap = vram.capacity if vram is not None else 0
+        # a bank that holds every block holds them for good (`hold_all`): no refreshes, no staging, no lookahead bank
+        self.holds_all = vram is not None and not stream_ram and cap >= n * E
+        banks, staging = banks and not self.holds_all, staging and not self.holds_all
         a = min(knobs.prompt_ahead, cap // 4) if banks else 0
         self.ahead_bank = [list(range(cap - 2 * a, cap - a)), list(range(cap - a, cap))]  # prompts', by the layer's parity
         self.ahead_read: list = [None, None]  # per bank half: the event after the compute that last read it
@@ -61,6 +65,26 @@ class VramTier:
         self.S = min(knobs.token_ahead, rest // 8) if staging else 0  # one-token staging: 2 x S slots before the bank
         self.stage0 = rest - 2 * self.S  # the first staging slot
         self.free = self._own_slots()
+        if self.holds_all:
+            self.hold_all()
+
+    def hold_all(self) -> None:
+        """Every block copied into a slot of its own, the table pointed at them once the copies landed (at open: the
+        blocks are held in RAM). Kept through `empty` and never refreshed: a budget that holds every block spends
+        nothing on moving them."""
+        streams, n, E = self.rt.streams, *self.table.shape
+        moves = []
+        with streams.use("copy"):
+            for i in range(n):
+                for e in range(E):
+                    slot = self.free.pop()
+                    self.vram.arena.slot(slot).copy_(self.resident(self.layers[i], e).buf, non_blocking=True)
+                    self.slot_of[(i, e)] = slot
+                    moves.append((i, e, slot))
+            landed = streams.record("copy")
+        streams.wait(self.stream, landed)
+        self.point(moves, vram=True)
+        self.rt.stats.vram_fills += len(moves)
 
     def _own_slots(self) -> list[int]:
         """The hot set's slots (all but the banks'), the lowest popped first."""
@@ -97,8 +121,8 @@ class VramTier:
 
     def empty(self) -> None:
         """Point every table entry back at its RAM slot and free every slot (the host has synchronized: no copy is in
-        flight)."""
-        if self.vram is None:
+        flight); a tier that holds every block keeps them."""
+        if self.vram is None or self.holds_all:
             return
         self.landing = None  # its moves are in slot_of: pointed back below with the rest
         self.point([(i, e, slot) for (i, e), slot in self.slot_of.items()], vram=False)
@@ -142,7 +166,9 @@ class VramTier:
 
     def between_tokens(self) -> None:
         """At a one-token step's first MoE layer: lend the bank, switch the table to blocks whose copies have landed, and
-        every `refresh` steps choose the hot set anew."""
+        every `refresh` steps choose the hot set anew (not while it holds every block)."""
+        if self.holds_all:
+            return
         self.lend_bank()
         self.land()
         self._steps += 1

@@ -513,3 +513,21 @@ def test_one_token_steps_time_each_stage_they_fuse(hold, stores, refs, tmp_path)
         # expert is route's too; streamed, the reads are fetch's too)
     for stage in ("route", "fetch", "h2d", "compute", "combine", "direct"):  # the prompt: the stages' host faces, a span each
         assert sorted(prompt.get(stage, ())) == sorted(list(engine.store.moe_layers) * (2 if stage == "h2d" else 1)), stage
+
+
+def test_a_tier_with_a_slot_for_every_block_holds_them_all(stores, tmp_path):
+    """A VRAM budget with a slot for every block: all of them copied in at open and kept (no refresh, no staging, no
+    lookahead bank; `empty_vram` keeps them); every routed block read from VRAM, the logits those of a tier that
+    holds a few (the same kernels on the same bytes)."""
+    schedule = direct_schedule(tmp_path, backend="triton", refresh=2, token_ahead=2, prompt_group=2)
+    with sluice.load(stores["nemotron_h"], device=DEVICE, schedule=schedule, vram_slots=12) as engine:
+        assert not table_of(engine).tier.holds_all
+        want = greedy_logits(engine, PROMPT, 8)
+    with sluice.load(stores["nemotron_h"], device=DEVICE, schedule=schedule, vram_slots=10_000) as engine:
+        tier, total = table_of(engine).tier, engine.store.total_blocks
+        assert tier.holds_all and tier.S == 0 and len(tier.slot_of) == total
+        engine.empty_vram()
+        assert len(tier.slot_of) == total
+        got = greedy_logits(engine, PROMPT, 8)
+        assert engine.rt.stats.blocks["ram"] == 0 and engine.rt.stats.blocks["vram"] > 0
+    assert torch.equal(got, want)

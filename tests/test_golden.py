@@ -522,6 +522,25 @@ def test_static_kv_cache_matches_transformers(variant, stores, refs):
         check_golden(engine, variant, refs, f"{variant} static_kv")
 
 
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", "gpt_oss"])
+def test_static_kv_windows_match_transformers(variant, stores, refs, monkeypatch):
+    """A static cache read through windows (models/static_cache.py) that the sequence outgrows during decode (16 slots,
+    then 32, then 64 of 200): transformers' logits at every step; with the windows' growth switched off (attention
+    over 16 slots only) the check fails as it must."""
+    from sluice.models import static_cache
+
+    monkeypatch.setattr(static_cache, "MIN_WINDOW", 16)
+    with sluice.load(stores[variant], device=DEVICE, static_kv=200) as engine:
+        seq = engine.new_sequence()
+        engine.extend(seq, PROMPT)
+        assert {layer.window for layer in seq.cache.layers if hasattr(layer, "window")} == {16}
+        check_golden(engine, variant, refs, f"{variant} static_kv windows")
+    monkeypatch.setattr(static_cache, "fit", lambda cache, tokens: 16)
+    with sluice.load(stores[variant], device=DEVICE, static_kv=200) as engine:
+        with pytest.raises(AssertionError):
+            check_golden(engine, variant, refs, f"{variant} static_kv, a window left at 16")
+
+
 def test_static_kv_bounds_and_refusals(stores):
     """A sequence may not grow past the static cache (a one-line error naming the setting); a model whose layers
     transformers' StaticCache cannot hold is refused by name; the setting is a positive count."""

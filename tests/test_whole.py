@@ -32,9 +32,13 @@ SETTINGS = {  # the fast schedule's variants: VRAM tier and staging ahead; share
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_whole_step_gives_the_layer_by_layer_logits(setting, stores, tmp_path):
+def test_whole_step_gives_the_layer_by_layer_logits(setting, stores, tmp_path, monkeypatch):
     """Greedy decode's logits at every step equal bit for bit with the step replayed whole and run layer by layer; the
-    replays happened (a sequence's first one-token step runs layer by layer), and the tier counted the same blocks."""
+    replays happened (the first one-token step at each attention window runs layer by layer: windows of 16 and 32
+    slots here), and the tier counted the same blocks."""
+    from sluice.models import static_cache
+
+    monkeypatch.setattr(static_cache, "MIN_WINDOW", 16)
     schedule = direct_schedule(tmp_path, **SETTINGS[setting])
     got = {}
     for whole in (False, True):
@@ -42,8 +46,8 @@ def test_whole_step_gives_the_layer_by_layer_logits(setting, stores, tmp_path):
             got[whole] = greedy_logits(engine, PROMPT, STEPS)
             blocks = dict(engine.rt.stats.blocks)
             if whole:
-                assert engine.whole.replays == STEPS - 2, "every one-token step but the first replays the whole step"
-                assert engine.whole.captures == (1 if DEVICE != "cpu" else 0)
+                assert engine.whole.replays == STEPS - 3, "every one-token step but the first at each window replays"
+                assert engine.whole.captures == (2 if DEVICE != "cpu" else 0)
             got[whole, "blocks"] = blocks
     assert torch.equal(got[True], got[False]), f"{setting}: whole-step logits differ by {(got[True] - got[False]).abs().max()}"
     assert got[True, "blocks"] == got[False, "blocks"], "the replays' tallies are the layer-by-layer steps'"

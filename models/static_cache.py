@@ -1,0 +1,50 @@
+"""Attention over a static cache (`--static-kv N`) read through a window: the first W slots, W the power of two (at
+least MIN_WINDOW, at most N) that holds every token the sequence has, not all N.
+
+transformers' StaticCache preallocates N slots per attention layer and attends over all of them, masking the empty
+ones, so a one-token step reads N slots of keys and values whatever the sequence holds (a 4096-slot cache made the
+attention of an all-VRAM Nemotron-3-Nano token cost more than its routed experts). Read through a window, a step
+reads at most twice what the sequence holds; the window's size is fixed between powers of two, so a step captured as
+a CUDA graph (pipeline/whole.py, which keys its graphs by it) replays until the sequence outgrows it. The empty slots
+the window leaves out were masked: the same tokens are attended, and only the attention kernel's tiling changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.cache_utils import StaticLayer
+
+MIN_WINDOW = 256
+
+
+class WindowedLayer(StaticLayer):
+    """A StaticLayer whose update hands attention its first `window` slots (set by `fit`) and whose mask is as long."""
+
+    window: int
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        return keys[:, :, : self.window], values[:, :, : self.window]
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.window, 0
+
+
+def windowed(cache: Any) -> Any:
+    """`cache` (a StaticCache) with its full-attention layers read through windows; sliding layers stay as they are."""
+    for layer in cache.layers:
+        if type(layer) is StaticLayer:
+            layer.__class__ = WindowedLayer
+            layer.window = min(MIN_WINDOW, layer.max_cache_len)
+    return cache
+
+
+def fit(cache: Any, tokens: int) -> int:
+    """Before a step after which the sequence holds `tokens` tokens: each windowed layer's window made to hold them.
+    Returns the window (0 for a cache without windowed layers)."""
+    window = 0
+    for layer in cache.layers:
+        if isinstance(layer, WindowedLayer):
+            layer.window = window = min(layer.max_cache_len, max(MIN_WINDOW, 1 << max(0, tokens - 1).bit_length()))
+    return window
