@@ -62,6 +62,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--whole-step", action=argparse.BooleanOptionalAction, default=True,
                    help="replay a one-token step whole, embed to logits, as one CUDA graph where nothing in it needs the "
                         "host (a direct schedule with --static-kv; default: on; --no-whole-step runs it layer by layer)")
+    p.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
+                   help="RMSNorms and routers in Triton launches where the model has them (default: on with CUDA; "
+                        "--no-fused-ops keeps transformers' ops)")
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
@@ -106,7 +109,7 @@ def open_engine(args):
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
         resident_graphs=not args.eager, whole_step=args.whole_step, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
-        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba,
+        prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba, fused_ops=args.fused_ops,
         static_kv=getattr(args, "static_kv", None),
         routing=getattr(args, "routing", "natural"),
     )

@@ -178,6 +178,10 @@ class ResidentModel(ABC):
             raise ConfigError(f"static_kv: transformers' StaticCache cannot hold this model's {e.args[0]} layers "
                               f"({self.config.model_type}); leave static_kv off") from None
 
+    def fuse(self) -> None:
+        """Put Triton kernels in place of the small ops this model's one-token steps are made of (its RMSNorms, its
+        routers), where it has them; the default has none."""
+
     @abstractmethod
     def begin(self, ids: torch.Tensor, cache: Any, past: int | torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Embed ids [1,T] at positions past..past+T-1 (`past` a host int, or a device int64 scalar: a step captured

@@ -264,6 +264,15 @@ def _router(gate, config):
     return route
 
 
+def _fused_router(gate, config):
+    """`_router` of a single expert group in two Triton launches (kernels/router.py): ids best first."""
+    from sluice.kernels.router import sigmoid_router
+
+    k, scale, norm = config.num_experts_per_tok, config.routed_scaling_factor, config.norm_topk_prob
+    weight, bias = gate.weight.float(), gate.e_score_correction_bias.float()
+    return lambda x: sigmoid_router(x.view(-1, gate.hidden_dim), weight, bias, k, scale, norm)
+
+
 def _ranked(gate, config):
     """The n experts the router ranks first (its selection score, sigmoid plus the correction bias), best first; None
     with expert groups (their mask ranks within the chosen groups)."""
@@ -292,6 +301,20 @@ class NemotronHResident(ResidentModel):
                 moe_index += 1
             else:
                 self.layers.append(_MixerLayer(block))
+
+    def fuse(self) -> None:
+        """Its RMSNorms in one launch each (kernels/norm.py) and, with one expert group, its routers in two
+        (kernels/router.py)."""
+        from sluice.kernels.norm import RMSNorm
+
+        for name, module in list(self.hf.named_modules()):
+            if type(module).__name__ == "NemotronHRMSNorm":
+                parent, _, attr = name.rpartition(".")
+                setattr(self.hf.get_submodule(parent), attr, RMSNorm(module))
+        if self.config.n_group == 1:
+            for layer in self.layers:
+                if layer.moe is not None:
+                    layer.moe = replace(layer.moe, router=_fused_router(layer.block.mixer.gate, self.config))
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
         h = self.hf.model.embeddings(ids)

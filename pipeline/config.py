@@ -61,6 +61,8 @@ class EngineConfig:
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
     whole_step: bool = True  # CUDA: replay a one-token step whole as one graph where nothing in it needs the host
     # (pipeline/whole.py: a `via: table` schedule holding every block, and static_kv)
+    fused_ops: bool | None = None  # RMSNorms and routers in Triton launches where the model has them (ResidentModel.fuse:
+    # kernels/norm.py, router.py); None: on CUDA
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048

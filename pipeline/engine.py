@@ -95,6 +95,11 @@ class Engine:
         arch = get_architecture(store.manifest.architecture)
         hf_config = AutoConfig.from_pretrained(store.path)
         model = arch.build(hf_config, store.resident_tensors(config.verify_checksums), device, config.torch_dtype)
+        for name in ("fused_ops", "fused_mamba"):
+            if getattr(config, name) and not triton_runs_on(device):
+                raise ConfigError(f"{name}: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
+        if config.fused_ops if config.fused_ops is not None else device.type == "cuda":
+            model.fuse()
         routing = controlled_routing(config.routing, model, device)
         schedule = load_schedule(config.schedule)
         needs = schedule.needs
@@ -109,8 +114,6 @@ class Engine:
                               f"than the {format_bytes(available_ram())} this machine has available; use a schedule "
                               f"that streams (direct-stream, overlap)")
         _check_guess_extra(needs.guess_extra, model, routing, store.manifest.architecture)
-        if config.fused_mamba and not triton_runs_on(device):
-            raise ConfigError("fused_mamba: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         # by default on CUDA (faster decode: docs/benchmarks/); a CPU keeps transformers' step (the kernels would run
         # in Triton's interpreter there)
         fused_mamba = config.fused_mamba if config.fused_mamba is not None else device.type == "cuda"

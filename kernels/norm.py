@@ -1,0 +1,57 @@
+"""RMSNorm in one Triton launch: a row's mean square, its scaling and the weight's in one program per row.
+
+transformers' NemotronHRMSNorm is nine kernels a call on a GPU (to fp32, square, mean, add, rsqrt, multiply, the
+weight to fp32, multiply, back to the input's dtype); a one-token step of Nemotron-3-Nano calls it 53 times, so in a
+step replayed as one graph (pipeline/whole.py) those small kernels are a large share of the GPU's time. Here the
+same arithmetic, in fp32 as transformers does it: y = (w * (x * rsqrt(mean(x^2) + eps))) rounded to x's dtype. The
+sum over the row adds in another order than torch's, so results agree within fp32 rounding, not bit for bit.
+`rms_norm_ref` is the plain-torch reference (transformers' formula).
+
+Shape legend: R rows (tokens), D the normalised width.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+
+@triton.jit
+def _rms_norm_kernel(x, w, y, D, eps, X_R, Y_R, B: tl.constexpr):
+    r = tl.program_id(0)
+    d = tl.arange(0, B)
+    m = d < D
+    v = tl.load(x + r * X_R + d, mask=m, other=0.0).to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+    out = tl.load(w + d, mask=m, other=0.0).to(tl.float32) * (v * scale)
+    tl.store(y + r * Y_R + d, out.to(y.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> the same shape and dtype, normalised per row and scaled by weight [D]."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, D, eps, rows.stride(0), y.stride(0), B=triton.next_power_of_2(D))
+    return y.view(x.shape)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(torch.float32) * h).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Stands where a model's RMSNorm of transformers' formula was (`rms_norm_ref`), with its weight and epsilon."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)

@@ -1,0 +1,88 @@
+"""A sigmoid top-k router (DeepSeek-V3's, as Nemotron-H runs it with one expert group) in two Triton launches.
+
+transformers' router is about a dozen kernels a call on a GPU (the input to fp32, the linear, sigmoid, the bias,
+top-k, gather, sum, add, divide, scale); a one-token step of Nemotron-3-Nano routes 23 times (and guesses the next
+layer's experts as many times more), so in a step replayed as one graph those small kernels are a large share of its
+time. Here:
+
+  `_scores_kernel`, one program per (row, block of experts): the fp32 dot products of the row with the experts'
+      router weights, sigmoid.
+  `_select_kernel`, one program per row: the top-k of the scores plus the correction bias, best first (the first
+      index among equal ones), their scores normalised to sum 1 (with transformers' 1e-20) and scaled.
+
+The same arithmetic in fp32; the dot products add in another order than cuBLAS's, so scores agree within fp32
+rounding, and the ids come best first (transformers' top-k leaves them unsorted: the routed sum then adds the same
+experts in another order). `router_ref` is the plain-torch reference (transformers' formula, ids best first).
+
+Shape legend: T rows (tokens), D the router's input width, E experts, K routed per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr):
+    t, eb = tl.program_id(0), tl.program_id(1)
+    e = eb * BE + tl.arange(0, BE)
+    em = e < E
+    acc = tl.zeros([BE], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < D
+        xv = tl.load(x + t * X_T + d, mask=dm, other=0.0).to(tl.float32)
+        wv = tl.load(w + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xv[None, :], axis=1)
+    tl.store(s + t * E + e, 1.0 / (1.0 + tl.exp(-acc)), mask=em)
+
+
+@triton.jit
+def _select_kernel(s, bias, weights, ids, E, K: tl.constexpr, scale, NORM: tl.constexpr, BE: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BE)
+    em = e < E
+    score = tl.load(s + t * E + e, mask=em, other=0.0)
+    choice = tl.where(em, score + tl.load(bias + e, mask=em, other=0.0), float("-inf"))
+    total = 0.0
+    for k in tl.static_range(K):
+        best = tl.max(choice, axis=0)
+        at = tl.min(tl.where(choice == best, e, BE), axis=0)  # the first index among equal ones
+        got = tl.sum(tl.where(e == at, score, 0.0), axis=0)
+        tl.store(ids + t * K + k, at.to(tl.int64))
+        tl.store(weights + t * K + k, got)
+        total += got
+        choice = tl.where(e == at, float("-inf"), choice)
+    for k in tl.static_range(K):
+        w = tl.load(weights + t * K + k)
+        if NORM:
+            w = w / (total + 1e-20)
+        tl.store(weights + t * K + k, w * scale)
+
+
+def sigmoid_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scale: float,
+                   norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, K] fp32, ids [T, K] int64 best first); weight [E, D] and bias [E] fp32."""
+    T, D = x.shape
+    E = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    s = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    BE = 16
+    _scores_kernel[(T, triton.cdiv(E, BE))](x, weight, s, D, E, x.stride(0), BE=BE, BD=256)
+    weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    _select_kernel[(T,)](s, bias, weights, ids, E, K=k, scale=scale, NORM=norm, BE=triton.next_power_of_2(E))
+    return weights, ids
+
+
+def router_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scale: float,
+               norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.nn.functional.linear(x.float(), weight.float()).sigmoid()
+    ids = torch.topk(scores + bias, k=k, dim=-1, sorted=True)[1]
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
