@@ -68,8 +68,8 @@ def test_mamba_steps_are_each_sequences_step(shape):
     stacked = lambda order: {k: torch.stack([rows[i][k] for i in order]).to(DEVICE) for k in ("zx", "conv_state", "ssm_state")}  # noqa: E731
     tol = 1e-5 if shape[6] == torch.float32 else 2e-2
     for steps, device in ((mamba_steps, DEVICE), (mamba_steps_ref, "cpu")):
-        many = stacked(range(3))
-        got = steps(**on(device, shared), **on(device, many)).cpu().float()
+        many = on(device, stacked(range(3)))  # the states the step updates in place, where it runs
+        got = steps(**on(device, shared), **many).cpu().float()
         assert (got - want).abs().max().item() <= tol * want.abs().max().item(), steps.__name__
         assert torch.allclose(many["conv_state"].cpu(), torch.stack([a["conv_state"].cpu() for a in alone]))
         assert torch.allclose(many["ssm_state"].cpu().float(), torch.stack([a["ssm_state"].cpu().float() for a in alone]),

@@ -86,3 +86,23 @@ def test_refusals_name_the_reason(stores, tmp_path):
         with sluice.load(stores[variant], device=DEVICE, schedule=schedule, static_kv=static_kv) as engine:
             refusal = WholeStep.refusal(engine.model, engine.coordinator, engine.rt, static_kv)
             assert refusal is None if why is None else why in refusal, (variant, schedule, refusal)
+
+
+def test_a_whole_step_keeps_each_stages_span(stores, tmp_path):
+    """With a trace, each MoE layer of every one-token step keeps a span per stage it is composed of (route, fetch,
+    compute, combine), replayed whole or not: on a GPU from the events the whole graph records on each replay."""
+    import json
+
+    schedule = direct_schedule(tmp_path, backend="triton", vram=False)
+    trace = tmp_path / "whole.json"
+    with _open(stores["nemotron_h"], schedule, True, trace=str(trace)) as engine:
+        greedy_logits(engine, PROMPT, STEPS)
+        layers = len(engine.store.moe_layers)
+        assert engine.whole.replays == STEPS - 2
+    seen: dict[str, set] = {}
+    for line in (tmp_path / "whole.json.jsonl").read_text().splitlines():
+        line = json.loads(line)
+        if line.get("event") in ("stage", "gpu") and line["step"] > 0:
+            seen.setdefault(line["stage"], set()).add((line["step"], line["layer"]))
+    for stage in ("route", "fetch", "compute", "combine"):
+        assert len(seen.get(stage, ())) == (STEPS - 1) * layers, (stage, sorted(seen.get(stage, ())))
