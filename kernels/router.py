@@ -10,8 +10,9 @@ time. Here:
   `_select_kernel`, one program per row: the top-k of the scores plus the correction bias, best first (the first
       index among equal ones), their scores normalised to sum 1 (with transformers' 1e-20) and scaled.
 
-The same arithmetic in fp32; the dot products add in another order than cuBLAS's, so scores agree within fp32
-rounding, and the ids come best first (transformers' top-k leaves them unsorted: the routed sum then adds the same
+Up to FEW rows (one-token steps, small batches); a prompt's rows go through the reference, one GEMM that reads the
+weights once. The same arithmetic in fp32; the dot products add in another order than cuBLAS's, so scores agree
+within fp32 rounding, and the ids come best first (transformers' top-k leaves them unsorted: the routed sum then adds the same
 experts in another order). `router_ref` is the plain-torch reference (transformers' formula, ids best first).
 
 Shape legend: T rows (tokens), D the router's input width, E experts, K routed per token.
@@ -62,16 +63,21 @@ def _select_kernel(s, bias, weights, ids, E, K: tl.constexpr, scale, NORM: tl.co
         tl.store(weights + t * K + k, w * scale)
 
 
+FEW = 8  # rows up to which the kernels route; more (a prompt) go through `router_ref`'s GEMM, which reads the weights once
+
+
 def sigmoid_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scale: float,
                    norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (weights [T, K] fp32, ids [T, K] int64 best first); weight [E, D] and bias [E] fp32."""
     T, D = x.shape
+    if T > FEW:
+        return router_ref(x, weight, bias, k, scale, norm)
     E = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     s = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    BE = 16
-    _scores_kernel[(T, triton.cdiv(E, BE))](x, weight, s, D, E, x.stride(0), BE=BE, BD=256)
+    BE = 2  # many small programs: 16 experts a program left most of the GPU idle (BENCHMARKS.md, 2026-12-06)
+    _scores_kernel[(T, triton.cdiv(E, BE))](x, weight, s, D, E, x.stride(0), BE=BE, BD=1024)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     _select_kernel[(T,)](s, bias, weights, ids, E, K=k, scale=scale, NORM=norm, BE=triton.next_power_of_2(E))
