@@ -12,9 +12,8 @@ import asyncio
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -23,7 +22,6 @@ from sluice.kernels import triton_runs_on
 from sluice.kernels.graphs import DecodeGraphs, FnGraphs
 from sluice.log import get_logger
 from sluice.models import get_architecture
-from sluice.models import static_cache
 from sluice.models.base import ResidentModel
 from sluice.pipeline.batch import check_batch, step_many
 from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
@@ -32,32 +30,13 @@ from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.routing import RoutingControl, controlled_routing
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
+from sluice.pipeline.sequence import Sequence
 from sluice.pipeline.schedule import load_schedule
 from sluice.pipeline.snapshot import Snapshot, restore, take
 from sluice.pipeline.whole import WholeStep
 from sluice.storage.home import resolve_store
 from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder, trace_header
-
-
-@dataclass
-class Sequence:
-    """One sequence's state: the KV / recurrent cache and how many tokens it holds."""
-
-    cache: Any
-    tokens: list[int]
-    broken: bool = False  # a step failed half-way; the cache no longer matches `tokens`
-
-    def check(self, n: int, limit: int | None) -> None:
-        """Before a step appends n tokens: the state is whole, and a static cache of `limit` tokens has room (its
-        attention then reads a window that holds them: models/static_cache.py)."""
-        if self.broken:
-            raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
-        if limit is not None and len(self.tokens) + n > limit:
-            raise SluiceError(f"the sequence would hold {len(self.tokens) + n} tokens, more than the static_kv cache's "
-                              f"{limit} (--static-kv)")
-        if limit is not None:
-            static_cache.fit(self.cache, len(self.tokens) + n)
 
 
 class Engine:

@@ -1,0 +1,29 @@
+"""One sequence's state between steps: its KV / recurrent cache and the tokens it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.errors import SluiceError
+from sluice.models import static_cache
+
+
+@dataclass
+class Sequence:
+    """One sequence's state: the KV / recurrent cache and how many tokens it holds."""
+
+    cache: Any
+    tokens: list[int]
+    broken: bool = False  # a step failed half-way; the cache no longer matches `tokens`
+
+    def check(self, n: int, limit: int | None) -> None:
+        """Before a step appends n tokens: the state is whole, and a static cache of `limit` tokens has room (its
+        attention then reads a window that holds them: models/static_cache.py)."""
+        if self.broken:
+            raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
+        if limit is not None and len(self.tokens) + n > limit:
+            raise SluiceError(f"the sequence would hold {len(self.tokens) + n} tokens, more than the static_kv cache's "
+                              f"{limit} (--static-kv)")
+        if limit is not None:
+            static_cache.fit(self.cache, len(self.tokens) + n)
