@@ -26,6 +26,7 @@ import dataclasses
 
 import torch
 
+from sluice.kernels.graphs import capturing
 from sluice.pipeline.runtime import Runtime
 from sluice.stages.table import Table, TableKnobs
 from sluice.stages.types import LayerInput, TokenLayer
@@ -181,8 +182,8 @@ class TokenPlan:
         side = self._side if besides else None
 
         def experts(x, residual, *routing):
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            if marks and capturing and self._whole is None:
+            captured = capturing()
+            if marks and captured and self._whole is None:
                 marks.clear()  # a new capture records its own parts (a graph around it keeps its own: `whole`)
             v = {"x": x, "residual": residual}
             if routing:
@@ -198,7 +199,7 @@ class TokenPlan:
                 _run(launches, v)
                 main.wait_stream(side)
                 shared = v.get("shared")
-                if shared is not None and not capturing:  # eager: not reused before the step's stream reads it
+                if shared is not None and not captured:  # eager: not reused before the step's stream reads it
                     shared.record_stream(main)
             _run(finish, v)
             return v["h"]

@@ -24,6 +24,7 @@ from typing import IO, Any
 import structlog
 import torch
 
+from sluice.kernels.graphs import capturing
 from sluice.pipeline.streams import Streams
 
 
@@ -53,7 +54,7 @@ class Tracer:
     def span(self, name: str, layer: int, stream: str | None = None):
         """A stage's host span (and with `stream` its GPU span) around what it wraps; nothing inside a graph's capture,
         whose parts time themselves (`phase`)."""
-        if not self.enabled or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if not self.enabled or capturing():
             yield
             return
         start_ev = self.streams.record(stream, timing=True) if stream else None
@@ -82,19 +83,19 @@ class Tracer:
             yield
             return
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        captured = cuda and capturing()
         if cuda:
-            start = torch.cuda.Event(enable_timing=True, external=capturing)
+            start = torch.cuda.Event(enable_timing=True, external=captured)
             start.record()
         t = _now_us()
         try:
             yield
         finally:
             if cuda:
-                end = torch.cuda.Event(enable_timing=True, external=capturing)
+                end = torch.cuda.Event(enable_timing=True, external=captured)
                 end.record()
-                (marks.append if capturing else self._pending_gpu.append)((name, stream, layer, start, end))
-            if not capturing:
+                (marks.append if captured else self._pending_gpu.append)((name, stream, layer, start, end))
+            if not captured:
                 self._host(name, layer, t, _now_us() - t)
 
     def replayed(self, marks: list) -> None:
