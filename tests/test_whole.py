@@ -106,3 +106,20 @@ def test_a_whole_step_keeps_each_stages_span(stores, tmp_path):
             seen.setdefault(line["stage"], set()).add((line["step"], line["layer"]))
     for stage in ("route", "fetch", "compute", "combine"):
         assert len(seen.get(stage, ())) == (STEPS - 1) * layers, (stage, sorted(seen.get(stage, ())))
+
+
+def test_a_snapshot_of_a_windowed_cache_restores_exactly(stores, tmp_path, monkeypatch):
+    """A sequence over a static cache read through windows, snapshotted and restored, continues bit for bit as the
+    original (its windows come along), across the window's growth, its steps replayed whole on a GPU."""
+    from sluice.models import static_cache
+
+    monkeypatch.setattr(static_cache, "MIN_WINDOW", 16)
+    schedule = direct_schedule(tmp_path, backend="triton")
+    with _open(stores["nemotron_h"], schedule, True) as engine:
+        seq = engine.new_sequence()
+        engine.extend(seq, PROMPT)
+        snap = engine.snapshot(seq)
+        live = [engine.extend(seq, [t])[-1].cpu() for t in range(3, 12)]  # 13 .. 21 tokens: windows of 16, then 32
+        again = engine.restore(snap)
+        assert {layer.window for layer in again.cache.layers if hasattr(layer, "window")} == {16}
+        assert torch.equal(torch.stack([engine.extend(again, [t])[-1].cpu() for t in range(3, 12)]), torch.stack(live))
