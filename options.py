@@ -59,9 +59,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
                                          "gets what the resident part and a reserve leave")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")
-    p.add_argument("--whole-step", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--whole-step", action=argparse.BooleanOptionalAction, default=None,
                    help="replay a one-token step whole, embed to logits, as one CUDA graph where nothing in it needs the "
-                        "host (a direct schedule with --static-kv; default: on; --no-whole-step runs it layer by layer)")
+                        "host (a direct schedule with --static-kv; default: on for models checked on a GPU, --whole-step "
+                        "for the others too; --no-whole-step runs it layer by layer)")
     p.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
                    help="RMSNorms and routers in Triton launches where the model has them (default: on with CUDA; "
                         "--no-fused-ops keeps transformers' ops)")

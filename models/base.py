@@ -162,6 +162,10 @@ class ResidentModel(ABC):
     # whether several sequences' one-token steps may share a MoE layer's pass (pipeline/batch.py): False where the
     # model keeps one step's state between a layer's parts (DeepSeek-V4: the token ids, the mHC weights)
     batchable = True
+    # whether its one-token step, over a static cache, has been checked on a GPU to replay whole as one CUDA graph with
+    # the layer-by-layer step's logits (pipeline/whole.py; tests/test_whole.py with SLUICE_TEST_DEVICE=cuda): where not,
+    # whole steps run only when asked for (`whole_step=True`)
+    whole_checked = False
 
     def new_cache(self, static: int | None = None) -> Any:
         """A fresh KV / recurrent-state cache for one sequence (transformers' own, per the config's layer types):

@@ -291,6 +291,8 @@ def _scores(gate, x):
 
 
 class NemotronHResident(ResidentModel):
+    whole_checked = True  # on an H100, 2026-12-06
+
     def __init__(self, hf_model):
         super().__init__(hf_model)
         self.layers = []

@@ -59,8 +59,9 @@ class EngineConfig:
     record_routing: str | None = None  # path for a routing trace (storage/trace.py), replayed by `sluice simulate`
     routing: str = "natural"  # natural | uniform | skewed[:...] | trace:FILE (storage/routing.py): benchmarks' routing
     resident_graphs: bool = True  # CUDA: replay one-token steps of in-place-state layers (Mamba) as graphs
-    whole_step: bool = True  # CUDA: replay a one-token step whole as one graph where nothing in it needs the host
-    # (pipeline/whole.py: a `via: table` schedule holding every block, and static_kv)
+    whole_step: bool | None = None  # CUDA: replay a one-token step whole as one graph where nothing in it needs the
+    # host (pipeline/whole.py: a `via: table` schedule holding every block, and static_kv); None: on models checked on a
+    # GPU (ResidentModel.whole_checked), True: on others too, False: never
     fused_ops: bool | None = None  # RMSNorms and routers in Triton launches where the model has them (ResidentModel.fuse:
     # kernels/norm.py, router.py); None: on CUDA
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA

@@ -151,12 +151,17 @@ class Coordinator:
         li = LayerInput(block, self._next[block.index], x, residual, self._ahead[block.index], decoding)
         return list((await self.run_layer(li)).h.split([h.shape[1] for h in hs], dim=1))
 
-    def token(self, layer, h: torch.Tensor) -> torch.Tensor | None:
-        """A one-token step of MoE `layer` on h [1, 1, D] queued with no host wait (the plan's composed step; the token's
-        first host work is the caller's: `plan.begin_token`), or None where the host must act or no plan composes it."""
+    def token(self, layer, h: torch.Tensor, ctx) -> torch.Tensor | None:
+        """A one-token step of MoE `layer` on h [1, 1, D] queued with no host wait (the plan's composed step, from h or,
+        for a block whose MoE input is not pure, from the layer's MoE input; the token's first host work is the
+        caller's: `plan.begin_token`), or None where the host must act or no plan composes it."""
         if self.plan is None:
             return None
-        return self.plan.token(layer, h, self._next[layer.moe.index], first=False)
+        block = layer.moe
+        nxt = self._next[block.index]
+        if block.graph_safe:
+            return self.plan.token(layer, h, nxt, first=False)
+        return self.plan.step(block, nxt, None, layer.moe_input(h, ctx), first=False)
 
     async def moe(self, i: int, layer, h: torch.Tensor, ctx, graphs: bool) -> torch.Tensor:
         """Model layer i (a MoE layer) on h [B, T, D]: its output h. `graphs`: a one-token step replaying graphs."""

@@ -54,7 +54,8 @@ class Engine:
         self.fn_graphs = FnGraphs(rt.pools) if graphs else None
         coordinator.bind(model, self.fn_graphs)
         # one-token steps replayed whole as one graph where nothing in them needs the host (pipeline/whole.py)
-        refusal = WholeStep.refusal(model, coordinator, rt, config.static_kv) if graphs and config.whole_step else "off"
+        refusal = WholeStep.refusal(model, coordinator, rt, config.static_kv, config.whole_step) \
+            if graphs and config.whole_step is not False else "off"
         self.whole = WholeStep(model, coordinator, rt, routing) if refusal is None else None
         if refusal not in (None, "off"):
             get_logger().debug("one-token steps run layer by layer", why=refusal)

@@ -49,20 +49,24 @@ class WholeStep:
         self.captures = self.replays = 0
 
     @staticmethod
-    def refusal(model, coordinator, rt, static_kv: int | None) -> str | None:
-        """Why this engine's one-token steps cannot be replayed whole, or None where they can."""
+    def refusal(model, coordinator, rt, static_kv: int | None, asked: bool | None = None) -> str | None:
+        """Why this engine's one-token steps cannot be replayed whole, or None where they can. `asked`: True runs them
+        whole on a model not yet checked on a GPU (`ResidentModel.whole_checked`), None only on checked ones."""
         plan = coordinator.plan
         if plan is None:
             return "the schedule's MoE layers are not composed into one-token steps (a `via: table` schedule is)"
         table = plan.table
         if table.backend != "triton" or table.stream_ram:
             return "one-token MoE steps wait for the host (the torch backend, or fetch's hold: false)"
-        if not all(b.graph_safe for b in model.moe_blocks):
-            return f"the MoE layers' functions of {model.config.model_type} are not pure (MoEBlock.graph_safe)"
         if static_kv is None:
             return "attention over a growing cache (--static-kv N fixes its tensors)"
         if rt.recorder is not None:
             return "routing is recorded"
+        sliding = sorted({type(layer).__name__ for layer in model.new_cache(static_kv).layers if "Sliding" in type(layer).__name__})
+        if sliding:  # transformers keeps their fill on the host
+            return f"{model.config.model_type}'s sliding-window attention ({', '.join(sliding)}) changes host state each token"
+        if not model.whole_checked and asked is not True:
+            return f"not yet checked on a GPU for {model.config.model_type} (--whole-step runs it whole all the same)"
         return None
 
     def run(self, cache, past: int, token: int) -> torch.Tensor | None:
@@ -124,7 +128,7 @@ class WholeStep:
             for layer in model.layers:
                 if layer.moe is None:
                     h = layer.forward(h, ctx)
-                elif (h := self.coordinator.token(layer, h)) is None:
+                elif (h := self.coordinator.token(layer, h, ctx)) is None:
                     raise RuntimeError(f"layer {layer.moe.layer}'s one-token MoE step needs the host")
             w.logits = model.head(h)
             if self.routing is not None:
