@@ -54,11 +54,12 @@ class Engine:
         self.fn_graphs = FnGraphs(rt.pools) if graphs else None
         coordinator.bind(model, self.fn_graphs)
         # one-token steps replayed whole as one graph where nothing in them needs the host (pipeline/whole.py)
-        refusal = WholeStep.refusal(model, coordinator, rt, config.static_kv, config.whole_step) \
-            if graphs and config.whole_step is not False else "off"
+        refusal = "off" if config.whole_step is False else "CUDA graphs are off here (no GPU, or --eager)" if not graphs \
+            else WholeStep.refusal(model, coordinator, rt, config.static_kv, config.whole_step)
         self.whole = WholeStep(model, coordinator, rt, routing) if refusal is None else None
-        if refusal not in (None, "off"):
-            get_logger().debug("one-token steps run layer by layer", why=refusal)
+        if refusal not in (None, "off"):  # a warning where it was asked for (--whole-step)
+            log = get_logger().warning if config.whole_step else get_logger().debug
+            log("one-token steps run layer by layer, not whole", why=refusal)
 
     @classmethod
     def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":

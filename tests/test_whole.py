@@ -138,3 +138,12 @@ def test_a_snapshot_of_a_windowed_cache_restores_exactly(stores, tmp_path, monke
         again = engine.restore(snap)
         assert {layer.window for layer in again.cache.layers if hasattr(layer, "window")} == {16}
         assert torch.equal(torch.stack([engine.extend(again, [t])[-1].cpu() for t in range(3, 12)]), torch.stack(live))
+
+
+def test_asked_for_but_refused_says_why(stores, capsys):
+    """`whole_step=True` where a step cannot replay whole: a warning naming why, and steps layer by layer."""
+    with sluice.load(stores["nemotron_h"], device=DEVICE, schedule="overlap", whole_step=True) as engine:
+        assert engine.whole is None
+    err = capsys.readouterr().err
+    assert "one-token steps run layer by layer, not whole" in err
+    assert ("CUDA graphs are off" if DEVICE == "cpu" else "not composed") in err
