@@ -337,7 +337,8 @@ class Engine:
         if images is not None and images.shape[0]:
             mask = torch.tensor(ids, device=self.device) == self._images.image_token_id
             h[0, mask] = images.to(h.device, h.dtype)
-        graphs = self.graphs if len(ids) == 1 else None
+        # a whole step's warm-up (a sequence's first one-token step) captures no per-layer graphs: the whole graph follows
+        graphs = self.graphs if len(ids) == 1 and (self.whole is None or self.whole.off) else None
         for i, layer in enumerate(model.layers):
             if cancel is not None and cancel.is_set():  # its client left: a long prefill stops here, not at its end
                 raise StepCancelled(f"step cancelled at layer {i}")
