@@ -132,6 +132,9 @@ class TokenPlan:
         self._whole = (ran, marks)
         try:
             yield ran, marks
+        except BaseException:
+            self.table.copied = [None, None]  # events a failed capture recorded: never to be waited on
+            raise
         finally:
             self._whole = None
 

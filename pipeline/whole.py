@@ -114,7 +114,6 @@ class WholeStep:
                 self._body(w, cache)
         except Exception as e:
             self.off = str(e)[:200]
-            self.coordinator.plan.table.copied = [None, None]  # events a failed capture recorded: never waited on
             get_logger().warning("one-token steps run layer by layer: the whole step cannot be captured", error=self.off)
             return None
         self.captures += 1
