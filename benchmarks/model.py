@@ -268,6 +268,20 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
 EXPERT_KERNELS = ("_matvec_kernel", "_down_relaid_kernel", "_x_pairs_kernel", "_grouped_gemm_kernel")
 
 
+def device_table(device: list, tokens: int, rows: int = 40) -> str:
+    """The GPU's ops by own time: per token, their count, time each and time in all (names cut to 70 characters)."""
+    device = sorted(device, key=lambda e: -e.self_device_time_total)
+    lines = [f"  {'ms/token':>8} {'ops/token':>9} {'us each':>8}  GPU op"]
+    for e in device[:rows]:
+        lines.append(f"  {e.self_device_time_total / 1e3 / tokens:8.3f} {e.count / tokens:9.1f} "
+                     f"{e.self_device_time_total / max(e.count, 1):8.2f}  {e.key[:70]}")
+    rest = device[rows:]
+    if rest:
+        lines.append(f"  {sum(e.self_device_time_total for e in rest) / 1e3 / tokens:8.3f} "
+                     f"{sum(e.count for e in rest) / tokens:9.1f} {'':>8}  ({len(rest)} other ops)")
+    return "\n".join(lines)
+
+
 def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0, split: dict | None = None) -> str:
     """Where a decode step's time goes: host Python functions (cProfile, by own time) and, on CUDA, the
     GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the gap.
@@ -304,7 +318,7 @@ def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0, split:
             split.update(busy_ms=busy, experts_ms=experts, resident_ms=busy - experts)
         lines.append(f"  Sluice's expert kernels {experts:.2f} ms/token (zero-copy reads from RAM included), everything else "
                      f"{busy - experts:.2f} ms/token: the resident part's own GPU time")
-        lines.append(events.table(sort_by="self_device_time_total", row_limit=12))
+        lines.append(device_table(device, tokens))
     pr = cProfile.Profile()
     t = time.perf_counter()
     pr.enable()

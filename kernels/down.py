@@ -9,6 +9,8 @@ Blocks live in a bank as in kernels/decode.py (`offs` [A] int64 byte offsets, mu
                   groups read
     h_pairs       h [A, I] -> its f16x2 pairs, each 16-neuron group scaled by a power of two, for the
                   f16x2 path (kernels/f16x2.py); the up projection's relu2 epilogue writes the same
+    weigh_parts   part [A, S, Dx] -> y[a] = w[a] * (sum over s of part[a, s]) rounded to the model's dtype,
+                  and the live groups counted: the down projection's tail in one launch
 
 Reductions are fixed-order (no atomics): split partials are summed by the caller in order.
 """
@@ -24,6 +26,7 @@ from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_BLOCK_E8
                                     block_scale, e2m1_scaled, group_scale, tensor_scale)
 from sluice.kernels.f16x2 import fp4_group_dot_f16x2, fp8_group_dot_f16x2, group_pairs
 from sluice.kernels.layout import ProjLayout
+from sluice.kernels.rounding import rounded
 
 
 @triton.jit
@@ -216,3 +219,46 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
         R=8 if layout.fmt in SCALE_GROUPS else 16, BD=bd, F16X2=f16x2, ASM=f16x2 and h.is_cuda, num_warps=num_warps,
     )
     return part, live
+
+
+@triton.jit
+def _weigh_parts_kernel(part, w, y, live, live_total, A, S, Dx, XDT: tl.constexpr, YDT: tl.constexpr, BD: tl.constexpr,
+                        BL: tl.constexpr):
+    """Grid (cdiv(Dx, BD),): outputs d of every expert a: y[a, d] = w[a] * x_dtype(part[a, 0, d] + ... + part[a, S-1, d])
+    (summed in that order); program 0 adds live's A * S counts to live_total."""
+    d = tl.program_id(0) * BD + tl.arange(0, BD)
+    dm = d < Dx
+    for a in range(A):
+        acc = tl.load(part + a * S * Dx + d, mask=dm, other=0.0)
+        for s in range(1, S):
+            acc += tl.load(part + (a * S + s) * Dx + d, mask=dm, other=0.0)
+        v = rounded(acc, XDT) * tl.load(w + a).to(tl.float32)
+        tl.store(y + a * Dx + d, rounded(v, YDT).to(YDT), mask=dm)
+    if tl.program_id(0) == 0:
+        n = 0
+        for i in range(0, A * S, BL):
+            j = i + tl.arange(0, BL)
+            n += tl.sum(tl.load(live + j, mask=j < A * S, other=0).to(tl.int64), axis=0)
+        tl.store(live_total, tl.load(live_total) + n)
+
+
+def weigh_parts(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, live_total: torch.Tensor, x_dtype: torch.dtype,
+                y_dtype: torch.dtype, bd: int = 256) -> torch.Tensor:
+    """down_relaid's partials part [A, S, Dx] fp32 -> y [A, Dx] y_dtype: each expert's split sums added in order s = 0..S-1,
+    rounded to x_dtype (the model's), times its routing weight w [A] in fp32; live [A, S]'s counts added to live_total
+    (a 0-d int64). One launch for what is otherwise five (`weigh_parts_ref`)."""
+    A, S, Dx = part.shape
+    y = torch.empty(A, Dx, dtype=y_dtype, device=part.device)
+    _weigh_parts_kernel[(triton.cdiv(Dx, bd),)](part, w, y, live, live_total, A, S, Dx, XDT=TL_DTYPES[x_dtype],
+                                                 YDT=TL_DTYPES[y_dtype], BD=bd, BL=64)
+    return y
+
+
+def weigh_parts_ref(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, live_total: torch.Tensor, x_dtype: torch.dtype,
+                    y_dtype: torch.dtype) -> torch.Tensor:
+    """`weigh_parts` in plain torch, the splits summed in the same order."""
+    acc = part[:, 0].clone()
+    for s in range(1, part.shape[1]):
+        acc += part[:, s]
+    live_total += live.sum()
+    return (acc.to(x_dtype).float() * w.float()[:, None]).to(y_dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from sluice.kernels.decode import ACTS, F16X2_DOWN, FP4_WORDS, matvec
-from sluice.kernels.down import down_relaid
+from sluice.kernels.down import down_relaid, weigh_parts
 from sluice.kernels.dequant import FORMAT_CODES, SCALE_GROUPS
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
@@ -124,8 +124,7 @@ class TritonExperts:
                    pairs_fp8=L["down"].fmt != FORMAT_CODES["nvfp4"])
             part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip, host=host, f16x2=pairs is not None,
                                      pairs=pairs)
-            self.live_groups += live.sum()
-            return (part.sum(1).to(x_dtype).float() * wts.float()[:, None]).to(y_dtype)
+            return weigh_parts(part, wts, live, self.live_groups, x_dtype, y_dtype)
         matvec(bank, offs, x, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, act_args=self.act_args,
                fp4_words=self.fp4_words)
         out = torch.empty(A, L["down"].n, dtype=y_dtype, device=x.device)

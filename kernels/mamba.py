@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.decode import TL_DTYPES
+from sluice.kernels.rounding import rounded
 
 
 @triton.jit
@@ -187,20 +188,6 @@ def mamba_steps_ref(zx, conv_state, conv_w, conv_b, dt_bias, a_log, d_skip, ssm_
 
 
 @triton.jit
-def _rounded(v, DT: tl.constexpr):
-    """fp32 v rounded to dtype DT (nearest, ties to even) and back: bf16 by its bits (Triton's interpreter casts to
-    bf16 by another rounding), others by a cast."""
-    if DT == tl.bfloat16:
-        u = v.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        return u.to(tl.float32, bitcast=True)
-    elif DT == tl.float32:
-        return v
-    else:
-        return v.to(DT).to(tl.float32)
-
-
-@triton.jit
 def _ssm_scan_kernel(x, dt, a, b, c, d_skip, dt_bias, s0, y, s_out, T, P, N, HPG, X_T, X_H, X_P, DT_T, DT_H, B_T, B_G, B_N,
                      C_T, C_G, C_N, Y_T, DT_MIN, DT_MAX, DT_DT: tl.constexpr, HAS_S0: tl.constexpr, HAS_D: tl.constexpr,
                      HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
@@ -210,7 +197,7 @@ def _ssm_scan_kernel(x, dt, a, b, c, d_skip, dt_bias, s0, y, s_out, T, P, N, HPG
     ptr = h * P * N + p[:, None] * N + n[None, :]
     A = tl.load(a + h).to(tl.float32)
     D = tl.load(d_skip + h).to(tl.float32) if HAS_D else 0.0
-    bias = _rounded(tl.load(dt_bias + h).to(tl.float32), DT_DT) if HAS_DTB else 0.0
+    bias = rounded(tl.load(dt_bias + h).to(tl.float32), DT_DT) if HAS_DTB else 0.0
     if HAS_S0:
         s = tl.load(s0 + ptr, mask=m, other=0.0).to(tl.float32)
     else:
@@ -218,10 +205,10 @@ def _ssm_scan_kernel(x, dt, a, b, c, d_skip, dt_bias, s0, y, s_out, T, P, N, HPG
     for t in range(T):
         xt = tl.load(x + t * X_T + h * X_H + p * X_P, mask=pm, other=0.0).to(tl.float32)
         # dt as transformers' scan makes it: each step rounded to dt's dtype (the bias added, softplus, the clamp)
-        dv = _rounded(tl.load(dt + t * DT_T + h * DT_H).to(tl.float32) + bias, DT_DT)
+        dv = rounded(tl.load(dt + t * DT_T + h * DT_H).to(tl.float32) + bias, DT_DT)
         if SOFTPLUS:
-            dv = _rounded(_softplus(dv), DT_DT)
-        dv = _rounded(tl.minimum(tl.maximum(dv, DT_MIN), DT_MAX), DT_DT)
+            dv = rounded(_softplus(dv), DT_DT)
+        dv = rounded(tl.minimum(tl.maximum(dv, DT_MIN), DT_MAX), DT_DT)
         bt = tl.load(b + t * B_T + g * B_G + n * B_N, mask=nm, other=0.0).to(tl.float32)
         ct = tl.load(c + t * C_T + g * C_G + n * C_N, mask=nm, other=0.0).to(tl.float32)
         s = s * tl.exp(dv * A) + (dv * xt)[:, None] * bt[None, :]

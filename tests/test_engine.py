@@ -168,6 +168,18 @@ def test_disk_bandwidth_reads_through_a_reader_of_its_own(stores, monkeypatch):
         assert (engine.rt.reader.reads, engine.rt.reader.bytes_read) == before and len(engine.rt.ram.entries()) == cached
 
 
+def test_profile_table_lists_gpu_ops_by_time_per_token():
+    """bench --profile's GPU table: ops by own time, per token, the ops past its rows summed in one line."""
+    from types import SimpleNamespace
+
+    from sluice.benchmarks.model import device_table
+
+    ops = [SimpleNamespace(key=f"op{i}", self_device_time_total=100.0 * i, count=2 * i) for i in range(1, 6)]
+    lines = device_table(ops, tokens=2, rows=3).splitlines()
+    assert lines[1].split() == ["0.250", "5.0", "50.00", "op5"]  # 500 us over 2 tokens, 10 calls
+    assert lines[3].split()[-1] == "op3" and lines[4].split()[:2] == ["0.150", "3.0"]  # op2 + op1: 300 us, 6 calls
+
+
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a VRAM budget sizes the GPU slot bank")
 def test_vram_budget_sizes_the_slot_bank(stores):
     """The slot bank gets what the budget leaves after the resident part and the reserve; a budget too small

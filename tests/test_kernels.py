@@ -116,6 +116,30 @@ def test_relu2_decode(fmt, A, Dx, I):
     assert int(live.sum()) == A * I // 16
 
 
+@pytest.mark.parametrize("A, S, Dx", [(6, 32, 1024), (1, 3, 70), (4, 16, 300)])
+@pytest.mark.parametrize("x_dtype, y_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16)])
+def test_weigh_parts_is_its_reference(A, S, Dx, x_dtype, y_dtype):
+    """The down projection's tail in one launch: bit for bit its plain-torch reference (splits summed in order), live
+    groups counted onto the total; an expert's weight given to another, or the splits summed in torch's own order
+    rounded through a coarser dtype, differ."""
+    from sluice.kernels.down import weigh_parts, weigh_parts_ref
+
+    g = torch.Generator().manual_seed(A * S)
+    part = (torch.randn(A, S, Dx, generator=g) * 3).to(DEVICE)
+    w = torch.rand(A, generator=g).to(DEVICE)
+    live = torch.randint(0, 9, (A, S), dtype=torch.int32, generator=g).to(DEVICE)
+    total, total_ref = (torch.full((), 5, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    y = weigh_parts(part, w, live, total, x_dtype, y_dtype)
+    want = weigh_parts_ref(part, w, live, total_ref, x_dtype, y_dtype)
+    assert y.dtype == y_dtype and torch.equal(y, want)
+    assert int(total) == int(total_ref) == 5 + int(live.sum())
+    if A > 1:
+        assert not torch.equal(weigh_parts(part, w.roll(1), live, total, x_dtype, y_dtype), want)
+    half = (part.sum(1).half().float() * w[:, None]).to(y_dtype)
+    assert not torch.equal(half, want)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4", "mxfp4"])
 def test_zero_skip_reads_only_live_groups_and_changes_nothing(fmt):
     A, Dx, I = 2, 64, 96
