@@ -66,6 +66,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
                    help="RMSNorms and routers in Triton launches where the model has them (default: on with CUDA; "
                         "--no-fused-ops keeps transformers' ops)")
+    p.add_argument("--fused-linears", action=argparse.BooleanOptionalAction, default=None,
+                   help="one-row linears of the resident part in one Triton launch each (kernels/gemv.py) instead of "
+                        "cuBLAS (default: off)")
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
@@ -111,6 +114,7 @@ def open_engine(args):
         resident_graphs=not args.eager, whole_step=args.whole_step, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
         prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba, fused_ops=args.fused_ops,
+        fused_linears=args.fused_linears,
         static_kv=getattr(args, "static_kv", None),
         routing=getattr(args, "routing", "natural"),
     )

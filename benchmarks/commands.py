@@ -53,11 +53,13 @@ def add_bench_parser(sub) -> None:
     bc.set_defaults(func=cmd_bench_cpu)
 
     from sluice.benchmarks.batch import add_batch_parser
+    from sluice.benchmarks.gemv import add_gemv_parser
     from sluice.benchmarks.load import add_load_parser
     from sluice.benchmarks.peer import add_peer_parser
     from sluice.benchmarks.routing import add_routing_parser
 
     add_batch_parser(bsub)
+    add_gemv_parser(bsub)
     add_load_parser(bsub)
     add_peer_parser(bsub)
     add_routing_parser(bsub)

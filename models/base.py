@@ -186,6 +186,16 @@ class ResidentModel(ABC):
         """Put Triton kernels in place of the small ops this model's one-token steps are made of (its RMSNorms, its
         routers), where it has them; the default has none."""
 
+    def fuse_linears(self) -> None:
+        """Every resident nn.Linear of a 16- or 32-bit float weight through the one-launch GEMV for one-row inputs
+        (kernels/gemv.py `Gemv`)."""
+        from sluice.kernels.gemv import Gemv
+
+        for name, module in list(self.hf.named_modules()):
+            if type(module) is nn.Linear and module.weight.dtype.is_floating_point and module.weight.element_size() >= 2:
+                parent, _, attr = name.rpartition(".")
+                setattr(self.hf.get_submodule(parent) if parent else self.hf, attr, Gemv(module))
+
     @abstractmethod
     def begin(self, ids: torch.Tensor, cache: Any, past: int | torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Embed ids [1,T] at positions past..past+T-1 (`past` a host int, or a device int64 scalar: a step captured

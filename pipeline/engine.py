@@ -76,11 +76,13 @@ class Engine:
         arch = get_architecture(store.manifest.architecture)
         hf_config = AutoConfig.from_pretrained(store.path)
         model = arch.build(hf_config, store.resident_tensors(config.verify_checksums), device, config.torch_dtype)
-        for name in ("fused_ops", "fused_mamba"):
+        for name in ("fused_ops", "fused_mamba", "fused_linears"):
             if getattr(config, name) and not triton_runs_on(device):
                 raise ConfigError(f"{name}: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         if config.fused_ops if config.fused_ops is not None else device.type == "cuda":
             model.fuse()
+        if config.fused_linears:
+            model.fuse_linears()
         routing = controlled_routing(config.routing, model, device)
         schedule = load_schedule(config.schedule)
         needs = schedule.needs

@@ -1,4 +1,4 @@
-"""The fused small ops of a one-token step (kernels/norm.py, kernels/router.py) against their plain-torch references,
+"""The fused small ops of a one-token step (kernels/norm.py, kernels/router.py, kernels/gemv.py) against their plain-torch references,
 and a Nemotron-H with them in place (`fused_ops`) against transformers. Triton runs interpreted on a CPU."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sluice
+from sluice.kernels.gemv import Gemv, gemv, gemv_ref
 from sluice.kernels.norm import rms_norm, rms_norm_ref
 from sluice.kernels.router import router_ref, sigmoid_router
 from common import DEVICE
@@ -45,10 +46,37 @@ def test_router_matches_its_reference(T, D, E, K):
         assert not torch.equal(sigmoid_router(x, weight, torch.zeros_like(bias) - bias * 50, K, 2.5, True)[1], ids)
 
 
+@pytest.mark.parametrize("N,K,dtype,bias", [(1024, 2688, torch.bfloat16, False), (37, 300, torch.float32, True),
+                                             (130, 70, torch.float16, False), (5, 1000, torch.bfloat16, True)])
+def test_gemv_matches_its_reference(N, K, dtype, bias):
+    """One row through the one-launch linear: within one rounding of the output type of the fp32 reference (fp32: of its
+    sum's order), at tiles
+    that leave ragged edges in N and K too; the module takes longer inputs through F.linear; a transposed read of the
+    weight's rows (one output's row for another's) shows."""
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(K, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=g).to(dtype).to(DEVICE) if bias else None
+    want = gemv_ref(x, w, b)
+    ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1) + (1e-6 if dtype == torch.float32 else 0)
+    for bn, bk in [(0, 0), (4, 64), (16, 128)]:
+        got = gemv(x, w, b, bn=bn, bk=bk)
+        assert got.shape == (N,) and got.dtype == dtype
+        assert bool(((got.float() - want.float()).abs() <= 2 * ulp).all()), (bn, bk)
+    lin = torch.nn.Linear(K, N, bias=bias, dtype=dtype, device=DEVICE)
+    lin.weight.data.copy_(w)
+    if bias:
+        lin.bias.data.copy_(b)
+    assert torch.equal(Gemv(lin)(x.view(1, 1, K)).view(N), gemv(x, w, b))
+    rows = torch.randn(3, K, generator=g).to(dtype).to(DEVICE)
+    assert torch.equal(Gemv(lin)(rows), torch.nn.functional.linear(rows, w, b))
+    assert not torch.allclose(gemv(x, w.flip(0), b).float(), want.float(), atol=1e-2)
+
+
 def test_fused_nemotron_h_matches_transformers(stores, refs):
-    """`fused_ops`: every RMSNorm and router of a Nemotron-H replaced by the kernels; the prompt's and every decode
-    step's logits within the golden tolerance, the greedy tokens the reference's."""
-    with sluice.load(stores["nemotron_h"], device=DEVICE, fused_ops=True, schedule="direct") as engine:
+    """`fused_ops` and `fused_linears`: every RMSNorm, router and linear of a Nemotron-H replaced by the kernels; the
+    prompt's and every decode step's logits within the golden tolerance, the greedy tokens the reference's."""
+    with sluice.load(stores["nemotron_h"], device=DEVICE, fused_ops=True, fused_linears=True, schedule="direct") as engine:
         names = {type(m).__name__ for m in engine.model.hf.modules()}
-        assert "RMSNorm" in names and "NemotronHRMSNorm" not in names
+        assert {"RMSNorm", "Gemv"} <= names and not names & {"NemotronHRMSNorm", "Linear"}
         check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops")

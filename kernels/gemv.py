@@ -1,0 +1,82 @@
+"""One-token linears of the resident part in one Triton launch: y = x W^T (+ b) for a single row x.
+
+A one-token step's resident linears are matrix-vector products that read the whole weight once; on an H100 cuBLAS
+ran Nemotron-3-Nano's shared experts (20 MB) at two thirds of the memory's rate, a split-K kernel and its reduction
+each. Here a program per BN outputs reads their rows along K in BK-wide tiles, fp32
+products summed per output, rounded once to the output dtype (nearest, ties to even, as a GPU's cast). Results agree
+with F.linear within the summation order's rounding, not bit for bit. `gemv_ref` is the plain-torch reference.
+
+Shape legend: K in_features, N out_features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from sluice.kernels.decode import TL_DTYPES
+from sluice.kernels.rounding import rounded
+
+
+@triton.jit
+def _gemv_kernel(x, w, b, y, N, K, W_N, HAS_B: tl.constexpr, YDT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xv = tl.load(x + k, mask=km, other=0.0).to(tl.float32)
+        wv = tl.load(w + n[:, None] * W_N + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += wv.to(tl.float32) * xv[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_B:
+        out += tl.load(b + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(y + n, rounded(out, YDT).to(YDT), mask=nm)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, bn: int = 0, bk: int = 0,
+         num_warps: int = 4) -> torch.Tensor:
+    """x [K] (contiguous), weight [N, K] (rows contiguous), bias [N] or None -> y [N] in x's dtype. bn, bk: the tile
+    (0: `tile(N, K)`)."""
+    N, K = weight.shape
+    assert x.shape == (K,) and weight.stride(1) == 1, (x.shape, weight.shape, weight.stride())
+    dbn, dbk = tile(N, K)
+    bn, bk = bn or dbn, bk or dbk
+    y = torch.empty(N, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, bn),)](x, weight, bias if bias is not None else y, y, N, K, weight.stride(0),
+                                       HAS_B=bias is not None, YDT=TL_DTYPES[x.dtype], BN=bn, BK=bk, num_warps=num_warps)
+    return y
+
+
+def tile(N: int, K: int) -> tuple[int, int]:
+    """(BN, BK): enough programs to fill a GPU's SMs twice over where N allows (small N: fewer outputs a program)."""
+    bn = 16
+    while bn > 2 and triton.cdiv(N, bn) < 256:
+        bn //= 2
+    return bn, min(512, triton.next_power_of_2(K))
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemv` in plain torch: fp32 products and sums, rounded once to x's dtype."""
+    y = weight.float() @ x.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class Gemv(nn.Module):
+    """Stands where an nn.Linear was: a one-row input through `gemv`, longer ones through F.linear; its weight and bias."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return gemv(x.reshape(-1).contiguous(), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
