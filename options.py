@@ -68,7 +68,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "--no-fused-ops keeps transformers' ops)")
     p.add_argument("--fused-linears", action=argparse.BooleanOptionalAction, default=None,
                    help="one-row linears of the resident part in one Triton launch each (kernels/gemv.py) instead of "
-                        "cuBLAS (default: off)")
+                        "cuBLAS (default: on with CUDA; --no-fused-linears keeps cuBLAS)")
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")

@@ -13,7 +13,7 @@ import torch
 NANO = [("mamba in_proj", 10304, 2688), ("mamba out_proj", 2688, 4096), ("shared up", 3712, 2688),
         ("shared down", 2688, 3712), ("attn q", 4096, 2688), ("attn k / v", 256, 2688), ("attn o", 2688, 4096),
         ("lm_head", 131072, 2688)]
-TILES = [(0, 0), (2, 512), (4, 256), (4, 512), (8, 256), (8, 512), (16, 256)]
+TILES = [(0, 0), (2, 512), (4, 256), (8, 512), (16, 256)]
 
 
 def add_gemv_parser(bsub) -> None:

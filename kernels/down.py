@@ -10,7 +10,8 @@ Blocks live in a bank as in kernels/decode.py (`offs` [A] int64 byte offsets, mu
     h_pairs       h [A, I] -> its f16x2 pairs, each 16-neuron group scaled by a power of two, for the
                   f16x2 path (kernels/f16x2.py); the up projection's relu2 epilogue writes the same
     weigh_parts   part [A, S, Dx] -> y[a] = w[a] * (sum over s of part[a, s]) rounded to the model's dtype,
-                  and the live groups counted: the down projection's tail in one launch
+                  and the live groups counted: the down projection's tail in one launch; or (summed) the sum
+                  over a of those in order, a one-token step's routed sum
 
 Reductions are fixed-order (no atomics): split partials are summed by the caller in order.
 """
@@ -222,20 +223,27 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
 
 
 @triton.jit
-def _weigh_parts_kernel(part, w, y, live, live_total, A, S, Dx, XDT: tl.constexpr, YDT: tl.constexpr, BD: tl.constexpr,
-                        BL: tl.constexpr):
-    """Grid (cdiv(Dx, BD),): outputs d of every expert a: y[a, d] = w[a] * x_dtype(part[a, 0, d] + ... + part[a, S-1, d])
-    (summed in that order); program 0 adds live's A * S counts to live_total."""
+def _weigh_parts_kernel(part, w, y, live, live_total, Dx, A: tl.constexpr, S: tl.constexpr, XDT: tl.constexpr,
+                        YDT: tl.constexpr, SUM: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr):
+    """Grid (cdiv(Dx, BD),): outputs d of every expert a: v[a, d] = w[a] * x_dtype(part[a, 0, d] + ... + part[a, S-1, d])
+    (summed in that order) in y_dtype, stored as y[a, d] or (SUM) summed over a = 0..A-1 in that order into y[0, d] in
+    x_dtype; program 0 adds live's A * S counts to live_total."""
     d = tl.program_id(0) * BD + tl.arange(0, BD)
     dm = d < Dx
-    for a in range(A):
+    total = tl.zeros([BD], dtype=tl.float32)
+    for a in tl.static_range(A):  # unrolled: every load issued ahead of the adds that wait for it
         acc = tl.load(part + a * S * Dx + d, mask=dm, other=0.0)
-        for s in range(1, S):
+        for s in tl.static_range(1, S):
             acc += tl.load(part + (a * S + s) * Dx + d, mask=dm, other=0.0)
-        v = rounded(acc, XDT) * tl.load(w + a).to(tl.float32)
-        tl.store(y + a * Dx + d, rounded(v, YDT).to(YDT), mask=dm)
+        v = rounded(rounded(acc, XDT) * tl.load(w + a).to(tl.float32), YDT)
+        if SUM:
+            total = rounded(total + v, YDT)  # as `ordered_sum` adds in y's dtype
+        else:
+            tl.store(y + a * Dx + d, v.to(YDT), mask=dm)
+    if SUM:
+        tl.store(y + d, rounded(total, XDT).to(XDT), mask=dm)
     if tl.program_id(0) == 0:
-        n = 0
+        n = tl.zeros([], dtype=tl.int64)
         for i in range(0, A * S, BL):
             j = i + tl.arange(0, BL)
             n += tl.sum(tl.load(live + j, mask=j < A * S, other=0).to(tl.int64), axis=0)
@@ -243,22 +251,34 @@ def _weigh_parts_kernel(part, w, y, live, live_total, A, S, Dx, XDT: tl.constexp
 
 
 def weigh_parts(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, live_total: torch.Tensor, x_dtype: torch.dtype,
-                y_dtype: torch.dtype, bd: int = 256) -> torch.Tensor:
+                y_dtype: torch.dtype, summed: bool = False, bd: int = 32) -> torch.Tensor:
     """down_relaid's partials part [A, S, Dx] fp32 -> y [A, Dx] y_dtype: each expert's split sums added in order s = 0..S-1,
     rounded to x_dtype (the model's), times its routing weight w [A] in fp32; live [A, S]'s counts added to live_total
-    (a 0-d int64). One launch for what is otherwise five (`weigh_parts_ref`)."""
+    (a 0-d int64). summed: those rows' `ordered_sum` instead, [1, Dx] in x_dtype (a one-token step's routed sum). One
+    launch for what is otherwise five or seven (`weigh_parts_ref`)."""
     A, S, Dx = part.shape
-    y = torch.empty(A, Dx, dtype=y_dtype, device=part.device)
-    _weigh_parts_kernel[(triton.cdiv(Dx, bd),)](part, w, y, live, live_total, A, S, Dx, XDT=TL_DTYPES[x_dtype],
-                                                 YDT=TL_DTYPES[y_dtype], BD=bd, BL=64)
+    y = torch.empty(1 if summed else A, Dx, dtype=x_dtype if summed else y_dtype, device=part.device)
+    # no fused multiply-adds: the weighted rows are rounded, then added, as `weigh_parts_ref` does
+    _weigh_parts_kernel[(triton.cdiv(Dx, bd),)](part, w, y, live, live_total, Dx, A=A, S=S, XDT=TL_DTYPES[x_dtype],
+                                                 YDT=TL_DTYPES[y_dtype], SUM=summed, BD=bd, BL=64, enable_fp_fusion=False)
     return y
 
 
 def weigh_parts_ref(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, live_total: torch.Tensor, x_dtype: torch.dtype,
-                    y_dtype: torch.dtype) -> torch.Tensor:
+                    y_dtype: torch.dtype, summed: bool = False) -> torch.Tensor:
     """`weigh_parts` in plain torch, the splits summed in the same order."""
     acc = part[:, 0].clone()
     for s in range(1, part.shape[1]):
         acc += part[:, s]
     live_total += live.sum()
-    return (acc.to(x_dtype).float() * w.float()[:, None]).to(y_dtype)
+    y = (acc.to(x_dtype).float() * w.float()[:, None]).to(y_dtype)
+    return ordered_sum(y[None], x_dtype) if summed else y
+
+
+def ordered_sum(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T, K, D] -> [T, D] in dtype: each row's K terms added in order k = 0..K-1 in y's dtype (a fixed order whatever
+    the device: torch's own sum over k is free to pair them otherwise), then rounded once."""
+    acc = y[:, 0].clone()
+    for k in range(1, y.shape[1]):
+        acc += y[:, k]
+    return acc.to(dtype)

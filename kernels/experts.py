@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from sluice.kernels.decode import ACTS, F16X2_DOWN, FP4_WORDS, matvec
-from sluice.kernels.down import down_relaid, weigh_parts
+from sluice.kernels.down import down_relaid, ordered_sum, weigh_parts
 from sluice.kernels.dequant import FORMAT_CODES, SCALE_GROUPS
 from sluice.kernels.layout import proj_layouts
 from sluice.kernels.prefill import grouped_gemm, tile_items
@@ -110,9 +110,10 @@ class TritonExperts:
             self.total_groups += A * (self.layouts["down"].k // 16)
 
     def _decode(self, bank, offs, down_bank, down_offs, x: torch.Tensor, wts: torch.Tensor, y_dtype: torch.dtype,
-                zero_skip: bool, host: bool | None = None) -> torch.Tensor:
-        """One token x [Dx] through A experts: weighted outputs [A, Dx] in y_dtype (expert a's in row a). host: some
-        blocks may be in host memory (kernels/down.py down_relaid)."""
+                zero_skip: bool, host: bool | None = None, summed: bool = False) -> torch.Tensor:
+        """One token x [Dx] through A experts: weighted outputs [A, Dx] in y_dtype (expert a's in row a), or (summed)
+        their sum over a in order (kernels/down.py `ordered_sum`), [1, Dx] in x's dtype. host: some blocks may be in
+        host memory (kernels/down.py down_relaid)."""
         L, A, x_dtype = self.layouts, offs.numel(), x.dtype
         h = torch.empty(A, L["up"].n, dtype=x_dtype, device=x.device)
         if self.kind == "relu2":
@@ -124,12 +125,13 @@ class TritonExperts:
                    pairs_fp8=L["down"].fmt != FORMAT_CODES["nvfp4"])
             part, live = down_relaid(down_bank, down_offs, h, L["down"], skip=zero_skip, host=host, f16x2=pairs is not None,
                                      pairs=pairs)
-            return weigh_parts(part, wts, live, self.live_groups, x_dtype, y_dtype)
+            return weigh_parts(part, wts, live, self.live_groups, x_dtype, y_dtype, summed)
         matvec(bank, offs, x, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, act_args=self.act_args,
                fp4_words=self.fp4_words)
         out = torch.empty(A, L["down"].n, dtype=y_dtype, device=x.device)
         rows = torch.arange(A, device=x.device)
-        return matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, out, rows=rows, wts=wts, fp4_words=self.fp4_words)
+        out = matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, out, rows=rows, wts=wts, fp4_words=self.fp4_words)
+        return ordered_sum(out[None], x_dtype) if summed else out
 
     def _capture(self, key: tuple, static: dict, run) -> torch.Tensor:
         """The first call for `key`: run(static) eagerly (compiling any kernel; its result is returned), then

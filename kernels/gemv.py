@@ -53,11 +53,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def tile(N: int, K: int) -> tuple[int, int]:
-    """(BN, BK): enough programs to fill a GPU's SMs twice over where N allows (small N: fewer outputs a program)."""
-    bn = 16
-    while bn > 2 and triton.cdiv(N, bn) < 256:
-        bn //= 2
-    return bn, min(512, triton.next_power_of_2(K))
+    """(BN, BK): 4 outputs a program over 512-wide tiles of K, 2 for narrow linears (the H100 sweep of `sluice bench
+    gemv`, BENCHMARKS.md)."""
+    return (4 if N >= 1024 else 2), min(512, triton.next_power_of_2(K))
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

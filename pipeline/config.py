@@ -65,7 +65,7 @@ class EngineConfig:
     fused_ops: bool | None = None  # RMSNorms and routers in Triton launches where the model has them (ResidentModel.fuse:
     # kernels/norm.py, router.py); None: on CUDA
     fused_linears: bool | None = None  # one-row BF16 / FP16 linears of the resident part in one Triton launch each
-    # (kernels/gemv.py, in place of cuBLAS's split-K pair); None: off (not yet measured better)
+    # (kernels/gemv.py, in place of cuBLAS's split-K pair); None: on CUDA
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048

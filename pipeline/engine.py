@@ -81,7 +81,7 @@ class Engine:
                 raise ConfigError(f"{name}: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")
         if config.fused_ops if config.fused_ops is not None else device.type == "cuda":
             model.fuse()
-        if config.fused_linears:
+        if config.fused_linears if config.fused_linears is not None else device.type == "cuda":
             model.fuse_linears()
         routing = controlled_routing(config.routing, model, device)
         schedule = load_schedule(config.schedule)

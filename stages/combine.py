@@ -1,6 +1,7 @@
 """combine: sum each token's K weighted expert outputs in a fixed order, finish the layer, add the residual.
 
-The sum runs over k = 0..K-1 of y viewed [T, K, Dx], a fixed-order reduction with no atomics, so
+The sum runs over k = 0..K-1 of y viewed [T, K, Dx] in that order (kernels/down.py `ordered_sum`; a one-token step of
+the fast path sums in the same order inside its down kernel's tail), with no atomics, so
 the layer output is bit-identical whatever the schedule, cache size or arrival order. `finish`
 is the model's: the latent up-projection for NemotronH, identity for Qwen3-MoE; then the block's shared
 term (its shared expert), which route has run already unless its `shared` knob is `late`. The same finish ends the
@@ -10,6 +11,7 @@ summed the routed experts there, before the join).
 
 from __future__ import annotations
 
+from sluice.kernels.down import ordered_sum
 from sluice.stages.base import Stage, StageIO
 from sluice.stages.types import ExpertOutputs, LayerInput, LayerOutput, Routing
 
@@ -29,7 +31,7 @@ class Combine(Stage):
         """h: the fixed-order sum of y [T*K, Dx] over k, the block's finish and shared term, the residual."""
         T, K = li.x.shape[0], li.block.top_k
         with self.rt.streams.use(self.stream):
-            routed = y.view(T, K, -1).sum(dim=1).to(li.x.dtype)
+            routed = ordered_sum(y.view(T, K, -1), li.x.dtype)
             return li.residual + li.block.output(routed, li.x, shared).view_as(li.residual)
 
     def launch(self, t):

@@ -124,8 +124,9 @@ def triton_experts(made: dict, rt, block, graphs: bool, fp4_matvec: str = "auto"
 
 def torch_expert(store, block, views: dict, rows: torch.Tensor, xe: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     """One expert (its block's tensors `views`) on its flat (token, k) rows through the plain-torch reference,
-    weighted, into y's rows."""
-    dense = dequant_expert_ref(store.manifest.formats, views, xe.dtype)
+    weighted, into y's rows. Views in host memory (the table schedules' RAM slots) are dequantised there and brought
+    to xe's device."""
+    dense = {k: t.to(xe.device) for k, t in dequant_expert_ref(store.manifest.formats, views, xe.dtype).items()}
     out = expert_ref(block.kind, xe[rows // block.top_k], dense, block.act, block.glu)
     y[rows] = (out * w[rows, None]).to(block.combine_dtype)
 

@@ -1,9 +1,9 @@
 """compute, `via: table`: a one-token step's routed experts, each block read where the fetch stage found it.
 
 One launch of the decode kernels (kernels/decode.py) over the K routed blocks at their byte offsets from the table's
-base (VRAM slots, staging slots, or pinned RAM read over PCIe), each row weighted, into y [K, Dx] in rank order, then
-their fixed-order sum over k (on the step's stream, before the side stream's join, as the streaming combine sums;
-combine finishes). A prompt's experts run group by group as their blocks land (`group`: the grouped GEMM over blocks
+base (VRAM slots, staging slots, or pinned RAM read over PCIe), each row weighted and summed over k in rank order in
+the down kernel's tail (on the step's stream, before the side stream's join; the order of the streaming combine's
+`ordered_sum`; combine finishes). A prompt's experts run group by group as their blocks land (`group`: the grouped GEMM over blocks
 wherever they lie), or through the plain-torch reference (`reference`, the torch backend); combine sums those.
 `routed: false` skips the routed experts (and loading their blocks at open): a zero routed sum, outputs that are not
 the model's, to time the resident part alone (schedules/resident-alone.yaml).
@@ -55,14 +55,11 @@ class ComputeTable(Stage):
         kern, base, zero_skip = table.kernel(block), table.base, self.knobs.zero_skip
         host = True if self.knobs.host_hint and table.tier.vram is not None else None  # blocks outside VRAM: pinned RAM
 
-        K = block.top_k
-
         def experts(v):
             with part("compute"):  # and the fixed-order sum over the top-k, before the side stream's join
                 offs = v["offs"]
-                y = kern._decode(base, offs, base, offs, v["xe"][0], v["weights"][0], block.combine_dtype, zero_skip,
-                                 host)  # [K, Dx], row k
-                v["routed"] = y.view(1, K, -1).sum(dim=1).to(v["x"].dtype)
+                v["routed"] = kern._decode(base, offs, base, offs, v["xe"][0], v["weights"][0], block.combine_dtype,
+                                           zero_skip, host, summed=True)  # [1, Dx]: rows k = 0..K-1 summed in order
         return experts
 
     def tally(self, t) -> None:

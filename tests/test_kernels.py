@@ -122,8 +122,8 @@ def test_relu2_decode(fmt, A, Dx, I):
 def test_weigh_parts_is_its_reference(A, S, Dx, x_dtype, y_dtype):
     """The down projection's tail in one launch: bit for bit its plain-torch reference (splits summed in order), live
     groups counted onto the total; an expert's weight given to another, or the splits summed in torch's own order
-    rounded through a coarser dtype, differ."""
-    from sluice.kernels.down import weigh_parts, weigh_parts_ref
+    rounded through a coarser dtype, differ; summed over the experts in order, `ordered_sum` of those rows."""
+    from sluice.kernels.down import ordered_sum, weigh_parts, weigh_parts_ref
 
     g = torch.Generator().manual_seed(A * S)
     part = (torch.randn(A, S, Dx, generator=g) * 3).to(DEVICE)
@@ -138,6 +138,11 @@ def test_weigh_parts_is_its_reference(A, S, Dx, x_dtype, y_dtype):
         assert not torch.equal(weigh_parts(part, w.roll(1), live, total, x_dtype, y_dtype), want)
     half = (part.sum(1).half().float() * w[:, None]).to(y_dtype)
     assert not torch.equal(half, want)
+    summed = weigh_parts(part, w, live, total, x_dtype, y_dtype, summed=True)  # a one-token step's routed sum
+    assert summed.dtype == x_dtype and torch.equal(summed, ordered_sum(want[None], x_dtype))
+    assert torch.equal(summed, weigh_parts_ref(part, w, live, total_ref, x_dtype, y_dtype, summed=True))
+    if A > 2 and x_dtype == torch.float32:  # the terms added in another order (a bf16 result may round both alike)
+        assert not torch.equal(summed, ordered_sum(want.flip(0)[None], x_dtype))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4", "mxfp4"])

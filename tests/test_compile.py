@@ -1,0 +1,92 @@
+"""The one-token step's newer Triton kernels compile for a GPU (sm_90), here on a CPU: Triton's interpreter, which the
+other tests run them through, accepts code that its compiler refuses (a loop-carried value that changes type, for
+one), so a kernel can pass every CPU test and fail on its first GPU launch."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+
+def compile_for_gpu(fn, signature: dict, constexprs: dict) -> None:
+    """fn compiled to a cubin for an sm_90 GPU (no GPU needed; Triton's own ptxas)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm.get("cubin")
+
+
+def kernels():
+    from sluice.kernels.down import _weigh_parts_kernel
+    from sluice.kernels.gemv import _gemv_kernel
+    from sluice.kernels.norm import _rms_norm_kernel
+    from sluice.kernels.router import _scores_kernel, _select_kernel
+
+    parts = {"part": "*fp32", "w": "*fp32", "y": "*fp32", "live": "*i32", "live_total": "*i64", "Dx": "i32"}
+    return {
+        "weigh_parts": (_weigh_parts_kernel, parts, dict(A=6, S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=False, BD=32, BL=64)),
+        "weigh_parts summed": (_weigh_parts_kernel, {**parts, "y": "*bf16"},
+                               dict(A=6, S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=True, BD=32, BL=64)),
+        "gemv": (_gemv_kernel, {"x": "*bf16", "w": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32", "K": "i32", "W_N": "i32"},
+                 dict(HAS_B=True, YDT=tl.bfloat16, BN=4, BK=512)),
+        "rms_norm": (_rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16", "D": "i32", "eps": "fp32", "X_R": "i32",
+                                        "Y_R": "i32"}, dict(B=4096)),
+        "router scores": (_scores_kernel, {"x": "*bf16", "w": "*fp32", "s": "*fp32", "D": "i32", "E": "i32", "X_T": "i32"},
+                          dict(BE=2, BD=1024)),
+        "router select": (_select_kernel, {"s": "*fp32", "bias": "*fp32", "weights": "*fp32", "ids": "*i64", "E": "i32",
+                                           "scale": "fp32"}, dict(K=6, NORM=True, BE=128)),
+    }
+
+
+NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "rms_norm", "router scores", "router select", "must fail"]
+
+
+def must_fail():
+    """A running count that starts as a Python int and becomes an int64 tensor in its loop: the interpreter runs it."""
+
+    @triton.jit
+    def count(live, total, N: tl.constexpr):
+        n = 0
+        for i in range(0, N, 16):
+            n += tl.sum(tl.load(live + i + tl.arange(0, 16)).to(tl.int64), axis=0)
+        tl.store(total, n)
+
+    return count, {"live": "*i32", "total": "*i64"}, dict(N=64)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, str]:
+    """Each kernel's outcome, compiled in a process of its own: this one runs Triton interpreted (conftest.py), and
+    interpreted kernels cannot be compiled."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    assert set(lines) == set(NAMES), out.stderr[-2000:]
+    return lines
+
+
+@pytest.mark.parametrize("name", NAMES[:-1])
+def test_kernel_compiles_for_a_gpu(name, compiled):
+    assert compiled[name] == "ok"
+
+
+def test_a_kernel_the_interpreter_runs_but_the_compiler_refuses_is_caught(compiled):
+    assert compiled["must fail"].startswith("CompilationError")
+
+
+if __name__ == "__main__":
+    made = {**kernels(), "must fail": must_fail()}
+    for name in NAMES:
+        try:
+            compile_for_gpu(*made[name])
+            print(f"{name}: ok", flush=True)
+        except Exception as e:  # reported to the test, which names the kernel
+            print(f"{name}: {type(e).__name__} {str(e).splitlines()[0] if str(e) else ''}", flush=True)
