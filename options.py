@@ -83,8 +83,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=out_file, help="write a Chrome trace (Perfetto) to FILE and stage timings as JSON lines to FILE.jsonl")
     p.add_argument("--prefill-chunk", type=int, help="longest prompt piece one step runs, each of its experts read once (the "
                                                      "server also takes turns between requests by it); default: 2048")
-    p.add_argument("--static-kv", type=at_least(1), metavar="N", help="attention over a preallocated cache of N tokens "
-                   "(transformers' StaticCache) instead of one that grows; a sequence may not grow past it (default: off)")
+    p.add_argument("--static-kv", type=at_least(0), metavar="N", help="attention over a static cache of up to N tokens "
+                   "(transformers' StaticCache, allocated as used) instead of one that grows, for whole-step replays; a "
+                   "sequence may not grow past it (default: the model's context on CUDA where its whole step is checked, "
+                   "else off; 0: off)")
     p.add_argument("--mixer-chunk", type=int, help="longest run of a prompt piece a Mamba-2 mixer prefills at once; default: 512, "
                                                    "or under --vram-budget the largest power of two <= 512 whose scratch fits "
                                                    "what the expert slots leave")

@@ -265,7 +265,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
 
 
 # Triton kernels that read expert blocks (a checkpoint's quantized resident weights also go through _matvec_kernel)
-EXPERT_KERNELS = ("_matvec_kernel", "_down_relaid_kernel", "_x_pairs_kernel", "_grouped_gemm_kernel")
+EXPERT_KERNELS = ("_matvec_kernel", "_down_relaid_kernel", "_x_pairs_kernel", "_grouped_gemm_kernel", "_weigh_parts_kernel")
 
 
 def device_table(device: list, tokens: int, rows: int = 40) -> str:

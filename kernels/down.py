@@ -223,21 +223,21 @@ def down_relaid(bank: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, layout:
 
 
 @triton.jit
-def _weigh_parts_kernel(part, w, y, live, live_total, Dx, A: tl.constexpr, S: tl.constexpr, XDT: tl.constexpr,
-                        YDT: tl.constexpr, SUM: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr):
+def _weigh_parts_kernel(part, w, y, live, live_total, Dx, A, S: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
+                        SUM: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr):
     """Grid (cdiv(Dx, BD),): outputs d of every expert a: v[a, d] = w[a] * x_dtype(part[a, 0, d] + ... + part[a, S-1, d])
     (summed in that order) in y_dtype, stored as y[a, d] or (SUM) summed over a = 0..A-1 in that order into y[0, d] in
     x_dtype; program 0 adds live's A * S counts to live_total."""
     d = tl.program_id(0) * BD + tl.arange(0, BD)
     dm = d < Dx
     total = tl.zeros([BD], dtype=tl.float32)
-    for a in tl.static_range(A):  # unrolled: every load issued ahead of the adds that wait for it
+    for a in range(A):
         acc = tl.load(part + a * S * Dx + d, mask=dm, other=0.0)
-        for s in tl.static_range(1, S):
+        for s in tl.static_range(1, S):  # unrolled: an expert's loads issued ahead of the adds that wait for them
             acc += tl.load(part + (a * S + s) * Dx + d, mask=dm, other=0.0)
         v = rounded(rounded(acc, XDT) * tl.load(w + a).to(tl.float32), YDT)
         if SUM:
-            total = rounded(total + v, YDT)  # as `ordered_sum` adds in y's dtype
+            total += v  # in fp32, as `ordered_sum` adds
         else:
             tl.store(y + a * Dx + d, v.to(YDT), mask=dm)
     if SUM:
@@ -259,8 +259,9 @@ def weigh_parts(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, live_to
     A, S, Dx = part.shape
     y = torch.empty(1 if summed else A, Dx, dtype=x_dtype if summed else y_dtype, device=part.device)
     # no fused multiply-adds: the weighted rows are rounded, then added, as `weigh_parts_ref` does
-    _weigh_parts_kernel[(triton.cdiv(Dx, bd),)](part, w, y, live, live_total, Dx, A=A, S=S, XDT=TL_DTYPES[x_dtype],
-                                                 YDT=TL_DTYPES[y_dtype], SUM=summed, BD=bd, BL=64, enable_fp_fusion=False)
+    _weigh_parts_kernel[(triton.cdiv(Dx, bd),)](part, w, y, live, live_total, Dx, A, S=S, XDT=TL_DTYPES[x_dtype],
+                                                 YDT=TL_DTYPES[y_dtype], SUM=summed, BD=bd, BL=64, num_warps=max(1, bd // 128),
+                                                 enable_fp_fusion=False)
     return y
 
 
@@ -276,9 +277,11 @@ def weigh_parts_ref(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, liv
 
 
 def ordered_sum(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y [T, K, D] -> [T, D] in dtype: each row's K terms added in order k = 0..K-1 in y's dtype (a fixed order whatever
+    """y [T, K, D] -> [T, D] in dtype: each row's K terms added in order k = 0..K-1 in fp32 (a fixed order whatever
     the device: torch's own sum over k is free to pair them otherwise), then rounded once."""
-    acc = y[:, 0].clone()
+    acc = y[:, 0].float()  # a copy unless y is fp32
+    if acc.data_ptr() == y.data_ptr():
+        acc = acc.clone()
     for k in range(1, y.shape[1]):
         acc += y[:, k]
     return acc.to(dtype)

@@ -25,12 +25,13 @@ from sluice.kernels.rounding import rounded
 def _gemv_kernel(x, w, b, y, N, K, W_N, HAS_B: tl.constexpr, YDT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
+    rows = w + n.to(tl.int64)[:, None] * W_N  # 64-bit: an lm_head's N * K passes 2^31
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         km = k < K
         xv = tl.load(x + k, mask=km, other=0.0).to(tl.float32)
-        wv = tl.load(w + n[:, None] * W_N + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        wv = tl.load(rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         acc += wv.to(tl.float32) * xv[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_B:
@@ -43,7 +44,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x [K] (contiguous), weight [N, K] (rows contiguous), bias [N] or None -> y [N] in x's dtype. bn, bk: the tile
     (0: `tile(N, K)`)."""
     N, K = weight.shape
-    assert x.shape == (K,) and weight.stride(1) == 1, (x.shape, weight.shape, weight.stride())
+    assert x.shape == (K,) and x.stride(0) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
     dbn, dbk = tile(N, K)
     bn, bk = bn or dbn, bk or dbk
     y = torch.empty(N, dtype=x.dtype, device=x.device)
@@ -75,6 +76,6 @@ class Gemv(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features or x.dtype != self.weight.dtype:
+        if x.numel() != self.in_features or x.dtype != self.weight.dtype or self.weight.stride(1) != 1:
             return F.linear(x, self.weight, self.bias)
         return gemv(x.reshape(-1).contiguous(), self.weight, self.bias).view(*x.shape[:-1], self.out_features)

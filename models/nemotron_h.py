@@ -228,7 +228,7 @@ class _MoELayer(Layer):
             num_experts=config.n_routed_experts,
             router=_router(mixer.gate, config),
             ranked=_ranked(mixer.gate, config),
-            expert_input=mixer.fc1_latent_proj,
+            expert_input=lambda x: mixer.fc1_latent_proj(x),  # looked up per call: fuse_linears may replace it
             finish=lambda routed, x: mixer.fc2_latent_proj(routed),
             shared=mixer.shared_experts,
             act=ACT2FN[config.mlp_hidden_act],

@@ -40,5 +40,7 @@ class Qwen3Next(Qwen3Moe):
 
 def gated_shared_block(moe, layer_idx: int, moe_index: int, config, dtype: torch.dtype) -> MoEBlock:
     """swiglu_block finished by the sigmoid-gated shared expert: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
-    shared, gate = moe.shared_expert, moe.shared_expert_gate
-    return swiglu_block(moe, layer_idx, moe_index, config, dtype, shared=lambda x: torch.sigmoid(gate(x)) * shared(x))
+    def shared(x):  # the modules looked up per call: fuse_linears may replace them
+        return torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+
+    return swiglu_block(moe, layer_idx, moe_index, config, dtype, shared=shared)

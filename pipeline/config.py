@@ -64,14 +64,15 @@ class EngineConfig:
     # GPU (ResidentModel.whole_checked), True: on others too, False: never
     fused_ops: bool | None = None  # RMSNorms and routers in Triton launches where the model has them (ResidentModel.fuse:
     # kernels/norm.py, router.py); None: on CUDA
-    fused_linears: bool | None = None  # one-row BF16 / FP16 linears of the resident part in one Triton launch each
+    fused_linears: bool | None = None  # one-row float linears (16- or 32-bit) of the resident part in one Triton launch each
     # (kernels/gemv.py, in place of cuBLAS's split-K pair); None: on CUDA
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048
-    static_kv: int | None = None  # attention over a preallocated cache of this many tokens (transformers' StaticCache)
-    # instead of one that grows: fixed tensors, the step toward one-token attention replayed as a CUDA graph; a
-    # sequence may not grow past it. None: the growing cache
+    static_kv: int | None = None  # attention over a static cache of up to this many tokens (transformers' StaticCache,
+    # its slots allocated as the sequence needs them: models/static_cache.py) instead of a growing one: fixed tensors,
+    # what a one-token step replayed as a CUDA graph needs; a sequence may not grow past it. 0: the growing cache; None:
+    # the model's context on CUDA for models whose whole step is checked (pipeline/whole.py `default_static_kv`), else 0
     mixer_chunk: int | None = None  # longest run of a piece a Mamba-2 mixer prefills at once (its scratch grows with it);
     # None: 512, or with a VRAM budget the largest power of two <= 512 whose scratch fits what the expert slots leave
     # (budget.py `plan_budget`)
@@ -91,9 +92,9 @@ class EngineConfig:
 
         parse_routing(self.routing)  # a bad setting is named before anything is opened
         for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk", "mixer_chunk", "static_kv"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+            v, least = getattr(self, name), 0 if name == "static_kv" else 1
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+                raise ConfigError(f"{name}: must be a {'positive integer' if least else 'count of tokens (0: off)'}, got {v!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -33,7 +34,7 @@ from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.sequence import Sequence
 from sluice.pipeline.schedule import load_schedule
 from sluice.pipeline.snapshot import Snapshot, restore, take
-from sluice.pipeline.whole import WholeStep
+from sluice.pipeline.whole import WholeStep, default_static_kv
 from sluice.storage.home import resolve_store
 from sluice.storage.store import ExpertStore
 from sluice.storage.trace import RoutingRecorder, trace_header
@@ -76,6 +77,7 @@ class Engine:
         arch = get_architecture(store.manifest.architecture)
         hf_config = AutoConfig.from_pretrained(store.path)
         model = arch.build(hf_config, store.resident_tensors(config.verify_checksums), device, config.torch_dtype)
+        config = replace(config, static_kv=default_static_kv(config, model, device))
         for name in ("fused_ops", "fused_mamba", "fused_linears"):
             if getattr(config, name) and not triton_runs_on(device):
                 raise ConfigError(f"{name}: its Triton kernels need CUDA (or TRITON_INTERPRET=1 on a CPU)")

@@ -37,6 +37,17 @@ class _Whole:
     marks: list = field(default_factory=list)  # their parts' trace marks
 
 
+def default_static_kv(config, model, device) -> int | None:
+    """The static cache an engine's sequences get (config.static_kv; 0: none): where unset, the model's context on CUDA
+    for a model whose whole step is checked on a GPU (`ResidentModel.whole_checked`), so that its one-token steps
+    replay whole without a flag; the cache's slots are allocated as a sequence needs them (models/static_cache.py)."""
+    if config.static_kv is not None:
+        return config.static_kv or None
+    if device.type == "cuda" and model.whole_checked and config.whole_step is not False:
+        return getattr(model.config, "max_position_embeddings", None)
+    return None
+
+
 class WholeStep:
     KEEP = 4  # sequence states whose step is kept (a server's turns between requests switch among a few)
 

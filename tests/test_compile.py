@@ -26,13 +26,15 @@ def kernels():
     from sluice.kernels.norm import _rms_norm_kernel
     from sluice.kernels.router import _scores_kernel, _select_kernel
 
-    parts = {"part": "*fp32", "w": "*fp32", "y": "*fp32", "live": "*i32", "live_total": "*i64", "Dx": "i32"}
+    parts = {"part": "*fp32", "w": "*fp32", "y": "*fp32", "live": "*i32", "live_total": "*i64", "Dx": "i32", "A": "i32"}
     return {
-        "weigh_parts": (_weigh_parts_kernel, parts, dict(A=6, S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=False, BD=32, BL=64)),
+        "weigh_parts": (_weigh_parts_kernel, parts, dict(S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=False, BD=32, BL=64)),
         "weigh_parts summed": (_weigh_parts_kernel, {**parts, "y": "*bf16"},
-                               dict(A=6, S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=True, BD=32, BL=64)),
+                               dict(S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=True, BD=32, BL=64)),
         "gemv": (_gemv_kernel, {"x": "*bf16", "w": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32", "K": "i32", "W_N": "i32"},
                  dict(HAS_B=True, YDT=tl.bfloat16, BN=4, BK=512)),
+        "gemv fp16": (_gemv_kernel, {"x": "*fp16", "w": "*fp16", "b": "*fp16", "y": "*fp16", "N": "i32", "K": "i32",
+                                     "W_N": "i32"}, dict(HAS_B=False, YDT=tl.float16, BN=2, BK=256)),
         "rms_norm": (_rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16", "D": "i32", "eps": "fp32", "X_R": "i32",
                                         "Y_R": "i32"}, dict(B=4096)),
         "router scores": (_scores_kernel, {"x": "*bf16", "w": "*fp32", "s": "*fp32", "D": "i32", "E": "i32", "X_T": "i32"},
@@ -42,7 +44,7 @@ def kernels():
     }
 
 
-NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "rms_norm", "router scores", "router select", "must fail"]
+NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "rms_norm", "router scores", "router select", "must fail"]
 
 
 def must_fail():
@@ -59,7 +61,7 @@ def must_fail():
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, str]:
+def compiled(tmp_path_factory) -> dict[str, str]:
     """Each kernel's outcome, compiled in a process of its own: this one runs Triton interpreted (conftest.py), and
     interpreted kernels cannot be compiled."""
     import os
@@ -67,8 +69,9 @@ def compiled() -> dict[str, str]:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))  # compiled afresh, wherever HOME is
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.split(": ", 1)[0] in NAMES)
     assert set(lines) == set(NAMES), out.stderr[-2000:]
     return lines
 

@@ -71,6 +71,8 @@ def test_gemv_matches_its_reference(N, K, dtype, bias):
     rows = torch.randn(3, K, generator=g).to(dtype).to(DEVICE)
     assert torch.equal(Gemv(lin)(rows), torch.nn.functional.linear(rows, w, b))
     assert not torch.allclose(gemv(x, w.flip(0), b).float(), want.float(), atol=1e-2)
+    wide = torch.cat([w, torch.randn(N, 16, generator=g).to(dtype).to(DEVICE)], dim=1)[:, :K]  # rows K + 16 apart
+    assert torch.equal(gemv(x, wide, b), gemv(x, w, b))
 
 
 def test_fused_nemotron_h_matches_transformers(stores, refs):
@@ -80,3 +82,19 @@ def test_fused_nemotron_h_matches_transformers(stores, refs):
         names = {type(m).__name__ for m in engine.model.hf.modules()}
         assert {"RMSNorm", "Gemv"} <= names and not names & {"NemotronHRMSNorm", "Linear"}
         check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops")
+
+
+def test_fused_linears_reach_the_moe_blocks_linears(stores, monkeypatch):
+    """`fused_linears` replaces the linears a MoE block calls too (a latent MoE's input projection, the shared
+    expert's), not only those the module tree holds: a one-row call of each goes through the GEMV."""
+    from sluice.kernels import gemv as gemv_module
+
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE, fused_linears=True, schedule="direct") as engine:
+        block = next(layer.moe for layer in engine.model.layers if layer.moe is not None)
+        calls = []
+        monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[1].shape) or gemv_ref(*a[:3]))
+        x = torch.randn(1, engine.model.config.hidden_size).to(engine.model.dtype).to(DEVICE)
+        block.expert_input(x)
+        assert len(calls) == 1
+        block.shared(x)
+        assert len(calls) == 3  # the shared expert's up and down

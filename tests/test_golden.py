@@ -541,9 +541,40 @@ def test_static_kv_windows_match_transformers(variant, stores, refs, monkeypatch
             check_golden(engine, variant, refs, f"{variant} static_kv, a window left at 16")
 
 
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe"])
+def test_static_kv_slots_grow_as_the_sequence_needs(variant, stores, refs, monkeypatch):
+    """A static cache's slots start few (FIRST_SLOTS, here 16) and double as the sequence outgrows them (16 -> 32 -> 64
+    of 200, what they held copied over): transformers' logits at every step; slots that grow without their contents
+    fail the check as they must."""
+    from sluice.models import static_cache
+
+    monkeypatch.setattr(static_cache, "MIN_WINDOW", 16)
+    monkeypatch.setattr(static_cache, "FIRST_SLOTS", 16)
+    with sluice.load(stores[variant], device=DEVICE, static_kv=200) as engine:
+        seq = engine.new_sequence()
+        engine.extend(seq, PROMPT)
+        slots = lambda: {layer.max_cache_len for layer in seq.cache.layers if hasattr(layer, "window")}  # noqa: E731
+        assert slots() == {16}
+        engine.extend(seq, list(range(3, 3 + 30)))
+        assert slots() == {64} and {layer.keys.shape[2] for layer in seq.cache.layers if hasattr(layer, "window")} == {64}
+        check_golden(engine, variant, refs, f"{variant} static_kv growing")
+    grow = static_cache._grow
+
+    def forgetful(layer, slots):  # new tensors of the right size, what the old ones held dropped
+        grow(layer, slots)
+        for name in ("keys", "values"):
+            if isinstance(getattr(layer, name, None), torch.Tensor):
+                getattr(layer, name).zero_()
+
+    monkeypatch.setattr(static_cache, "_grow", forgetful)
+    with sluice.load(stores[variant], device=DEVICE, static_kv=200) as engine:
+        with pytest.raises(AssertionError):
+            check_golden(engine, variant, refs, f"{variant} static_kv, slots grown empty")
+
+
 def test_static_kv_bounds_and_refusals(stores):
     """A sequence may not grow past the static cache (a one-line error naming the setting); a model whose layers
-    transformers' StaticCache cannot hold is refused by name; the setting is a positive count."""
+    transformers' StaticCache cannot hold is refused by name; the setting is a count of tokens, 0 the growing cache."""
     from sluice.errors import ConfigError, SluiceError
 
     with sluice.load(stores["qwen3_moe"], device=DEVICE, static_kv=len(PROMPT) + 2) as engine:
@@ -557,5 +588,7 @@ def test_static_kv_bounds_and_refusals(stores):
     with pytest.raises(ConfigError, match="static_kv: transformers' StaticCache cannot hold"):
         with sluice.load(stores["deepseek_v4"], device=DEVICE, static_kv=64) as engine:
             engine.new_sequence()
-    with pytest.raises(ConfigError, match="static_kv: must be a positive integer"):
-        sluice.load(stores["qwen3_moe"], device=DEVICE, static_kv=0)
+    with pytest.raises(ConfigError, match=r"static_kv: must be a count of tokens \(0: off\), got -1"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, static_kv=-1)
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, static_kv=0) as engine:
+        assert engine.config.static_kv is None and type(engine.new_sequence().cache).__name__ == "DynamicCache"

@@ -143,6 +143,9 @@ def test_weigh_parts_is_its_reference(A, S, Dx, x_dtype, y_dtype):
     assert torch.equal(summed, weigh_parts_ref(part, w, live, total_ref, x_dtype, y_dtype, summed=True))
     if A > 2 and x_dtype == torch.float32:  # the terms added in another order (a bf16 result may round both alike)
         assert not torch.equal(summed, ordered_sum(want.flip(0)[None], x_dtype))
+    gpu_nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)  # a GPU's NaN: its low bits all set
+    part[0, 0, 0] = gpu_nan.to(DEVICE)[0]
+    assert weigh_parts(part, w, live, total, x_dtype, y_dtype)[0, 0].isnan()  # kept through the bf16 rounding
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4", "mxfp4"])

@@ -147,3 +147,23 @@ def test_asked_for_but_refused_says_why(stores, capsys):
     err = capsys.readouterr().err
     assert "one-token steps run layer by layer, not whole" in err
     assert ("CUDA graphs are off" if DEVICE == "cpu" else "not composed") in err
+
+
+def test_a_checked_model_gets_a_static_cache_by_default_on_cuda():
+    """Unset, static_kv is the model's context on CUDA for a model whose whole step is checked (slots allocated as
+    used), so its steps replay whole without a flag; 0 or --no-whole-step keep the growing cache, a CPU too; a count
+    given is kept."""
+    from types import SimpleNamespace
+
+    from sluice.pipeline.config import EngineConfig
+    from sluice.pipeline.whole import default_static_kv
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    checked = SimpleNamespace(whole_checked=True, config=SimpleNamespace(max_position_embeddings=4096))
+    other = SimpleNamespace(whole_checked=False, config=checked.config)
+    assert default_static_kv(EngineConfig(), checked, cuda) == 4096
+    assert default_static_kv(EngineConfig(), checked, cpu) is None
+    assert default_static_kv(EngineConfig(), other, cuda) is None
+    assert default_static_kv(EngineConfig(whole_step=False), checked, cuda) is None
+    assert default_static_kv(EngineConfig(static_kv=0), checked, cuda) is None
+    assert default_static_kv(EngineConfig(static_kv=640), other, cuda) == 640
