@@ -188,12 +188,13 @@ class _MixerLayer(Layer):
     def _fused_step(self, h, conv_state, ssm_state):
         """The block's one-token step with its Mamba-2 mixer between the projections in two Triton launches
         (kernels/mamba.py), reading the module's own weights and the cache's states (updated in place)."""
+        from sluice.kernels.gemv import linear_add
         from sluice.kernels.mamba import mamba_steps
 
         blk, m = self.block, self.block.mixer
         x = blk.norm(h.to(dtype=blk.norm.weight.dtype))
         zx = m.in_proj(x).reshape(-1)
-        return h + m.out_proj(self._mix(mamba_steps, zx[None], conv_state, ssm_state).view(1, 1, -1))
+        return linear_add(m.out_proj, self._mix(mamba_steps, zx[None], conv_state, ssm_state).view(1, 1, -1), h)
 
     def _mix(self, steps, zx, conv_state, ssm_state):
         """The mixer between its projections for R tokens' zx [R, Z] of R sequences (kernels/mamba.py `mamba_steps` or
@@ -230,7 +231,7 @@ class _MoELayer(Layer):
             ranked=_ranked(mixer.gate, config),
             expert_input=lambda x: mixer.fc1_latent_proj(x),  # looked up per call: fuse_linears may replace it
             finish=lambda routed, x: mixer.fc2_latent_proj(routed),
-            shared=mixer.shared_experts,
+            shared=lambda x: mixer.shared_experts(x),  # looked up per call: fuse_linears may replace it
             act=ACT2FN[config.mlp_hidden_act],
             act_name=config.mlp_hidden_act,
             combine_dtype=torch.float32,
@@ -317,6 +318,16 @@ class NemotronHResident(ResidentModel):
             for layer in self.layers:
                 if layer.moe is not None:
                     layer.moe = replace(layer.moe, router=_fused_router(layer.block.mixer.gate, self.config))
+
+    def fuse_linears(self) -> None:
+        """The base's GEMVs, and each shared expert's ReLU^2 in its up projection's launch (kernels/gemv.py `Relu2MLP`)."""
+        from sluice.kernels.gemv import Relu2MLP
+
+        super().fuse_linears()
+        for name, module in list(self.hf.named_modules()):
+            if type(module).__name__ == "NemotronHMLP" and type(module.act_fn).__name__ == "ReLUSquaredActivation":
+                parent, _, attr = name.rpartition(".")
+                setattr(self.hf.get_submodule(parent), attr, Relu2MLP(module))
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
         h = self.hf.model.embeddings(ids)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sluice
-from sluice.kernels.gemv import Gemv, gemv, gemv_ref
+from sluice.kernels.gemv import Gemv, gemv, gemv_ref, linear_add
 from sluice.kernels.norm import rms_norm, rms_norm_ref
 from sluice.kernels.router import router_ref, sigmoid_router
 from common import DEVICE
@@ -73,14 +73,42 @@ def test_gemv_matches_its_reference(N, K, dtype, bias):
     assert not torch.allclose(gemv(x, w.flip(0), b).float(), want.float(), atol=1e-2)
     wide = torch.cat([w, torch.randn(N, 16, generator=g).to(dtype).to(DEVICE)], dim=1)[:, :K]  # rows K + 16 apart
     assert torch.equal(gemv(x, wide, b), gemv(x, w, b))
+    # the epilogues: bit for bit torch's ops on the GEMV's output, and the reference's
+    y, r = gemv(x, w, b), torch.randn(N, generator=g).to(dtype).to(DEVICE)
+    assert torch.equal(gemv(x, w, b, relu2=True), torch.square(torch.relu(y)))
+    assert torch.equal(gemv(x, w, b, residual=r), r + y)
+    assert torch.equal(linear_add(Gemv(lin), x.view(1, 1, K), r.view(1, 1, N)).view(N), r + y)
+    assert not torch.equal(gemv(x, w, b, relu2=True, residual=r), r + y)  # relu^2 applied shows
+    ref = gemv_ref(x, w, b, relu2=True, residual=r)
+    assert bool(((gemv(x, w, b, relu2=True, residual=r).float() - ref.float()).abs() <= 4 * ulp * (1 + y.float().abs())).all())
+
+
+def test_relu2_mlp_is_the_module_it_replaces():
+    """A shared expert's up -> relu^2 -> down with the activation in the up GEMV's launch: one row bit for bit the MLP
+    over the same GEMVs; longer inputs through the module's own path."""
+    from types import SimpleNamespace
+
+    from transformers.activations import ReLUSquaredActivation
+
+    from sluice.kernels.gemv import Relu2MLP
+
+    g = torch.Generator().manual_seed(3)
+    up, down = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)
+    mlp = SimpleNamespace(up_proj=Gemv(up.to(DEVICE)), down_proj=Gemv(down.to(DEVICE)), act_fn=ReLUSquaredActivation())
+    fused = Relu2MLP(mlp)
+    for x in (torch.randn(1, 1, 64, generator=g).to(DEVICE), torch.randn(1, 5, 64, generator=g).to(DEVICE)):
+        want = mlp.down_proj(mlp.act_fn(mlp.up_proj(x)))
+        assert torch.equal(fused(x), want)
 
 
 def test_fused_nemotron_h_matches_transformers(stores, refs):
-    """`fused_ops` and `fused_linears`: every RMSNorm, router and linear of a Nemotron-H replaced by the kernels; the
-    prompt's and every decode step's logits within the golden tolerance, the greedy tokens the reference's."""
-    with sluice.load(stores["nemotron_h"], device=DEVICE, fused_ops=True, fused_linears=True, schedule="direct") as engine:
+    """`fused_ops`, `fused_linears` and `fused_mamba`: every RMSNorm, router, linear, shared expert and Mamba step of a
+    Nemotron-H through the kernels; the prompt's and every decode step's logits within the golden tolerance, the greedy
+    tokens the reference's."""
+    with sluice.load(stores["nemotron_h"], device=DEVICE, fused_ops=True, fused_linears=True, fused_mamba=True,
+                     schedule="direct") as engine:  # the Mamba step's residual add in its out_proj's launch too
         names = {type(m).__name__ for m in engine.model.hf.modules()}
-        assert {"RMSNorm", "Gemv"} <= names and not names & {"NemotronHRMSNorm", "Linear"}
+        assert {"RMSNorm", "Gemv", "Relu2MLP"} <= names and not names & {"NemotronHRMSNorm", "Linear", "NemotronHMLP"}
         check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops")
 
 
