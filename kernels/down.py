@@ -279,9 +279,7 @@ def weigh_parts_ref(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, liv
 def ordered_sum(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """y [T, K, D] -> [T, D] in dtype: each row's K terms added in order k = 0..K-1 in fp32 (a fixed order whatever
     the device: torch's own sum over k is free to pair them otherwise), then rounded once."""
-    acc = y[:, 0].float()  # a copy unless y is fp32
-    if acc.data_ptr() == y.data_ptr():
-        acc = acc.clone()
+    acc = y[:, 0].to(torch.float32, copy=True)
     for k in range(1, y.shape[1]):
         acc += y[:, k]
     return acc.to(dtype)
