@@ -191,10 +191,8 @@ class ResidentModel(ABC):
         (kernels/gemv.py `Gemv`)."""
         from sluice.kernels.gemv import Gemv
 
-        for name, module in list(self.hf.named_modules()):
-            if type(module) is nn.Linear and module.weight.dtype.is_floating_point and module.weight.element_size() >= 2:
-                parent, _, attr = name.rpartition(".")
-                setattr(self.hf.get_submodule(parent) if parent else self.hf, attr, Gemv(module))
+        swap_modules(self.hf, lambda m: type(m) is nn.Linear and m.weight.dtype.is_floating_point
+                     and m.weight.element_size() >= 2, Gemv)
 
     @abstractmethod
     def begin(self, ids: torch.Tensor, cache: Any, past: int | torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -386,6 +384,13 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     old = getattr(owner, attr)
     setattr(owner, attr, new)
     return old
+
+
+def swap_modules(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> None:
+    """Every submodule of `model` that `match`es stands replaced by `make(it)` (a fused kernel's module in its place)."""
+    for name, module in list(model.named_modules()):
+        if name and match(module):
+            _swap(model, name, make(module))
 
 
 def _is_param(model: nn.Module, name: str) -> bool:

@@ -31,6 +31,7 @@ from sluice.models.base import (
     build_hf_model,
     cache_kw,
     expert_names,
+    swap_modules,
 )
 from sluice.models.decoder import Ctx, layer_masks
 from sluice.models.rows import packed_call
@@ -310,10 +311,7 @@ class NemotronHResident(ResidentModel):
         (kernels/router.py)."""
         from sluice.kernels.norm import RMSNorm
 
-        for name, module in list(self.hf.named_modules()):
-            if type(module).__name__ == "NemotronHRMSNorm":
-                parent, _, attr = name.rpartition(".")
-                setattr(self.hf.get_submodule(parent), attr, RMSNorm(module))
+        swap_modules(self.hf, lambda m: type(m).__name__ == "NemotronHRMSNorm", RMSNorm)
         if self.config.n_group == 1:
             for layer in self.layers:
                 if layer.moe is not None:
@@ -324,10 +322,8 @@ class NemotronHResident(ResidentModel):
         from sluice.kernels.gemv import Relu2MLP
 
         super().fuse_linears()
-        for name, module in list(self.hf.named_modules()):
-            if type(module).__name__ == "NemotronHMLP" and type(module.act_fn).__name__ == "ReLUSquaredActivation":
-                parent, _, attr = name.rpartition(".")
-                setattr(self.hf.get_submodule(parent), attr, Relu2MLP(module))
+        swap_modules(self.hf, lambda m: type(m).__name__ == "NemotronHMLP"
+                     and type(m.act_fn).__name__ == "ReLUSquaredActivation", Relu2MLP)
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
         h = self.hf.model.embeddings(ids)
