@@ -351,6 +351,7 @@ def cmd_chat(args) -> int:
             messages.append({"role": "user", "content": line})
             ids = _chat_ids(tok, messages)
             if ids[: len(seq.tokens)] != seq.tokens or seq.broken:
+                engine.release(seq)
                 seq = engine.new_sequence()  # the template rewrote history: start over
             tail = ids[len(seq.tokens):]
             new = _stream_text(engine, tok, tail, args, seq=seq)

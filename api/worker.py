@@ -121,7 +121,7 @@ class EngineWorker:
                         self.fault = str(e)
                     self.metrics.requests.labels(status="error").inc()
                     job.emit(("error", f"{type(e).__name__}: {e}"))
-                    job.seq = None  # free the state now
+                    self._free(job)
                 else:
                     if finished is None:
                         jobs.append(job)
@@ -221,7 +221,7 @@ class EngineWorker:
             for job in batch:
                 self.metrics.requests.labels(status="error").inc()
                 job.emit(("error", f"{type(e).__name__}: {e}"))
-                job.seq = None
+                self._free(job)
             return
         finally:
             share = engine.rt.stats.counters_since(before, device=True)
@@ -272,7 +272,14 @@ class EngineWorker:
             if rate is not None:
                 self.metrics.decode_rate.set(rate)
             job.emit(("done", finish, self._usage(job)))
-        job.seq = None  # free the state now
+        self._free(job)
+
+    def _free(self, job: Job) -> None:
+        """The job's state handed back to the engine for the next job (its graphs replay at once), not left to the
+        garbage collector."""
+        if job.seq is not None:
+            self.engine.release(job.seq)
+            job.seq = None
 
     def _usage(self, job: Job) -> dict:
         io, n = job.io, self.engine.store.block_bytes

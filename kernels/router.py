@@ -5,7 +5,7 @@ top-k, gather, sum, add, divide, scale); a one-token step of Nemotron-3-Nano rou
 layer's experts as many times more), so in a step replayed as one graph those small kernels are a large share of its
 time. Here:
 
-  `_scores_kernel`, one program per (row, block of experts): the fp32 dot products of the row with the experts'
+  `_scores_kernel`, one program per (row, block of experts; one expert in use): the fp32 dot products of the row with the experts'
       router weights, sigmoid.
   `_select_kernel`, one program per row: the top-k of the scores plus the correction bias, best first (the first
       index among equal ones), their scores normalised to sum 1 (with transformers' 1e-20) and scaled.
@@ -76,8 +76,10 @@ def sigmoid_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k:
     if x.stride(-1) != 1:
         x = x.contiguous()
     s = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    BE = 2  # many small programs: 16 experts a program left most of the GPU idle (BENCHMARKS.md, 2026-12-06)
-    _scores_kernel[(T, triton.cdiv(E, BE))](x, weight, s, D, E, x.stride(0), BE=BE, BD=1024)
+    # one expert a program, its whole row in one load: latency, not bytes, bounds a call (16 experts a program, then 2
+    # in a loop over D, left most of the GPU idle: BENCHMARKS.md, 2026-12-06)
+    BD = min(4096, triton.next_power_of_2(D))
+    _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, num_warps=8 if BD >= 2048 else 4)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     _select_kernel[(T,)](s, bias, weights, ids, E, K=k, scale=scale, NORM=norm, BE=triton.next_power_of_2(E))

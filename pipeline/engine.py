@@ -33,7 +33,8 @@ from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.sequence import Sequence
 from sluice.pipeline.schedule import load_schedule
-from sluice.pipeline.snapshot import Snapshot, restore, take
+from sluice.pipeline.snapshot import Snapshot, take
+from sluice.pipeline.states import StatePool
 from sluice.pipeline.whole import WholeStep, default_static_kv
 from sluice.storage.home import resolve_store
 from sluice.storage.store import ExpertStore
@@ -51,6 +52,8 @@ class Engine:
         self.graphs = DecodeGraphs(rt.pools) if graphs else None
         self._loop = asyncio.new_event_loop()
         self._images = None  # the ImageEncoder, built on first use
+        # released sequences' caches, reset and handed out again: their graphs replay at once (pipeline/states.py)
+        self.states = StatePool(lambda: model.new_cache(config.static_kv), self.device)
         # one-token steps: graph-safe MoE blocks as views whose pure functions replay CUDA graphs
         self.fn_graphs = FnGraphs(rt.pools) if graphs else None
         coordinator.bind(model, self.fn_graphs)
@@ -139,7 +142,15 @@ class Engine:
     # -- public, synchronous API ------------------------------------------------------------
 
     def new_sequence(self) -> Sequence:
-        return Sequence(self.model.new_cache(self.config.static_kv), [])
+        return Sequence(self.states.take(), [])
+
+    def release(self, seq: Sequence) -> None:
+        """Done with seq: its state's tensors go to the next sequence (reset), so that the graphs captured over them
+        replay at once; seq can take no more steps. A broken sequence's state (a step failed in it) is only dropped."""
+        if seq.cache is not None and not seq.broken:
+            self.rt.streams.synchronize()  # its last step has finished with the tensors
+            self.states.give(seq.cache)
+        seq.cache = None
 
     def snapshot(self, seq: Sequence, device: str = "cpu") -> "Snapshot":
         """A copy of seq's state in host RAM (or `device`), restorable with `restore`."""
@@ -147,7 +158,7 @@ class Engine:
 
     def restore(self, snap: "Snapshot") -> Sequence:
         """A new sequence continuing exactly from a snapshot."""
-        return Sequence(restore(snap, self.device), list(snap.tokens))
+        return Sequence(self.states.restore(snap), list(snap.tokens))
 
     def forward(self, input_ids: list[int]) -> torch.Tensor:
         """Logits [T, V] (fp32, CPU) for a fresh sequence of input_ids."""
@@ -231,7 +242,13 @@ class Engine:
         """Yield new tokens one at a time: prefill input_ids (with `images` rows at their image tokens), then
         decode one token per step from the cache."""
         _check_ids(input_ids)
+        own = seq is None
         seq = seq or self.new_sequence()
+        yield from self._stream(seq, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images)
+        if own:  # a stream left early, or failed, leaves its state to the garbage collector
+            self.release(seq)
+
+    def _stream(self, seq, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images) -> Iterator[int]:
         limit = self.config.static_kv
         if limit is not None and len(seq.tokens) + len(input_ids) + max_new_tokens - 1 > limit:
             raise SluiceError(f"{len(seq.tokens) + len(input_ids)} prompt tokens and up to {max_new_tokens} new ones need more "

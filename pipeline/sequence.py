@@ -13,13 +13,15 @@ from sluice.models import static_cache
 class Sequence:
     """One sequence's state: the KV / recurrent cache and how many tokens it holds."""
 
-    cache: Any
+    cache: Any  # None once released (Engine.release): its tensors went to another sequence
     tokens: list[int]
     broken: bool = False  # a step failed half-way; the cache no longer matches `tokens`
 
     def check(self, n: int, limit: int | None) -> None:
         """Before a step appends n tokens: the state is whole, and a static cache of `limit` tokens has room (its
         attention then reads a window that holds them: models/static_cache.py)."""
+        if self.cache is None:
+            raise SluiceError("this sequence was released (Engine.release); start a new one")
         if self.broken:
             raise SluiceError("this sequence's state was lost by an earlier failed step; start a new one")
         if limit is not None and len(self.tokens) + n > limit:

@@ -59,6 +59,35 @@ def restore(snapshot: Snapshot, device: torch.device) -> Any:
     return map_cache(snapshot.cache, lambda t: t.to(device, copy=True))
 
 
+def restore_into(snapshot: Snapshot, cache: Any, device: torch.device) -> Any:
+    """`cache` (an engine's, of the same layer classes) made equal to the snapshot's: each tensor copied into the one it
+    replaces where their shapes and dtypes agree (so the cache keeps its addresses), a new copy where not; every other
+    attribute (flags, lengths) taken from the snapshot. A cache of other layer classes gets a fresh copy instead."""
+    if len(cache.layers) != len(snapshot.cache.layers) or any(
+            type(a) is not type(b) for a, b in zip(cache.layers, snapshot.cache.layers)):
+        return restore(snapshot, device)
+    for live, kept in zip(cache.layers, snapshot.cache.layers):
+        for name, value in vars(kept).items():
+            setattr(live, name, _fill(getattr(live, name, None), value, device))
+    return cache
+
+
+def _fill(old: Any, new: Any, device: torch.device) -> Any:
+    """`new` on `device`, copied into `old` where `old` is a tensor of its shape and dtype there (in dicts, lists and
+    tuples alike)."""
+    if isinstance(new, torch.Tensor):
+        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype and old.device == device:
+            return old.copy_(new)
+        return new.to(device, copy=True)
+    if isinstance(new, dict):
+        old = old if isinstance(old, dict) else {}
+        return {k: _fill(old.get(k), v, device) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        old = old if isinstance(old, type(new)) and len(old) == len(new) else [None] * len(new)
+        return type(new)(_fill(o, v, device) for o, v in zip(old, new))
+    return new  # as `restore` shares them
+
+
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)

@@ -96,12 +96,16 @@ def teacher_forced(engine, prompt: list[int], tokens: list[int]) -> tuple["torch
     return first, torch.stack(steps)
 
 
-def greedy_logits(engine, prompt: list[int], n: int) -> "torch.Tensor":
-    """Last-position logits [n, V] (CPU) of a prompt and then n - 1 one-token steps, each feeding the argmax back."""
+def greedy_logits(engine, prompt: list[int], n: int, release: bool = False) -> "torch.Tensor":
+    """Last-position logits [n, V] (CPU) of a prompt and then n - 1 one-token steps, each feeding the argmax back;
+    `release`: the sequence's state then handed back to the engine (Engine.release)."""
     import torch
 
     seq = engine.new_sequence()
     logits = [engine.extend(seq, prompt)[-1]]
     for _ in range(n - 1):
         logits.append(engine.extend(seq, [int(logits[-1].argmax())])[-1])
-    return torch.stack(logits).cpu()
+    out = torch.stack(logits).cpu()
+    if release:
+        engine.release(seq)
+    return out

@@ -39,7 +39,7 @@ def kernels():
         "rms_norm": (_rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16", "D": "i32", "eps": "fp32", "X_R": "i32",
                                         "Y_R": "i32"}, dict(B=4096)),
         "router scores": (_scores_kernel, {"x": "*bf16", "w": "*fp32", "s": "*fp32", "D": "i32", "E": "i32", "X_T": "i32"},
-                          dict(BE=2, BD=1024)),
+                          dict(BE=1, BD=4096)),
         "router select": (_select_kernel, {"s": "*fp32", "bias": "*fp32", "weights": "*fp32", "ids": "*i64", "E": "i32",
                                            "scale": "fp32"}, dict(K=6, NORM=True, BE=128)),
     }

@@ -28,7 +28,7 @@ def test_rms_norm_matches_its_reference(rows, D, dtype):
     assert not torch.allclose(rms_norm(x, w.flip(0), 1e-5).float(), want.float(), atol=1e-2)  # a wrong weight shows
 
 
-@pytest.mark.parametrize("T,D,E,K", [(1, 2688, 128, 6), (5, 100, 40, 3), (2, 64, 16, 16), (20, 64, 16, 4)])
+@pytest.mark.parametrize("T,D,E,K", [(1, 2688, 128, 6), (5, 100, 40, 3), (2, 64, 16, 16), (20, 64, 16, 4), (1, 5000, 8, 2)])
 def test_router_matches_its_reference(T, D, E, K):
     """The same ids best first, their weights within fp32 rounding; a bias that favours one expert routes every
     row to it first; without the bias the choice changes (the must-fail side)."""

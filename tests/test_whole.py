@@ -140,6 +140,20 @@ def test_a_snapshot_of_a_windowed_cache_restores_exactly(stores, tmp_path, monke
         assert torch.equal(torch.stack([engine.extend(again, [t])[-1].cpu() for t in range(3, 12)]), torch.stack(live))
 
 
+def test_a_released_state_replays_from_the_next_sequences_first_step(stores, tmp_path, monkeypatch):
+    """A sequence on a released state (pipeline/states.py) replays its steps whole from its first one-token step, with
+    no capture, the first sequence's logits bit for bit."""
+    from sluice.models import static_cache
+
+    monkeypatch.setattr(static_cache, "MIN_WINDOW", 16)
+    with _open(stores["nemotron_h"], direct_schedule(tmp_path, backend="triton"), True) as engine:
+        first = greedy_logits(engine, PROMPT, STEPS, release=True)
+        replays, captures = engine.whole.replays, engine.whole.captures
+        assert replays == STEPS - 3
+        assert torch.equal(greedy_logits(engine, PROMPT, STEPS), first)
+        assert (engine.whole.replays - replays, engine.whole.captures) == (STEPS - 1, captures)
+
+
 def test_asked_for_but_refused_says_why(stores, capsys):
     """`whole_step=True` where a step cannot replay whole: a warning naming why, and steps layer by layer."""
     with sluice.load(stores["nemotron_h"], device=DEVICE, schedule="overlap", whole_step=True) as engine:
