@@ -24,6 +24,8 @@ async def step_many(engine, seqs: list, pieces: list[list[int]]) -> list[torch.T
     last-position logits [1, V] fp32 on the device."""
     model, coordinator, recorder = engine.model, engine.coordinator, engine.rt.recorder
     rows = sum(len(p) for p in pieces)
+    for s in seqs:
+        s.state_key = None  # a step layer by layer may place a state anew (pipeline/whole.py looks it up again)
     if recorder is not None:
         recorder.begin_step(rows)
     with torch.inference_mode():

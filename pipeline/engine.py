@@ -339,8 +339,9 @@ class Engine:
             recorder.begin_step(len(ids))
         with torch.inference_mode():
             whole = self.whole if len(ids) == 1 and images is None else None
-            logits = whole.run(seq.cache, len(seq.tokens), ids[0]) if whole is not None else None
+            logits = whole.run(seq, ids[0]) if whole is not None else None
             if logits is None:
+                seq.state_key = None  # a step layer by layer may place its state anew (a prompt's first update)
                 logits = await self._layers(seq, ids, images, head, cancel)
         seq.tokens.extend(ids)
         if recorder is not None:

@@ -16,6 +16,10 @@ class Sequence:
     cache: Any  # None once released (Engine.release): its tensors went to another sequence
     tokens: list[int]
     broken: bool = False  # a step failed half-way; the cache no longer matches `tokens`
+    # where its state's tensors lie and the window attention reads (pipeline/whole.py's key for its captured step), as
+    # of its last whole step; None: to be looked up (a step layer by layer, or a new window, may have moved them)
+    state_key: tuple | None = None
+    window: int = 0  # the attention window its last step read (models/static_cache.py)
 
     def check(self, n: int, limit: int | None) -> None:
         """Before a step appends n tokens: the state is whole, and a static cache of `limit` tokens has room (its
@@ -28,4 +32,6 @@ class Sequence:
             raise SluiceError(f"the sequence would hold {len(self.tokens) + n} tokens, more than the static_kv cache's "
                               f"{limit} (--static-kv)")
         if limit is not None:
-            static_cache.fit(self.cache, len(self.tokens) + n)
+            window = static_cache.fit(self.cache, len(self.tokens) + n)
+            if window != self.window:  # a cache grown, or read through another window
+                self.window, self.state_key = window, None

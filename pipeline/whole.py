@@ -80,12 +80,14 @@ class WholeStep:
             return f"not yet checked on a GPU for {model.config.model_type} (--whole-step runs it whole all the same)"
         return None
 
-    def run(self, cache, past: int, token: int) -> torch.Tensor | None:
-        """The logits [1, V] fp32 of one token at position `past` of the sequence whose state is `cache`, from its
-        whole step's replay; None where the step runs eagerly instead (its first one-token step, or whole steps off)."""
+    def run(self, seq, token: int) -> torch.Tensor | None:
+        """The logits [1, V] fp32 of one token appended to sequence `seq`, from its whole step's replay; None where the
+        step runs eagerly instead (the first one-token step over these state tensors, or whole steps off)."""
         if self.off is not None:
             return None
-        key = _state_key(cache)
+        cache, past = seq.cache, len(seq.tokens)
+        # the walk over its state costs as much host time as the rest of a replay: kept while only replays ran on it
+        key = seq.state_key = seq.state_key or _state_key(cache)
         if key not in self._seen:
             self._keep(key, None)  # its first one-token step warms up eagerly
             return None
@@ -146,18 +148,27 @@ class WholeStep:
         w.ran, w.marks = ran, marks
 
 
-def _state_key(cache) -> tuple[int, ...]:
+def _state_key(cache) -> tuple:
     """Where a sequence's state tensors lie (the addresses a captured step reads and writes), and the windows its
-    attention reads them through (models/static_cache.py: a captured step reads a fixed number of slots)."""
-    return tuple(t.data_ptr() for layer in cache.layers for t in _tensors(vars(layer).values())) + \
-        tuple(getattr(layer, "window", 0) for layer in cache.layers)
+    attention reads them through (models/static_cache.py: a captured step reads a fixed number of slots). Run before
+    every replay, so kept to exact-type checks (a state's tensors sit in attributes, dicts, lists and tuples)."""
+    key = []
+    for layer in cache.layers:
+        for v in vars(layer).values():
+            _addresses(v, key)
+        key.append(getattr(layer, "window", 0))
+    return tuple(key)
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(_tensors(v))
-    return out
+def _addresses(v, key: list) -> None:
+    kind = type(v)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        key.append(v.data_ptr())
+    elif kind is dict:
+        for x in v.values():
+            _addresses(x, key)
+    elif kind is list or kind is tuple:
+        for x in v:
+            _addresses(x, key)
+    elif isinstance(v, torch.Tensor):  # a subclass
+        key.append(v.data_ptr())
