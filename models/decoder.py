@@ -151,8 +151,9 @@ class DecoderResident(ResidentModel):
     builds its MoEBlock from the (stripped) transformers MoE module; `capture` stands in its place."""
 
     def __init__(self, hf_model, sparse: Callable[[int], bool], make_block: Callable[[nn.Module, int, int], MoEBlock],
-                 moe_attr: str = "mlp", capture: type[MoECapture] = MoECapture):
+                 moe_attr: str = "mlp", capture: type[MoECapture] = MoECapture, whole_checked: bool = False):
         super().__init__(hf_model)
+        self.whole_checked = whole_checked  # its architecture's whole step checked on a GPU (ResidentModel.whole_checked)
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
         self.layer_types = list(types)
         self.layers: list[Layer] = []

@@ -35,4 +35,5 @@ class DeepseekV3(Architecture):
         hf = build_hf_model(self, hf_config, tensors, strip_routed(sparse), device, dtype)
         dt = hf.lm_head.weight.dtype
 
-        return DecoderResident(hf, sparse, lambda moe, i, k: swiglu_block(moe, i, k, hf_config, dt, shared=moe.shared_experts))
+        return DecoderResident(hf, sparse, lambda moe, i, k: swiglu_block(moe, i, k, hf_config, dt, shared=moe.shared_experts),
+                               whole_checked=True)  # tests/test_whole.py on an H100, 2026-12-06

@@ -35,4 +35,5 @@ class Mixtral(Architecture):
     def build(self, hf_config, tensors, device, dtype) -> ResidentModel:
         hf = build_hf_model(self, hf_config, tensors, strip_routed(lambda i: True), device, dtype)
         dt = hf.lm_head.weight.dtype
-        return DecoderResident(hf, lambda i: True, lambda moe, i, k: swiglu_block(moe, i, k, hf_config, dt))
+        return DecoderResident(hf, lambda i: True, lambda moe, i, k: swiglu_block(moe, i, k, hf_config, dt),
+                               whole_checked=True)  # tests/test_whole.py on an H100, 2026-12-06

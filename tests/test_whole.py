@@ -55,8 +55,8 @@ def test_whole_step_gives_the_layer_by_layer_logits(setting, stores, tmp_path, m
 
 @pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_whole_step_of_a_decoder_model(variant, stores, tmp_path):
-    """A decoder model's one-token step whole (asked for: `whole_step=True`, these are not yet checked on a GPU): its
-    attention over the static cache at the position read from the device, rotary tables made from it, each MoE layer's
+    """A decoder model's one-token step whole (checked on an H100 with SLUICE_TEST_DEVICE=cuda, so these replay whole by
+    default there: `whole_checked`, and the others of their kind do not): its attention over the static cache at the position read from the device, rotary tables made from it, each MoE layer's
     composed step on the MoE input the layer module gives; the layer-by-layer logits bit for bit."""
     schedule = direct_schedule(tmp_path, backend="triton", refresh=2)
     got = []
@@ -65,6 +65,12 @@ def test_whole_step_of_a_decoder_model(variant, stores, tmp_path):
             got.append(greedy_logits(engine, PROMPT, STEPS))
             assert not whole or engine.whole.replays == STEPS - 2
     assert torch.equal(got[0], got[1]), f"{variant}: whole-step logits differ by {(got[0] - got[1]).abs().max()}"
+    assert engine.model.whole_checked
+
+
+def test_only_checked_decoder_models_replay_whole_by_default(stores):
+    with sluice.load(stores["qwen3_next"], device=DEVICE) as engine:
+        assert not engine.model.whole_checked  # DeltaNet layers: not checked on a GPU
 
 
 def test_whole_step_under_controlled_routing(stores, tmp_path):
