@@ -100,7 +100,7 @@ def test_refusals_name_the_reason(stores, tmp_path):
     """Whole steps where nothing in a one-token step needs the host; otherwise the reason, and steps layer by layer."""
     fast = direct_schedule(tmp_path, backend="triton")
     cases = [("nemotron_h", fast, None, None, "--static-kv"), ("nemotron_h", "overlap", 64, None, "not composed"),
-             ("qwen3_moe", fast, 64, None, "not yet checked on a GPU"), ("qwen3_moe", fast, 64, True, None),
+             ("qwen3_next", fast, 64, None, "not yet checked on a GPU"), ("qwen3_moe", fast, 64, None, None),
              ("gpt_oss", fast, 64, True, "sliding-window attention"), ("nemotron_h", "direct-stream", 64, None, "hold: false"),
              ("nemotron_h", fast, 64, None, None)]
     for variant, schedule, static_kv, asked, why in cases:
