@@ -34,17 +34,19 @@ def controlled_routing(text: str | RoutingSetting | None, model, device: torch.d
 
 class RoutingControl:
     """The tables and cursor of one engine's controlled routing. Invariants: `ids` and `guesses` never change after
-    construction; `cursor` (a device int64 scalar) only grows, by `advance`."""
+    construction; `cursor` (a device int64 scalar) moves only by `advance`, wrapped at the tables' length."""
 
     def __init__(self, setting: RoutingSetting, blocks: list[MoEBlock], device: torch.device):
         b = blocks[0]
         setting = for_shape(setting, b.num_experts, b.top_k)
         ids, guesses = routing_tables(setting, len(blocks), b.num_experts, b.top_k)
         self.setting = setting  # as run: a skewed one's calibrated knobs filled in
-        self.ids = ids.to(device)  # [N, L, K] int16: routed ids per token position and MoE index
-        self.guesses = guesses.to(device)  # [N, L, K] int16: their guesses
+        # per MoE index, token position: [L, N, K] int64 (4 x the int16 tables' bytes), so that a one-token read is one
+        # gather: the control's own kernels are not the router's, and a step should not pay for many of them
+        self.ids = _per_layer(ids, device)  # routed ids
+        self.guesses = _per_layer(guesses, device)  # their guesses
         self.positions = ids.shape[0]
-        self.cursor = torch.zeros((), dtype=torch.int64, device=device)  # the next step's first token position
+        self.cursor = torch.zeros((), dtype=torch.int64, device=device)  # the next step's first token position, wrapped
         self._index = {blk.layer: i for i, blk in enumerate(blocks)}
 
     def apply(self, block: MoEBlock) -> MoEBlock:
@@ -62,9 +64,17 @@ class RoutingControl:
         return replace(block, router=route, guess=guess, ranked=None)
 
     def _read(self, table: torch.Tensor, i: int, tokens: int) -> torch.Tensor:
+        """MoE index i's rows [T, K] at the cursor's T positions."""
+        if tokens == 1:
+            return table[i].index_select(0, self.cursor.view(1))
         at = (self.cursor + torch.arange(tokens, device=table.device)) % self.positions
-        return table[at, i].long()  # [T, K]
+        return table[i].index_select(0, at)
 
     def advance(self, tokens: int) -> None:
         """Move the cursor past a step's tokens (on the current stream: after the step's reads of it)."""
-        self.cursor.add_(tokens)
+        self.cursor.add_(tokens).remainder_(self.positions)
+
+
+def _per_layer(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[N, L, K] int16 -> [L, N, K] int64 on the device."""
+    return table.to(device=device, dtype=torch.int64).transpose(0, 1).contiguous()

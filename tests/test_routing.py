@@ -69,7 +69,7 @@ def _tokens_and_trace(store, tmp_path, schedule: str, routing: str, tag: str):
     with sluice.load(store, device=DEVICE, schedule=schedule, routing=routing, record_routing=record) as engine:
         out = engine.generate(PROMPT, 8)
         control = engine.routing
-        ids = control.ids.long().cpu() if control is not None else None
+        ids = control.ids.transpose(0, 1).cpu() if control is not None else None  # [N, L, K]
     return out, (read_trace(path) if record else None), ids
 
 
@@ -115,3 +115,20 @@ def test_a_trace_of_another_shape_is_refused(stores, tmp_path):
     (tmp_path / "other.jsonl").write_text("\n".join([json.dumps(dict(head, num_experts=head["num_experts"] + 1))] + lines[1:]))
     with pytest.raises(SluiceError, match="trace routes top-"):
         sluice.load(stores["nemotron_h"], device=DEVICE, routing=f"trace:{tmp_path / 'other.jsonl'}")
+
+
+def test_the_cursor_wraps_at_the_tables_end():
+    """A one-token read is the table's row at the cursor, a prompt's rows run on across the table's end, and the
+    cursor stays within the table (a one-token read is one gather at it)."""
+    from types import SimpleNamespace
+
+    from sluice.pipeline.routing import RoutingControl
+
+    blocks = [SimpleNamespace(layer=l, num_experts=16, top_k=2) for l in (1, 3)]
+    control = RoutingControl(R.parse_routing("uniform"), blocks, torch.device("cpu"))
+    table, n = control.ids, control.positions  # [L, N, K]
+    control.advance(n - 2)
+    assert torch.equal(control._read(table, 1, 1), table[1, n - 2 : n - 1])
+    assert torch.equal(control._read(table, 0, 4), table[0, [n - 2, n - 1, 0, 1]])
+    control.advance(5)
+    assert int(control.cursor) == 3 and torch.equal(control._read(table, 1, 1), table[1, 3:4])
