@@ -82,7 +82,8 @@ def sigmoid_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k:
     _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, num_warps=8 if BD >= 2048 else 4)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
-    _select_kernel[(T,)](s, bias, weights, ids, E, K=k, scale=scale, NORM=norm, BE=triton.next_power_of_2(E))
+    # one warp: its K rounds of max, first index and sum are register shuffles, not shared-memory rounds across warps
+    _select_kernel[(T,)](s, bias, weights, ids, E, K=k, scale=scale, NORM=norm, BE=triton.next_power_of_2(E), num_warps=1)
     return weights, ids
 
 

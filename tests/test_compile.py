@@ -23,6 +23,7 @@ def compile_for_gpu(fn, signature: dict, constexprs: dict) -> None:
 def kernels():
     from sluice.kernels.down import _weigh_parts_kernel
     from sluice.kernels.gemv import _gemv_kernel
+    from sluice.kernels.mamba import _gate_norm_kernel
     from sluice.kernels.norm import _rms_norm_kernel
     from sluice.kernels.router import _scores_kernel, _select_kernel
 
@@ -40,12 +41,17 @@ def kernels():
                                         "Y_R": "i32"}, dict(B=4096)),
         "router scores": (_scores_kernel, {"x": "*bf16", "w": "*fp32", "s": "*fp32", "D": "i32", "E": "i32", "X_T": "i32"},
                           dict(BE=1, BD=4096)),
+        "mamba gate norm": (_gate_norm_kernel, {"zx": "*bf16", "y": "*fp32", "nw": "*bf16", "out": "*bf16", "cs": "*bf16",
+                                                **{n: "i32" for n in ("I", "CONV_DIM", "GS", "CS_C", "CS_K", "CPP")},
+                                                "eps": "fp32", "ZX_B": "i32", "CS_B": "i32"},
+                            dict(OUT_DT=tl.bfloat16, K=4, BG=512, BC=256, BK=4)),
         "router select": (_select_kernel, {"s": "*fp32", "bias": "*fp32", "weights": "*fp32", "ids": "*i64", "E": "i32",
                                            "scale": "fp32"}, dict(K=6, NORM=True, BE=128)),
     }
 
 
-NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "rms_norm", "router scores", "router select", "must fail"]
+NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "rms_norm", "router scores", "mamba gate norm",
+         "router select", "must fail"]
 
 
 def must_fail():
