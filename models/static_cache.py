@@ -61,6 +61,12 @@ def fit(cache: Any, tokens: int) -> int:
     return window
 
 
+def grown(cache: Any) -> bool:
+    """Whether a windowed layer of `cache` holds more than its first slots (a long sequence's)."""
+    return any(isinstance(layer, WindowedLayer) and layer.max_cache_len > min(FIRST_SLOTS, layer.limit)
+               for layer in cache.layers)
+
+
 def _grow(layer: StaticLayer, slots: int) -> None:
     """The layer's slots made `slots`: its key and value tensors, if allocated, replaced by ones that long holding
     what they held."""

@@ -9,11 +9,14 @@ from typing import Any, Callable
 
 import torch
 
+from sluice.models import static_cache
 from sluice.pipeline.snapshot import Snapshot, restore, restore_into
 
 
 class StatePool:
-    """Caches of released sequences, at most `keep` (each holds VRAM: its attention slots and recurrent states)."""
+    """Caches of released sequences, at most `keep` (each holds VRAM: its attention slots and recurrent states); one
+    whose static cache grew past its first slots is not kept (idle, a long sequence's slots would hold VRAM that the
+    expert tier could use)."""
 
     def __init__(self, new: Callable[[], Any], device: torch.device, keep: int = 2):
         self.new, self.device, self.keep = new, device, keep
@@ -32,7 +35,7 @@ class StatePool:
 
     def give(self, cache: Any) -> None:
         """A released sequence's cache: reset in place (its tokens' keys and states zeroed) and kept for the next."""
-        if len(self._spare) < self.keep and hasattr(cache, "reset"):
+        if len(self._spare) < self.keep and hasattr(cache, "reset") and not static_cache.grown(cache):
             with torch.inference_mode():  # the steps made its tensors under it
                 cache.reset()
             self._spare.append(cache)

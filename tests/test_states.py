@@ -74,3 +74,19 @@ def test_generate_hands_its_state_to_the_next_request(stores):
         first = engine.generate(PROMPT, 4)
         assert len(engine.states._spare) == 1
         assert engine.generate(PROMPT, 4) == first
+
+
+def test_a_grown_state_is_not_kept(stores, monkeypatch):
+    """A sequence whose static cache grew past its first slots gives its state up, not to the pool."""
+    from sluice.models import static_cache
+
+    monkeypatch.setattr(static_cache, "FIRST_SLOTS", 16)
+    with sluice.load(stores["nemotron_h"], device=DEVICE, static_kv=64) as engine:
+        short, long = engine.new_sequence(), engine.new_sequence()
+        engine.extend(short, PROMPT)
+        engine.extend(long, PROMPT + OTHER)  # 19 tokens: 32 slots
+        assert not static_cache.grown(short.cache) and static_cache.grown(long.cache)
+        cache = short.cache
+        engine.release(long)
+        engine.release(short)
+        assert engine.states._spare == [cache]
