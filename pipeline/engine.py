@@ -338,7 +338,9 @@ class Engine:
         if recorder is not None:
             recorder.begin_step(len(ids))
         with torch.inference_mode():
-            whole = self.whole if len(ids) == 1 and images is None else None
+            # a sequence's first step (a one-token prompt) runs as a prompt: a state handed out again holds the graphs of
+            # later steps (pipeline/states.py)
+            whole = self.whole if len(ids) == 1 and images is None and seq.tokens else None
             logits = whole.run(seq, ids[0]) if whole is not None else None
             if logits is None:
                 seq.state_key = None  # a step layer by layer may place its state anew (a prompt's first update)
@@ -360,7 +362,7 @@ class Engine:
             mask = torch.tensor(ids, device=self.device) == self._images.image_token_id
             h[0, mask] = images.to(h.device, h.dtype)
         # a whole step's warm-up (a sequence's first one-token step) captures no per-layer graphs: the whole graph follows
-        graphs = self.graphs if len(ids) == 1 and (self.whole is None or self.whole.off) else None
+        graphs = self.graphs if len(ids) == 1 and seq.tokens and (self.whole is None or self.whole.off) else None
         for i, layer in enumerate(model.layers):
             if cancel is not None and cancel.is_set():  # its client left: a long prefill stops here, not at its end
                 raise StepCancelled(f"step cancelled at layer {i}")

@@ -90,3 +90,22 @@ def test_a_grown_state_is_not_kept(stores, monkeypatch):
         engine.release(long)
         engine.release(short)
         assert engine.states._spare == [cache]
+
+
+def test_a_one_token_prompt_on_a_released_state_runs_as_a_prompt(stores, tmp_path):
+    """A sequence whose first step is one token, on a state handed out again, runs that step as a prompt, not as the
+    replay captured for the later steps: the fresh state's logits bit for bit."""
+    from sluice.pipeline.whole import WholeStep
+    from test_direct import direct_schedule
+
+    schedule = direct_schedule(tmp_path, backend="triton")
+    with sluice.load(stores["nemotron_h"], device=DEVICE, schedule=schedule, static_kv=32, whole_step=True) as engine:
+        if DEVICE == "cpu":
+            engine.whole = WholeStep(engine.model, engine.coordinator, engine.rt, engine.routing, graphs=False)
+        want = _run(engine, engine.new_sequence(), [7])
+        used = engine.new_sequence()
+        _run(engine, used, [7])
+        engine.release(used)
+        replays = engine.whole.replays
+        assert torch.equal(_run(engine, engine.new_sequence(), [7]), want)
+        assert engine.whole.replays - replays == 4, "its four one-token steps after the first replay"
