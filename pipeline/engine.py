@@ -28,7 +28,7 @@ from sluice.pipeline.batch import check_batch, step_many
 from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
 from sluice.pipeline.coordinator import Coordinator
-from sluice.pipeline.routing import RoutingControl, controlled_routing
+from sluice.pipeline.routing import RoutingControl, check_guess_extra, controlled_routing
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.sequence import Sequence
@@ -101,7 +101,7 @@ class Engine:
             raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: {format_bytes(whole)}, more "
                               f"than the {format_bytes(available_ram())} this machine has available; use a schedule "
                               f"that streams (direct-stream, overlap)")
-        _check_guess_extra(needs.guess_extra, model, routing, store.manifest.architecture)
+        check_guess_extra(needs.guess_extra, model, routing, store.manifest.architecture)
         # by default on CUDA (faster decode: docs/benchmarks/); a CPU keeps transformers' step (the kernels would run
         # in Triton's interpreter there)
         fused_mamba = config.fused_mamba if config.fused_mamba is not None else device.type == "cuda"
@@ -242,13 +242,7 @@ class Engine:
         """Yield new tokens one at a time: prefill input_ids (with `images` rows at their image tokens), then
         decode one token per step from the cache."""
         _check_ids(input_ids)
-        own = seq is None
-        seq = seq or self.new_sequence()
-        yield from self._stream(seq, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images)
-        if own:  # a stream left early, or failed, leaves its state to the garbage collector
-            self.release(seq)
-
-    def _stream(self, seq, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images) -> Iterator[int]:
+        own, seq = seq is None, seq or self.new_sequence()
         limit = self.config.static_kv
         if limit is not None and len(seq.tokens) + len(input_ids) + max_new_tokens - 1 > limit:
             raise SluiceError(f"{len(seq.tokens) + len(input_ids)} prompt tokens and up to {max_new_tokens} new ones need more "
@@ -259,8 +253,10 @@ class Engine:
             token = sampler(logits[-1])
             yield token
             if token in stop_ids or i == max_new_tokens - 1:
-                return
+                break
             logits = self.extend(seq, [token])
+        if own:  # a stream left early, or failed, leaves its state to the garbage collector
+            self.release(seq)
 
     def generate(self, input_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_ids: tuple[int, ...] = (), images: torch.Tensor | None = None) -> list[int]:
@@ -374,19 +370,6 @@ class Engine:
         if self.routing is not None:
             self.routing.advance(len(ids))
         return logits
-
-
-def _check_guess_extra(extra: int, model: ResidentModel, routing: RoutingControl | None, architecture: str) -> None:
-    """Guesses past the top-k need routers that rank, and no more experts than a layer has."""
-    if not extra:
-        return
-    if any(b.ranked is None for b in model.moe_blocks):
-        whose = f"routing {routing.setting} draws its ids" if routing is not None else \
-            f"this model's routers ({architecture}) do not rank (MoEBlock.ranked)"
-        raise ConfigError(f"stage 'fetch': 'guess_extra' reads guesses past the top-k as a router ranks them; {whose}")
-    if (b := next((b for b in model.moe_blocks if b.top_k + extra > b.num_experts), None)) is not None:
-        raise ConfigError(f"stage 'fetch': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
-                          f"{b.num_experts} experts a MoE layer has")
 
 
 def split_image_rows(part: list[int], rows: torch.Tensor | None, token: int | None):

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from sluice.errors import ConfigError
 from sluice.models.base import MoEBlock
 from sluice.storage.routing import RoutingSetting, for_shape, parse_routing, routing_tables
 
@@ -78,3 +79,16 @@ class RoutingControl:
 def _per_layer(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[N, L, K] int16 -> [L, N, K] int64 on the device."""
     return table.to(device=device, dtype=torch.int64).transpose(0, 1).contiguous()
+
+
+def check_guess_extra(extra: int, model, routing: RoutingControl | None, architecture: str) -> None:
+    """Guesses past the top-k need routers that rank, and no more experts than a layer has."""
+    if not extra:
+        return
+    if any(b.ranked is None for b in model.moe_blocks):
+        whose = f"routing {routing.setting} draws its ids" if routing is not None else \
+            f"this model's routers ({architecture}) do not rank (MoEBlock.ranked)"
+        raise ConfigError(f"stage 'fetch': 'guess_extra' reads guesses past the top-k as a router ranks them; {whose}")
+    if (b := next((b for b in model.moe_blocks if b.top_k + extra > b.num_experts), None)) is not None:
+        raise ConfigError(f"stage 'fetch': 'guess_extra' {extra} past a top-{b.top_k} asks for more than the "
+                          f"{b.num_experts} experts a MoE layer has")
