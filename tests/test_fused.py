@@ -46,7 +46,7 @@ def test_router_matches_its_reference(T, D, E, K):
         assert not torch.equal(sigmoid_router(x, weight, torch.zeros_like(bias) - bias * 50, K, 2.5, True)[1], ids)
 
 
-@pytest.mark.parametrize("N,K,dtype,bias", [(1024, 2688, torch.bfloat16, False), (37, 300, torch.float32, True),
+@pytest.mark.parametrize("N,K,dtype,bias", [(1024, 520, torch.bfloat16, False), (37, 300, torch.float32, True),
                                              (130, 70, torch.float16, False), (5, 1000, torch.bfloat16, True)])
 def test_gemv_matches_its_reference(N, K, dtype, bias):
     """One row through the one-launch linear: within one rounding of the output type of the fp32 reference (fp32: of its
@@ -109,7 +109,7 @@ def test_fused_nemotron_h_matches_transformers(stores, refs):
                      schedule="direct") as engine:  # the Mamba step's residual add in its out_proj's launch too
         names = {type(m).__name__ for m in engine.model.hf.modules()}
         assert {"RMSNorm", "Gemv", "Relu2MLP"} <= names and not names & {"NemotronHRMSNorm", "Linear", "NemotronHMLP"}
-        check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops")
+        check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops", n=12)  # the same kernels each step: 12 of them
 
 
 def test_fused_linears_reach_the_moe_blocks_linears(stores, monkeypatch):
