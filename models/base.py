@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sluice.errors import CheckpointError, ConfigError
+from sluice.kernels.add import residual_add
 from sluice.kernels.formats import detect_format
 from sluice.kernels.linear import GroupedQuantLinear, QuantLinear
 from sluice.models.fallbacks import announce_fallbacks
@@ -103,13 +104,13 @@ class MoEBlock:
         """This layer's experts guessed from another layer's input x [T,D]: (weights, ids) as the router gives them."""
         return (self.guess or self.router)(x)
 
-    def output(self, routed: torch.Tensor, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output before the residual from the routed sum [T,Dx]: finish, plus the shared term (`shared`
-        where a stage has computed it already)."""
-        out = self.finish(routed, x)
-        if self.shared is None:
-            return out
-        return out + (self.shared(x) if shared is None else shared)
+    def output(self, residual: torch.Tensor, routed: torch.Tensor, x: torch.Tensor,
+               shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output h [1,T,D] from the routed sum [T,Dx]: residual + (finish + the shared term (`shared` where
+        a stage has computed it already)), the two adds in one launch on a GPU (kernels/add.py)."""
+        if self.shared is not None and shared is None:
+            shared = self.shared(x)
+        return residual_add(residual, self.finish(routed, x), shared)
 
 
 class Layer(ABC):

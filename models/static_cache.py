@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import StaticLayer
 
+from sluice.kernels.kv_append import appendable, kv_append
+
 MIN_WINDOW = 256
 FIRST_SLOTS = 1024  # a static cache's attention slots until its sequence needs more (at most its N)
 
@@ -31,7 +33,13 @@ class WindowedLayer(StaticLayer):
     limit: int
 
     def update(self, key_states, value_states, *args, **kwargs):
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        length = getattr(self, "cumulative_length", None)
+        if (key_states.is_cuda and getattr(self, "is_initialized", False) and isinstance(length, torch.Tensor)
+                and appendable(self.keys, self.values, key_states, value_states)):
+            kv_append(self.keys, self.values, key_states, value_states, length)  # one launch for transformers' five
+            keys, values = self.keys, self.values
+        else:
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
         return keys[:, :, : self.window], values[:, :, : self.window]
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:

@@ -32,14 +32,14 @@ class Combine(Stage):
         T, K = li.x.shape[0], li.block.top_k
         with self.rt.streams.use(self.stream):
             routed = ordered_sum(y.view(T, K, -1), li.x.dtype)
-            return li.residual + li.block.output(routed, li.x, shared).view_as(li.residual)
+            return li.block.output(li.residual, routed, li.x, shared)
 
     def launch(self, t):
         block, part = t.block, t.part
 
         def finish(v):  # compute has summed the routed experts (before the join of the shared term's stream)
             with part("combine"):
-                v["h"] = v["residual"] + block.output(v["routed"], v["x"], v.get("shared")).view_as(v["residual"])
+                v["h"] = block.output(v["residual"], v["routed"], v["x"], v.get("shared"))
         return finish
 
     def finish(self, v: dict) -> None:

@@ -21,7 +21,9 @@ def compile_for_gpu(fn, signature: dict, constexprs: dict) -> None:
 
 
 def kernels():
+    from sluice.kernels.add import _add3_kernel
     from sluice.kernels.down import _weigh_parts_kernel
+    from sluice.kernels.kv_append import _append_kernel
     from sluice.kernels.gemv import _gemv_kernel
     from sluice.kernels.mamba import _gate_norm_kernel
     from sluice.kernels.norm import _rms_norm_kernel
@@ -47,11 +49,15 @@ def kernels():
                             dict(OUT_DT=tl.bfloat16, K=4, BG=512, BC=256, BK=4)),
         "router select": (_select_kernel, {"s": "*fp32", "bias": "*fp32", "weights": "*fp32", "ids": "*i64", "E": "i32",
                                            "scale": "fp32"}, dict(K=6, NORM=True, BE=128)),
+        "add3": (_add3_kernel, {"r": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32"},
+                 dict(DT=tl.bfloat16, B=1024)),
+        "kv append": (_append_kernel, {"keys": "*bf16", "values": "*bf16", "k": "*bf16", "v": "*bf16", "length": "*i64",
+                                       **{n: "i32" for n in ("H", "S", "DK", "DV", "K_H", "V_H")}}, dict(BK=256, BV=256)),
     }
 
 
 NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "rms_norm", "router scores", "mamba gate norm",
-         "router select", "must fail"]
+         "router select", "add3", "kv append", "must fail"]
 
 
 def must_fail():

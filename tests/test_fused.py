@@ -1,4 +1,5 @@
-"""The fused small ops of a one-token step (kernels/norm.py, kernels/router.py, kernels/gemv.py) against their plain-torch references,
+"""The fused small ops of a one-token step (kernels/norm.py, kernels/router.py, kernels/gemv.py, kernels/add.py,
+kernels/kv_append.py) against their plain-torch references,
 and a Nemotron-H with them in place (`fused_ops`) against transformers. Triton runs interpreted on a CPU."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 import sluice
+from sluice.kernels.add import add3, residual_add, residual_add_ref
 from sluice.kernels.gemv import Gemv, gemv, gemv_ref, linear_add
+from sluice.kernels.kv_append import appendable, kv_append, kv_append_ref
 from sluice.kernels.norm import rms_norm, rms_norm_ref
 from sluice.kernels.router import router_ref, sigmoid_router
 from common import DEVICE
@@ -26,6 +29,41 @@ def test_rms_norm_matches_its_reference(rows, D, dtype):
     ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1)
     assert bool(((got.float() - want.float()).abs() <= 2 * ulp).all())
     assert not torch.allclose(rms_norm(x, w.flip(0), 1e-5).float(), want.float(), atol=1e-2)  # a wrong weight shows
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 1, 2688), torch.bfloat16), ((1, 3, 70), torch.float16), ((1, 2, 1500), torch.float32)])
+def test_add3_is_torchs_two_adds(shape, dtype):
+    """residual + (out + shared) in one launch, bit for bit torch's two adds (each rounded); the sum rounded once (the
+    three added in fp32) differs (the must-fail side); without a shared term it is torch's one add."""
+    g = torch.Generator().manual_seed(shape[-1])
+    r, a, b = ((torch.randn(*shape, generator=g) * s).to(dtype).to(DEVICE) for s in (8, 1, 1e-2))
+    want = residual_add_ref(r, a.view(-1, shape[-1]), b.view(-1, shape[-1]))
+    got = add3(r, a, b)
+    assert got.shape == r.shape and got.dtype == dtype and torch.equal(got, want)
+    if dtype != torch.float32:
+        assert not torch.equal(got, (r.float() + a.float() + b.float()).to(dtype))
+    assert torch.equal(residual_add(r, a, None), r + a)
+
+
+@pytest.mark.parametrize("H,S,DK,DV,dtype", [(2, 16, 128, 128, torch.bfloat16), (3, 7, 24, 40, torch.float32)])
+def test_kv_append_is_transformers_update(H, S, DK, DV, dtype):
+    """A token's key and value (strided as attention makes them) written at the cache's length and the length moved
+    on: the same cache as transformers' five ops, step after step; at a full cache nothing is written."""
+    g = torch.Generator().manual_seed(H * S)
+    caches = [[torch.zeros(1, H, S, d, dtype=dtype, device=DEVICE) for d in (DK, DV)] + [torch.zeros((), dtype=torch.int64, device=DEVICE)]
+              for _ in range(2)]
+    for _ in range(S):
+        k = torch.randn(1, 1, H, DK, generator=g).to(dtype).to(DEVICE).transpose(1, 2)  # [1,H,1,Dk], heads strided
+        v = torch.randn(1, 1, H, DV, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+        assert appendable(caches[0][0], caches[0][1], k, v)
+        kv_append(*caches[0][:2], k, v, caches[0][2])
+        kv_append_ref(*caches[1][:2], k, v, caches[1][2])
+        assert all(torch.equal(x, y) for x, y in zip(caches[0], caches[1]))
+    assert int(caches[0][2]) == S and bool(caches[0][0][:, :, -1].abs().sum() > 0)
+    full = [t.clone() for t in caches[0][:2]]
+    kv_append(*caches[0][:2], k * 2, v * 2, caches[0][2])
+    assert all(torch.equal(x, y) for x, y in zip(caches[0][:2], full)) and int(caches[0][2]) == S + 1
+    assert not appendable(caches[0][0], caches[0][1], torch.cat([k, k], dim=2), v)  # two tokens: transformers' update
 
 
 @pytest.mark.parametrize("T,D,E,K", [(1, 2688, 128, 6), (5, 100, 40, 3), (2, 64, 16, 16), (20, 64, 16, 4), (1, 5000, 8, 2)])
