@@ -118,7 +118,7 @@ def layer_masks(config, layer_types, h: torch.Tensor, position_ids: torch.Tensor
 
 def strip_routed(sparse: Callable[[int], bool], attr: str = "mlp") -> Callable[[nn.Module], None]:
     """The `strip` for build_hf_model: routed experts of sparse layers give way to StreamedExperts."""
-    from sluice.models.base import StreamedExperts
+    from sluice.models.build import StreamedExperts
 
     def strip(model: nn.Module) -> None:
         for i, layer in enumerate(model.model.layers):

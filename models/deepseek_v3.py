@@ -8,7 +8,8 @@ Multi-token-prediction layers (index >= num_hidden_layers) are not part of the L
 
 from __future__ import annotations
 
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, build_hf_model, expert_names
+from sluice.models.base import Architecture, ExpertSpec, ResidentModel, expert_names
+from sluice.models.build import build_hf_model
 from sluice.models.decoder import DecoderResident, strip_routed, swiglu_block
 
 

@@ -33,7 +33,8 @@ from functools import cache
 import torch
 from torch import nn
 
-from sluice.models.base import Architecture, ExpertSpec, MoEBlock, ResidentModel, build_hf_model, cache_kw
+from sluice.models.base import Architecture, ExpertSpec, MoEBlock, ResidentModel, cache_kw
+from sluice.models.build import build_hf_model
 from sluice.models.decoder import Ctx, DecoderResident, strip_routed, swiglu_block
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"

@@ -20,7 +20,8 @@ import re
 import torch
 import torch.nn.functional as F
 
-from sluice.models.base import Architecture, ExpertSpec, MoEBlock, ResidentModel, build_hf_model
+from sluice.models.base import Architecture, ExpertSpec, MoEBlock, ResidentModel
+from sluice.models.build import build_hf_model
 from sluice.models.decoder import DecoderResident, MoECapture, attention_layers_kv, strip_routed
 from sluice.storage.safetensors_io import TensorInfo, TensorPart
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, build_hf_model
+from sluice.models.base import Architecture, ExpertSpec, ResidentModel
+from sluice.models.build import build_hf_model
 from sluice.models.decoder import DecoderResident, attention_layers_kv, strip_routed, swiglu_block
 
 

@@ -26,13 +26,11 @@ from sluice.models.base import (
     Layer,
     MoEBlock,
     ResidentModel,
-    StreamedExperts,
     attention_kv_bytes,
-    build_hf_model,
     cache_kw,
     expert_names,
-    swap_modules,
 )
+from sluice.models.build import StreamedExperts, build_hf_model, swap_modules
 from sluice.models.decoder import Ctx, layer_masks
 from sluice.models.rows import packed_call
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import re
 
 from sluice.errors import CheckpointError
-from sluice.models.base import ExpertSpec, LanguageModelOf, ResidentModel, build_hf_model
+from sluice.models.base import ExpertSpec, LanguageModelOf, ResidentModel
+from sluice.models.build import build_hf_model
 from sluice.models.decoder import DecoderResident, strip_routed
 from sluice.models.qwen3_next import Qwen3Next, gated_shared_block
 from sluice.storage.safetensors_io import TensorInfo, TensorPart

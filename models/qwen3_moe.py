@@ -8,7 +8,8 @@ decoder_sparse_step grid, have a dense MLP. Everything else is transformers' own
 
 from __future__ import annotations
 
-from sluice.models.base import Architecture, ExpertSpec, ResidentModel, build_hf_model, expert_names
+from sluice.models.base import Architecture, ExpertSpec, ResidentModel, expert_names
+from sluice.models.build import build_hf_model
 from sluice.models.decoder import DecoderResident, attention_layers_kv, strip_routed, swiglu_block
 
 

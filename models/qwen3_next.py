@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sluice.models.base import MoEBlock, ResidentModel, build_hf_model
+from sluice.models.base import MoEBlock, ResidentModel
+from sluice.models.build import build_hf_model
 from sluice.models.decoder import DecoderResident, attention_layers_kv, strip_routed, swiglu_block
 from sluice.models.qwen3_moe import Qwen3Moe, is_sparse
 
