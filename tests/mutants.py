@@ -46,8 +46,8 @@ MUTANTS = {
     # the routed sum off by 0.1% in one-token steps only: prompts stay exact, so only decode logits can tell
     "scale-decode": Mutant(
         "models/base.py",
-        "        out = self.finish(routed, x)\n",
-        "        out = self.finish(routed * (1.001 if routed.shape[0] == 1 else 1.0), x)\n",
+        "        return residual_add(residual, self.finish(routed, x), shared)\n",
+        "        return residual_add(residual, self.finish(routed * (1.001 if routed.shape[0] == 1 else 1.0), x), shared)\n",
         _golden() + tuple(f"tests/test_direct.py::test_direct_matches_transformers[{v}]" for v in VARIANT_NAMES),
         "routed-expert sum scaled by 1.001 in decode only"),
     # the expert of the smallest weight among a token's top-k dropped (weight 0) in one-token steps only
