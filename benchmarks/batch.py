@@ -25,11 +25,14 @@ def add_batch_parser(bsub) -> None:
     bb.add_argument("--prompt-length", type=int, default=32)
     bb.add_argument("--decode-tokens", type=int, default=16)
     bb.add_argument("--json", type=Path, help="also write the rows as JSON")
+    bb.add_argument("--profile", action="store_true", help="also profile steps of the largest batch: host functions and "
+                                                           "GPU busy time, per generated token")
     bb.set_defaults(func=cmd_bench_batch)
 
 
-def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int = 0) -> dict:
-    """One batch size: decode `tokens` steps of `batch` sequences; the rates and the expert bytes per token."""
+def decoding(engine, batch: int, prompt_length: int, seed: int = 0):
+    """`batch` fresh sequences of random prompts and a step() that decodes one greedy token for each (`extend` for
+    one sequence, `extend_many` for more), its first (untimed) call made: the first batched step compiles its kernels."""
     g = torch.Generator().manual_seed(seed + batch)
     vocab = engine.model.config.vocab_size
     seqs = [engine.new_sequence() for _ in range(batch)]
@@ -37,15 +40,19 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
             for s in seqs]
 
     def step():
-        if batch == 1:
-            return [engine.extend(seqs[0], [last[0]])]
-        return engine.extend_many(seqs, last)
+        rows = [engine.extend(seqs[0], last)] if batch == 1 else engine.extend_many(seqs, last)
+        last[:] = [int(row[-1].argmax()) for row in rows]
+    step()
+    return step
 
-    last = [int(row[-1].argmax()) for row in step()]  # untimed: the first batched step compiles its kernels
+
+def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int = 0) -> dict:
+    """One batch size: decode `tokens` steps of `batch` sequences; the rates and the expert bytes per token."""
+    step = decoding(engine, batch, prompt_length, seed)
     before = engine.rt.stats.snapshot()
     t = time.perf_counter()
     for _ in range(tokens):
-        last = [int(row[-1].argmax()) for row in step()]
+        step()
     seconds = time.perf_counter() - t
     io = engine.rt.stats.since(before)
     generated = batch * tokens
@@ -66,7 +73,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def cmd_bench_batch(args) -> int:
-    from sluice.benchmarks.model import routing_line, routing_name, synthetic_weights
+    from sluice.benchmarks.model import profile_steps, routing_line, routing_name, synthetic_weights
     from sluice.options import counts, open_engine
 
     sizes = counts("--batches", args.batches)
@@ -74,8 +81,11 @@ def cmd_bench_batch(args) -> int:
         r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine)}
         r["rows"] = [bench_batch(engine, b, args.prompt_length, args.decode_tokens) for b in sizes]
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name}")
-    print(routing_line(r))
-    print(format_rows(r["rows"]))
+        print(routing_line(r))
+        print(format_rows(r["rows"]))
+        if args.profile:
+            print(f"profile of {max(sizes)} sequences a step, per generated token:")
+            print(profile_steps(engine, decoding(engine, max(sizes), args.prompt_length, seed=1), max(sizes), 4))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     return 0

@@ -283,29 +283,38 @@ def device_table(device: list, tokens: int, rows: int = 40) -> str:
 
 
 def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0, split: dict | None = None) -> str:
-    """Where a decode step's time goes: host Python functions (cProfile, by own time) and, on CUDA, the
-    GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the gap.
+    """Where a decode step's time goes (`profile_steps` over `tokens` one-token steps of one sequence).
     `split`, if given, receives the GPU time per token in ms: busy, Sluice's expert kernels, the rest (resident)."""
-    import cProfile
-    import io
-    import pstats
-
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, engine.model.config.vocab_size, (32,), generator=g).tolist()
     engine.generate(prompt, tokens)  # warm caches and kernels
     seq = engine.new_sequence()
-    token = int(engine.extend(seq, prompt)[-1].argmax())
+    token = [int(engine.extend(seq, prompt)[-1].argmax())]
+
+    def step():
+        token[0] = int(engine.extend(seq, token)[-1].argmax())
+    return profile_steps(engine, step, 1, tokens, top, split)
+
+
+def profile_steps(engine, step, rows: int, steps: int, top: int = 25, split: dict | None = None) -> str:
+    """Where `steps` calls of step() (each generating `rows` tokens) go: host Python functions (cProfile, by own time)
+    and, on CUDA, the GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the
+    gap. `split`, if given, receives the GPU time per token in ms: busy, Sluice's expert kernels, the rest."""
+    import cProfile
+    import io
+    import pstats
+
+    tokens = rows * steps
     lines = []
     if engine.device.type == "cuda":
+        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
-            for _ in range(tokens):
-                token = int(engine.extend(seq, [token])[-1].argmax())
+            for _ in range(steps):
+                step()
             wall = (time.perf_counter() - t) / tokens
-        from torch.autograd import DeviceType
-
         events = prof.key_averages()
         # the device's own events (kernels, copies); a host op's "self" device time repeats its kernels' time
         device = [e for e in events if e.device_type != DeviceType.CPU]
@@ -322,8 +331,8 @@ def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0, split:
     pr = cProfile.Profile()
     t = time.perf_counter()
     pr.enable()
-    for _ in range(tokens):
-        token = int(engine.extend(seq, [token])[-1].argmax())
+    for _ in range(steps):
+        step()
     pr.disable()
     lines.append(f"cProfile wall {1000 * (time.perf_counter() - t) / tokens:.2f} ms/token (with profiling overhead)")
     buf = io.StringIO()
