@@ -229,7 +229,8 @@ def cmd_bench_images(args) -> int:
 def cmd_bench_cpu(args) -> int:
     import torch
 
-    from sluice.benchmarks.kernels import FORMATS, bench_cpu, format_table
+    from sluice.benchmarks.cpu_kernels import bench_cpu
+    from sluice.benchmarks.kernels import FORMATS, format_table
 
     for threads in args.threads or [None]:
         read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), threads, not args.eager,

@@ -1,0 +1,66 @@
+"""`sluice bench cpu`: the CPU expert kernels (kernels/cpu.py) alone, one token through one expert at a time (and a
+layer's top-k in one native call), against the memory read rate measured in the same run."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import torch
+
+from sluice.benchmarks.kernels import FORMATS, SHAPES, Row, expert_layout
+from sluice.kernels.cpu import CpuExperts
+from sluice.kernels.rates import ram_read_bandwidth
+from sluice.storage.store import pack_block
+
+
+def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None = None, compiled: bool = True,
+              experts: int = 32, int8: bool = False, min_bytes: int = 768 << 20) -> tuple[float, list[Row]]:
+    """The CPU expert kernels (kernels/cpu.py), one token through one expert at a time (and, for experts that run whole in
+    one native call, a layer's top-k of them per call: the "cpu layer" rows, microseconds per expert), cycling over
+    `experts` distinct blocks, or more where they hold less than `min_bytes` (the GPU machine's CPU reports
+    300 MiB of L3: the blocks must not fit), against the memory read rate measured
+    now (a sum over 1 GiB with the same threads). With `int8`, FP4 experts also with int8 activations (a
+    second row, where the machine has AVX-512 VNNI). Returns (read GB/s, rows)."""
+    if threads:
+        torch.set_num_threads(threads)
+    read = ram_read_bandwidth() / 1e9
+    rows = []
+    for shape in shapes:
+        kind, Dx, I, _ = SHAPES[shape]
+        for fmt in formats:
+            tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
+            block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
+            n = max(experts, -(-min_bytes // block_bytes))
+            bank = block.repeat(n)
+            manifest = types.SimpleNamespace(formats=fmts, slots=slots)
+            x = torch.randn(Dx)
+            blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
+            nbytes = sum(s.nbytes for s in slots)
+            for q8 in (False, True) if int8 and fmt in ("nvfp4", "mxfp4") else (False,):
+                cpu = CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
+                                 compiled=compiled, act_name="relu2" if kind == "relu2" else "silu", int8=q8)  # as the engine builds it
+                if q8 and not cpu.int8:
+                    continue  # no AVX-512 VNNI here
+                cpu.run(blocks[0], x)  # compile
+                dt = float("inf")
+                for _ in range(3):  # the best of three passes: shared machines are noisy
+                    t = time.perf_counter()
+                    for b in blocks:
+                        cpu.run(b, x)
+                    dt = min(dt, (time.perf_counter() - t) / n)
+                gbps = nbytes / dt / 1e9
+                rows.append(Row(f"cpu expert ({kind}{', int8' if q8 else ''})", shape, fmt, nbytes / 1e6, dt * 1e6, gbps, "RAM read",
+                                100 * gbps / read))
+                if cpu.plan is not None:  # a layer's A experts on one token in one call (the hybrid path's one-token steps)
+                    A = SHAPES[shape][3]
+                    dt = float("inf")
+                    for _ in range(3):
+                        t = time.perf_counter()
+                        for i in range(0, n - A + 1, A):
+                            cpu.run_many(blocks[i : i + A], x)
+                        dt = min(dt, (time.perf_counter() - t) / (n // A * A))
+                    gbps = nbytes / dt / 1e9
+                    rows.append(Row(f"cpu layer ({kind}{', int8' if q8 else ''}) x{A}", shape, fmt, nbytes / 1e6, dt * 1e6, gbps,
+                                    "RAM read", 100 * gbps / read))
+    return read, rows
