@@ -305,11 +305,13 @@ class NemotronHResident(ResidentModel):
                 self.layers.append(_MixerLayer(block))
 
     def fuse(self) -> None:
-        """Its RMSNorms in one launch each (kernels/norm.py) and, with one expert group, its routers in two
-        (kernels/router.py)."""
+        """Its RMSNorms in one launch each (kernels/norm.py), a one-token step's attention in one (models/one_query.py)
+        and, with one expert group, its routers in two (kernels/router.py)."""
         from sluice.kernels.norm import RMSNorm
+        from sluice.models.one_query import use_one_query_attention
 
         swap_modules(self.hf, lambda m: type(m).__name__ == "NemotronHRMSNorm", RMSNorm)
+        use_one_query_attention(self.hf)
         if self.config.n_group == 1:
             for layer in self.layers:
                 if layer.moe is not None:

@@ -22,6 +22,7 @@ def compile_for_gpu(fn, signature: dict, constexprs: dict) -> None:
 
 def kernels():
     from sluice.kernels.add import _add3_kernel
+    from sluice.kernels.attention import _one_query_kernel
     from sluice.kernels.down import _weigh_parts_kernel
     from sluice.kernels.kv_append import _append_kernel
     from sluice.kernels.gemv import _gemv_kernel
@@ -53,11 +54,15 @@ def kernels():
                  dict(DT=tl.bfloat16, B=1024)),
         "kv append": (_append_kernel, {"keys": "*bf16", "values": "*bf16", "k": "*bf16", "v": "*bf16", "length": "*i64",
                                        **{n: "i32" for n in ("H", "S", "DK", "DV", "K_H", "V_H")}}, dict(BK=256, BV=256)),
+        "one-query attention": (_one_query_kernel, {"q": "*bf16", "k": "*bf16", "v": "*bf16", "mask": "*i1", "o": "*bf16",
+                                                    "W": "i32", "scale": "fp32",
+                                                    **{n: "i32" for n in ("Q_H", "K_H", "K_S", "V_H", "V_S", "M_S")}},
+                                dict(G=16, D=128, BD=128, BW=64, HAS_MASK=True, DT=tl.bfloat16)),
     }
 
 
 NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "rms_norm", "router scores", "mamba gate norm",
-         "router select", "add3", "kv append", "must fail"]
+         "router select", "add3", "kv append", "one-query attention", "must fail"]
 
 
 def must_fail():

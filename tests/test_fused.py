@@ -1,5 +1,5 @@
 """The fused small ops of a one-token step (kernels/norm.py, kernels/router.py, kernels/gemv.py, kernels/add.py,
-kernels/kv_append.py) against their plain-torch references,
+kernels/kv_append.py, kernels/attention.py) against their plain-torch references,
 and a Nemotron-H with them in place (`fused_ops`) against transformers. Triton runs interpreted on a CPU."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 import sluice
 from sluice.kernels.add import add3, residual_add, residual_add_ref
+from sluice.kernels.attention import fits, one_query_attention, one_query_attention_ref
 from sluice.kernels.gemv import Gemv, gemv, gemv_ref, linear_add
 from sluice.kernels.kv_append import appendable, kv_append, kv_append_ref
 from sluice.kernels.norm import rms_norm, rms_norm_ref
@@ -64,6 +65,33 @@ def test_kv_append_is_transformers_update(H, S, DK, DV, dtype):
     kv_append(*caches[0][:2], k * 2, v * 2, caches[0][2])
     assert all(torch.equal(x, y) for x, y in zip(caches[0][:2], full)) and int(caches[0][2]) == S + 1
     assert not appendable(caches[0][0], caches[0][1], torch.cat([k, k], dim=2), v)  # two tokens: transformers' update
+
+
+@pytest.mark.parametrize("Hq,Hk,W,D,dtype", [(32, 2, 256, 128, torch.bfloat16), (6, 3, 70, 40, torch.float32),
+                                              (4, 4, 9, 16, torch.float16)])
+def test_one_query_attention_matches_its_reference(Hq, Hk, W, D, dtype):
+    """One query row per head over its KV head's slots (strided, as a static cache's window is), masked or not: within
+    one rounding of the output dtype of the reference; SDPA itself agrees; the mask ignored (attending empty slots)
+    differs (the must-fail side)."""
+    g = torch.Generator().manual_seed(W)
+    q = torch.randn(1, 1, Hq, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)  # [1, Hq, 1, D], heads strided
+    cache_k, cache_v = (torch.randn(1, Hk, W + 30, D, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    k, v = cache_k[:, :, :W], cache_v[:, :, :W]
+    mask = torch.zeros(1, 1, 1, W, dtype=torch.bool, device=DEVICE)
+    mask[..., : W // 2 + 1] = True
+    scale = D ** -0.5
+    for m in (mask, None):
+        assert fits(q, k, v, m)
+        got, want = one_query_attention(q, k, v, m, scale), one_query_attention_ref(q, k, v, m, scale)
+        assert got.shape == want.shape == (1, 1, Hq, D) and got.dtype == dtype
+        ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=2 ** -4)
+        assert bool(((got.float() - want.float()).abs() <= 2 * ulp + 1e-6).all())
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.repeat_interleave(Hq // Hk, 1).float(), v.repeat_interleave(Hq // Hk, 1).float(), attn_mask=mask, scale=scale)
+    assert torch.allclose(one_query_attention(q, k, v, mask, scale).float(), sdpa.transpose(1, 2), atol=4 * torch.finfo(dtype).eps)
+    masked = one_query_attention_ref(q, k, v, mask, scale)
+    assert not torch.allclose(one_query_attention(q, k, v, None, scale).float(), masked.float(), atol=1e-2)
+    assert not fits(torch.cat([q, q], dim=2), k, v, mask)  # two query rows: SDPA's
 
 
 @pytest.mark.parametrize("T,D,E,K", [(1, 2688, 128, 6), (5, 100, 40, 3), (2, 64, 16, 16), (20, 64, 16, 4), (1, 5000, 8, 2)])
