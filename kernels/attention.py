@@ -1,8 +1,7 @@
 """A one-token step's attention in one Triton launch: one query row per head over its KV head's keys and values.
 
 In a Nemotron-3-Nano token replayed as one graph (pipeline/whole.py), transformers' SDPA path ran each attention
-layer's single query as a memory-efficient kernel built for long query blocks (13.3 us a call on an H100 over a
-256-slot window, BENCHMARKS.md). Here a program per query head reads its KV head's slots in BW-wide tiles (the G heads
+layer's single query as a memory-efficient kernel built for long query blocks (its time a call: BENCHMARKS.md). Here a program per query head reads its KV head's slots in BW-wide tiles (the G heads
 that share a KV head read it from the L2), scores scaled and masked, softmax kept online in fp32, values summed in
 fp32, rounded once to the query's dtype. Agrees with SDPA within fp32 summation order, not bit for bit.
 `one_query_attention_ref` is the plain-torch reference. A mask is SDPA's boolean one (True: attended) or none.

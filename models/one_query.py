@@ -17,12 +17,12 @@ NAME = "sluice_sdpa"
 def sdpa_one_query(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                    is_causal: bool | None = None, **kwargs):
     """transformers' attention function signature: (output [B, T, Hq, D], None)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if (query.is_cuda and not dropout and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and kwargs.get("position_bias") is None and fits(query, key, value, attention_mask)):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return one_query_attention(query, key, value, attention_mask, scale), None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                           is_causal=is_causal, **kwargs)
 
