@@ -48,7 +48,6 @@ class TritonExperts:
         counts [A] rows per expert; flat_rows [R] their flat (token * K + k) positions, grouped by expert;
         xe [T, Dx] expert input; w_flat [T*K] routing weights; y [T*K, Dx] output rows."""
         L = self.layouts
-        x_dtype = xe.dtype
         wts = w_flat[flat_rows]
         A, R = len(counts), flat_rows.numel()
         if R == A and xe.shape[0] == 1:  # one token: one row per expert
@@ -58,13 +57,37 @@ class TritonExperts:
             else:
                 y[flat_rows] = self._decode(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             return
-        h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
         most = max(counts)
         if L["up"].fmt in SCALE_GROUPS:  # FP4: 16-row tiles up to 32 rows an expert, 32 up to 48, then 64 (the H200 sweep)
             bm = 16 if most <= 32 else 32 if most <= 48 else 64
         else:
             bm = BM if most > 16 else 16  # short prompts: do not pad every expert to 64 rows
         items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)
+        self._grouped(bank, offs, down_bank, down_offs, items, bm, flat_rows, K, xe, wts, y)
+
+    def run_rows(self, bank, offs: torch.Tensor, ids: torch.Tensor, xe: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        """T rows' experts in one pass with no host wait: ids [T, K] and w [T, K] on the device, offs [E] every
+        expert's block offset from bank (a layer's device table row), so each block is read once, where it lies, for
+        all the rows that chose it. The (row, k) pairs are grouped by expert on the device (a stable sort: an expert's
+        rows in row order, as the host groups them) into 16-row tiles for every expert, a tile of no rows reading
+        nothing. y [T*K, Dx]: each pair's weighted output in its own row."""
+        T, K = ids.shape
+        E, dev = offs.numel(), ids.device
+        flat = ids.reshape(-1)
+        rows = torch.argsort(flat, stable=True)
+        counts = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))  # no host wait
+        first = (counts.cumsum(0) - counts)[:, None] + torch.arange(0, T, 16, device=dev)  # each expert's tiles
+        size = (counts[:, None] + first[:, :1] - first).clamp(0, 16)
+        expert = torch.arange(E, device=dev)[:, None].expand_as(first)
+        items = torch.stack((expert, first, size), dim=-1).reshape(-1, 3).to(torch.int32)
+        self._grouped(bank, offs, bank, offs, items, 16, rows, K, xe, w.reshape(-1)[rows], y)
+
+    def _grouped(self, bank, offs, down_bank, down_offs, items: torch.Tensor, bm: int, flat_rows: torch.Tensor, K: int,
+                 xe: torch.Tensor, wts: torch.Tensor, y: torch.Tensor) -> None:
+        """The grouped GEMMs (kernels/prefill.py) up and down over `items` (expert, first row, rows) of the rows
+        flat_rows [R] grouped by expert; wts [R] their weights in that order."""
+        L, x_dtype, R = self.layouts, xe.dtype, flat_rows.numel()
+        h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
         xrows = flat_rows // K
         if self.kind == "relu2":
             grouped_gemm(bank, offs, xe, xrows, items, L["up"], "relu2", x_dtype, h, act=self.act, bm=bm)

@@ -2,7 +2,7 @@
 
 Shape legend: R rows in the launch (the (token, k) pairs routed to its experts), BM/BN/BK tile
 sizes, N output features, K input features. `items` [n_items, 3] int32 lists (expert index a,
-first row j0, row count) per BM-row tile; rows j of one expert are contiguous. Expert a's block
+first row j0, row count) per BM-row tile; rows j of one expert are contiguous; a tile of no rows reads nothing. Expert a's block
 is at `bank + offs[a]`.
 
     out[j, :] = epilogue(x[xrows[j], :] @ W_a^T)      W [N, K] (checkpoint orientation), or
@@ -100,6 +100,8 @@ def _grouped_gemm_kernel(
     a = tl.load(items + it * 3)
     j0 = tl.load(items + it * 3 + 1)
     cnt = tl.load(items + it * 3 + 2)
+    if cnt == 0:  # a tile without rows (a batch's expert that no row chose) reads no weights
+        return
     j = j0 + tl.arange(0, BM)
     mm = tl.arange(0, BM) < cnt
     xr = tl.load(xrows + j, mask=mm, other=0).to(tl.int64) * X_STRIDE

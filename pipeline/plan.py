@@ -49,7 +49,7 @@ class TokenPlan:
         for stage in self.stages:
             stage.table = self.table
         self._side = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
-        self._steps: dict[tuple, tuple] = {}  # (model layer, whole, hosted) -> (step, TokenLayer, marks)
+        self._steps: dict[tuple, tuple] = {}  # (model layer, whole, hosted, rows) -> (step, TokenLayer, marks)
         self._whole: tuple[list, list] | None = None  # while a graph around the steps captures (`whole`): (ran, marks)
 
     async def layer(self, li: LayerInput) -> torch.Tensor:
@@ -118,6 +118,19 @@ class TokenPlan:
         with self.rt.tracer.span(table.name, layer=block.layer, stream=table.stream):
             return self.step(block, nxt, layer, (h,), first=first)
 
+    def takes_rows(self, block) -> bool:
+        """Whether a batched step's decode rows of `block`'s layer run as one composed step (`rows`): the kernels run
+        on the GPU with every block held (RAM or VRAM), and compute's `batch_rows` is `device`."""
+        table = self.table
+        return table.backend == "triton" and not table.stream_ram and table.knobs.routed and table.knobs.batch_rows == "device"
+
+    def rows(self, block, nxt, x: torch.Tensor, residual: torch.Tensor, first: bool) -> torch.Tensor:
+        """A batched step's T decode rows of `block`'s layer (x [T, D], residual [1, T, D]) as one composed step with no
+        host wait, replayed as a graph per T where the block's functions are pure: h [1, T, D]. `first`: the step's
+        first MoE layer (the tier's turn is due)."""
+        with self.rt.tracer.span(self.table.name, layer=block.layer, stream=self.table.stream):
+            return self.step(block, nxt, None, (x, residual), first=first, rows=x.shape[0])
+
     def begin_token(self) -> None:
         """The host work due once a token before its first MoE layer (fetch: the VRAM tier's turn)."""
         for stage in self.stages:
@@ -145,15 +158,16 @@ class TokenPlan:
                 stage.tally(t)
         self.rt.tracer.replayed(marks)
 
-    def step(self, block, nxt, layer, args: tuple, routing: tuple | None = None, first: bool = True) -> torch.Tensor:
+    def step(self, block, nxt, layer, args: tuple, routing: tuple | None = None, first: bool = True,
+             rows: int = 1) -> torch.Tensor:
         """The composed one-token step of `block`'s layer on args: (h,) with `layer` (its MoE input in the step), else
-        (x [1, D], residual); `routing`: (weights, ids, offs) found by the host. `first`: the stages' host work of a
+        (x [rows, D], residual); `routing`: (weights, ids, offs) found by the host. `first`: the stages' host work of a
         token's first MoE layer is due (the table's host side did it already when it routed)."""
-        key = (block.layer, layer is None, routing is not None)
+        key = (block.layer, layer is None, routing is not None, rows)
         made = self._steps.get(key)
         if made is None:  # its constants made on the stream that reads them
             with self.rt.streams.use(self.table.stream):
-                made = self._steps[key] = self._compose(block, nxt, layer, routing is not None)
+                made = self._steps[key] = self._compose(block, nxt, layer, routing is not None, rows)
         fn, t, marks = made
         for stage in self.stages:
             stage.before(t, first and t.i == 0)
@@ -172,13 +186,13 @@ class TokenPlan:
             self._whole[0].append(t)
         return h
 
-    def _compose(self, block, nxt, layer, hosted: bool) -> tuple:
+    def _compose(self, block, nxt, layer, hosted: bool, rows: int = 1) -> tuple:
         tracer, table = self.rt.tracer, self.table
         marks: list = []
         untimed = contextlib.nullcontext()
         part = (lambda name: tracer.phase(name, block.layer, table.stream, marks if self._whole is None else self._whole[1])) \
             if tracer.enabled else (lambda name: untimed)  # noqa: E731
-        t = TokenLayer(block, table.index[block.layer], nxt, hosted, part)
+        t = TokenLayer(block, table.index[block.layer], nxt, hosted, part, rows)
         besides = [f for s in self.stages if (f := s.beside(t)) is not None]
         launches = [f for s in self.stages if s.produces != OUTPUT and (f := s.launch(t)) is not None]
         finish = [f for s in self.stages if s.produces == OUTPUT and (f := s.launch(t)) is not None]
@@ -208,7 +222,7 @@ class TokenPlan:
             return v["h"]
 
         step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
-        name = f"direct{'' if layer is None else '+input'}{'+ids' if hosted else ''}:{block.layer}"
+        name = f"direct{'' if layer is None else '+input'}{'+ids' if hosted else ''}{f'+rows{rows}' if rows > 1 else ''}:{block.layer}"
         graphed = self.graphs is not None and block.graph_safe
         return (self.graphs.wrap(step, name) if graphed else step), t, marks
 

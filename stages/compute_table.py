@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.errors import ScheduleError
+from sluice.kernels.down import ordered_sum
 from sluice.stages.base import Stage
 from sluice.stages.compute import check_fp4_matvec, torch_expert
 from sluice.stages.route import group_by_expert
@@ -31,8 +33,13 @@ class ComputeTableKnobs:
     # zero-copy loads for the blocks it reads from RAM (`sluice bench kernels --mixed`), but on a GPU FP4 / FP8 partial
     # sums then add in another order, so outputs are no longer bit-identical to the streaming schedules'
 
+    batch_rows: str = "device"  # a batched step's decode rows (pipeline/batch.py): device (one pass a layer over the
+    # union of their experts, grouped on the GPU: no host wait) | host (routed on the host, as a prompt's rows)
+
     def __post_init__(self):
         check_fp4_matvec("compute", self.fp4_matvec)
+        if self.batch_rows not in ("device", "host"):
+            raise ScheduleError(f"stage 'compute': 'batch_rows' must be device or host, got {self.batch_rows!r}")
 
 
 class ComputeTable(Stage):
@@ -54,6 +61,14 @@ class ComputeTable(Stage):
             return zero
         kern, base, zero_skip = table.kernel(block), table.base, self.knobs.zero_skip
         host = True if self.knobs.host_hint and table.tier.vram is not None else None  # blocks outside VRAM: pinned RAM
+        if t.rows > 1:
+            def rows(v):
+                with part("compute"):  # y in the order the host path's combine sums it: each row's K in rank order
+                    T, K = v["ids"].shape
+                    y = torch.empty(T * K, v["xe"].shape[1], dtype=block.combine_dtype, device=v["xe"].device)
+                    kern.run_rows(base, v["offs"], v["ids"], v["xe"], v["weights"], y)
+                    v["routed"] = ordered_sum(y.view(T, K, -1), v["x"].dtype)
+            return rows
 
         def experts(v):
             with part("compute"):  # and the fixed-order sum over the top-k, before the side stream's join
@@ -63,7 +78,7 @@ class ComputeTable(Stage):
         return experts
 
     def tally(self, t) -> None:
-        if self.knobs.routed:
+        if self.knobs.routed and t.rows == 1:  # a batched step's blocks are counted on the device (fetch)
             self.table.token_blocks += t.block.top_k
             self.table.kernel(t.block).count_groups(t.block.top_k)
 

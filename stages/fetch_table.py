@@ -77,6 +77,17 @@ class FetchTable(Stage):
                     tier.uses[i].index_add_(0, v["ids"][0].long(), ones)
             return count
 
+        if t.rows > 1:  # a batched step's rows: every expert's block where the table says, read once for them all
+            def rows(v):
+                with part("fetch"):
+                    flat = v["ids"].reshape(-1)
+                    tier.uses[i].index_add_(0, flat, torch.ones_like(flat))
+                    chosen = torch.zeros_like(tier.uses[i]).index_fill_(0, flat, 1)  # the rows' union of experts
+                    table.rows_blocks.add_(chosen.sum())
+                    table.vram_served.add_((chosen * tier.in_vram[i]).sum())
+                    v["offs"] = tier.table[i]
+            return rows
+
         stage0 = tier.staging_offset(i % 2)  # the staging half this layer reads
 
         def find(v):

@@ -54,7 +54,7 @@ class H2DTable(Stage):
         """Copy the next layer's guessed blocks (chosen by the step just queued) into staging half (i + 1) % 2, on the
         staging stream after that step; the next layer's step waits for them (`before`)."""
         table = self.table
-        if not table.tier.S or t.nxt is None:
+        if not table.tier.S or t.nxt is None or t.rows > 1:
             return
         h, stream = (t.i + 1) % 2, table.ahead_stream
         if stream is not None:

@@ -37,7 +37,7 @@ class PredictTable(Stage):
     def _guess(self, t):
         table, nxt, part = self.table, t.nxt, t.part
         tier = table.tier
-        if nxt is None or not tier.S:
+        if nxt is None or not tier.S or t.rows > 1:  # a batched step's rows stage nothing
             return None
         j, E = t.i + 1, table.num_experts
 

@@ -93,9 +93,11 @@ class Table(StreamedSteps):
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
         self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
         self.token_blocks = 0  # one-token steps' routed blocks (host count)
+        self.rows_blocks = torch.zeros((), dtype=torch.int64, device=dev)  # batched decode rows' distinct blocks a layer
         self.token_disk = 0  # ... read from disk (stream_ram)
         self.token_vram = 0  # ... read from VRAM (stream_ram: the host resolves them)
-        self._seen = (0, 0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk, token_vram) counted
+        self._seen = (0, 0, 0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk, token_vram,
+        # rows_blocks) counted
         S = self.tier.S  # one-token lookahead: blocks a staging half holds
         self.guess_ids = torch.full((2, S), -1, dtype=torch.int64, device=dev)  # by the guessed layer's parity: global ids
         self.guess_src = torch.zeros(2, S, dtype=torch.int64, device=dev)  # ... and their RAM offsets (predict's)
@@ -168,9 +170,10 @@ class Table(StreamedSteps):
     def _flush_counts(self) -> None:
         """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""
         now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks, self.token_disk,
-               self.token_vram)
-        dv, ds, dc, db, dd, dh = (a - b for a, b in zip(now, self._seen))
+               self.token_vram, int(self.rows_blocks))
+        dv, ds, dc, db, dd, dh, dr = (a - b for a, b in zip(now, self._seen))
         dv += dh
+        db += dr
         stats = self.rt.stats
         stats.blocks["vram"] += dv + ds  # a staged block is read from VRAM; its copy is counted as a guess copied ahead
         stats.blocks["disk"] += dd

@@ -112,3 +112,4 @@ class TokenLayer:
     hosted: bool  # the routed ids and block offsets come in with the step, found by the host (`via: table` over a
     # RAM cache, `hold: false`), rather than routed and resolved in it
     part: Callable[[str], Any]  # part(stage name): a context timing what it wraps under that name (only with --trace)
+    rows: int = 1  # the step's rows: 1 (a one-token step), or T decode rows of a batched step (pipeline/batch.py)

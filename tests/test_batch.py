@@ -1,6 +1,6 @@
 """Several sequences decoding in one step (Engine.extend_many, pipeline/batch.py): each sequence's logits and greedy
 tokens equal its one-at-a-time decode's, on every family and on the streaming and direct schedules; the union of
-their experts is read once per layer; rows that trade places are caught."""
+their experts is read once per layer, grouped on the host or on the device; rows that trade places are caught."""
 
 from __future__ import annotations
 
@@ -158,6 +158,30 @@ def test_deltanet_layers_take_every_sequences_decode_row_at_once(variant, stores
         self.caches = self.caches[1:] + self.caches[:1]
 
     shared_and_faulted(variant, stores, monkeypatch, RowsStates, "put_back", lambda s: len(s.caches), rotate)
+
+
+@pytest.mark.parametrize("routing", [None, "skewed"])
+def test_batch_rows_grouped_on_the_device_equal_the_host_routed_rows(routing, stores, tmp_path, monkeypatch):
+    """compute's `batch_rows: device` (one pass a layer over the union of the rows' experts, grouped on the device: no
+    host wait) gives the host-routed batched step's logits bit for bit (each row's tiles are the same) and reads as
+    many blocks, over a VRAM tier that its refreshes fill; the rows' weights handed to other rows inside the pass show
+    (the must-fail side)."""
+    from sluice.kernels.experts import TritonExperts
+    from test_direct import direct_schedule
+
+    def run(mode):
+        schedule = direct_schedule(tmp_path, f"rows-{mode}", backend="triton", batch_rows=mode, refresh=2)
+        with sluice.load(stores["nemotron_h"], device=DEVICE, schedule=schedule, routing=routing, vram_slots=8) as engine:
+            before = engine.rt.stats.snapshot()
+            logits = together(engine, PROMPTS)
+            return logits, engine.rt.stats.since(before)["blocks"]
+
+    (device, read), (host, host_read) = run("device"), run("host")
+    assert all(torch.equal(a, b) for a, b in zip(device, host))
+    assert sum(read.values()) == sum(host_read.values()) and read["vram"] > 0
+    rows = TritonExperts.run_rows
+    monkeypatch.setattr(TritonExperts, "run_rows", lambda self, bank, offs, ids, xe, w, y: rows(self, bank, offs, ids, xe, w.flip(0), y))
+    assert not all(torch.equal(a, b) for a, b in zip(run("device")[0], host))
 
 
 def test_rows_that_trade_places_are_caught(stores):
