@@ -160,8 +160,8 @@ def test_deltanet_layers_take_every_sequences_decode_row_at_once(variant, stores
     shared_and_faulted(variant, stores, monkeypatch, RowsStates, "put_back", lambda s: len(s.caches), rotate)
 
 
-@pytest.mark.parametrize("routing", [None, "skewed"])
-def test_batch_rows_grouped_on_the_device_equal_the_host_routed_rows(routing, stores, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant,routing", [("nemotron_h", None), ("nemotron_h", "skewed"), ("gpt_oss", None)])
+def test_batch_rows_grouped_on_the_device_equal_the_host_routed_rows(variant, routing, stores, tmp_path, monkeypatch):
     """compute's `batch_rows: device` (one pass a layer over the union of the rows' experts, grouped on the device: no
     host wait) gives the host-routed batched step's logits bit for bit (each row's tiles are the same) and reads as
     many blocks, over a VRAM tier that its refreshes fill; the rows' weights handed to other rows inside the pass show
@@ -171,7 +171,7 @@ def test_batch_rows_grouped_on_the_device_equal_the_host_routed_rows(routing, st
 
     def run(mode):
         schedule = direct_schedule(tmp_path, f"rows-{mode}", backend="triton", batch_rows=mode, refresh=2)
-        with sluice.load(stores["nemotron_h"], device=DEVICE, schedule=schedule, routing=routing, vram_slots=8) as engine:
+        with sluice.load(stores[variant], device=DEVICE, schedule=schedule, routing=routing, vram_slots=8) as engine:
             before = engine.rt.stats.snapshot()
             logits = together(engine, PROMPTS)
             return logits, engine.rt.stats.since(before)["blocks"]
