@@ -65,17 +65,16 @@ class TritonExperts:
         items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)
         self._grouped(bank, offs, down_bank, down_offs, items, bm, flat_rows, K, xe, wts, y)
 
-    def run_rows(self, bank, offs: torch.Tensor, ids: torch.Tensor, xe: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-        """T rows' experts in one pass with no host wait: ids [T, K] and w [T, K] on the device, offs [E] every
-        expert's block offset from bank (a layer's device table row), so each block is read once, where it lies, for
-        all the rows that chose it. The (row, k) pairs are grouped by expert on the device (a stable sort: an expert's
-        rows in row order, as the host groups them) into 16-row tiles for every expert, a tile of no rows reading
-        nothing. y [T*K, Dx]: each pair's weighted output in its own row."""
+    def run_rows(self, bank, offs: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, xe: torch.Tensor, w: torch.Tensor,
+                 y: torch.Tensor) -> None:
+        """T rows' experts in one pass with no host wait: ids [T, K] and w [T, K] on the device, counts [E] the rows
+        of each expert, offs [E] every expert's block offset from bank (a layer's device table row), so each block is
+        read once, where it lies, for all the rows that chose it. The (row, k) pairs are grouped by expert on the
+        device (a stable sort: an expert's rows in row order, as the host groups them) into 16-row tiles for every
+        expert, a tile of no rows reading nothing. y [T*K, Dx]: each pair's weighted output in its own row."""
         T, K = ids.shape
         E, dev = offs.numel(), ids.device
-        flat = ids.reshape(-1)
-        rows = torch.argsort(flat, stable=True)
-        counts = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))  # no host wait
+        rows = torch.argsort(ids.reshape(-1), stable=True)
         first = (counts.cumsum(0) - counts)[:, None] + torch.arange(0, T, 16, device=dev)  # each expert's tiles
         size = (counts[:, None] + first[:, :1] - first).clamp(0, 16)
         expert = torch.arange(E, device=dev)[:, None].expand_as(first)

@@ -66,7 +66,7 @@ class ComputeTable(Stage):
                 with part("compute"):  # y in the order the host path's combine sums it: each row's K in rank order
                     T, K = v["ids"].shape
                     y = torch.empty(T * K, v["xe"].shape[1], dtype=block.combine_dtype, device=v["xe"].device)
-                    kern.run_rows(base, v["offs"], v["ids"], v["xe"], v["weights"], y)
+                    kern.run_rows(base, v["offs"], v["ids"], v["per_expert"], v["xe"], v["weights"], y)
                     v["routed"] = ordered_sum(y.view(T, K, -1), v["x"].dtype)
             return rows
 

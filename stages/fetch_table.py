@@ -81,8 +81,9 @@ class FetchTable(Stage):
             def rows(v):
                 with part("fetch"):
                     flat = v["ids"].reshape(-1)
-                    tier.uses[i].index_add_(0, flat, torch.ones_like(flat))
-                    chosen = torch.zeros_like(tier.uses[i]).index_fill_(0, flat, 1)  # the rows' union of experts
+                    per_expert = v["per_expert"] = torch.zeros_like(tier.uses[i]).index_add_(0, flat, torch.ones_like(flat))
+                    tier.uses[i].add_(per_expert)
+                    chosen = per_expert.clamp(max=1)  # the rows' union of experts
                     table.rows_blocks.add_(chosen.sum())
                     table.vram_served.add_((chosen * tier.in_vram[i]).sum())
                     v["offs"] = tier.table[i]

@@ -180,7 +180,8 @@ def test_batch_rows_grouped_on_the_device_equal_the_host_routed_rows(variant, ro
     assert all(torch.equal(a, b) for a, b in zip(device, host))
     assert sum(read.values()) == sum(host_read.values()) and read["vram"] > 0
     rows = TritonExperts.run_rows
-    monkeypatch.setattr(TritonExperts, "run_rows", lambda self, bank, offs, ids, xe, w, y: rows(self, bank, offs, ids, xe, w.flip(0), y))
+    monkeypatch.setattr(TritonExperts, "run_rows",
+                        lambda self, bank, offs, ids, counts, xe, w, y: rows(self, bank, offs, ids, counts, xe, w.flip(0), y))
     assert not all(torch.equal(a, b) for a, b in zip(run("device")[0], host))
 
 
