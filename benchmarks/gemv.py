@@ -1,5 +1,6 @@
 """`sluice bench gemv`: one-row linears of a model shape's resident part, F.linear (cuBLAS) against the one-launch
-Triton GEMV (kernels/gemv.py) at several tiles: microseconds a call and GB/s of weight read against the HBM rate.
+Triton GEMV (kernels/gemv.py) at several tiles and warps (and, with `--pdl`, launched as programmatic dependents):
+microseconds a call and GB/s of weight read against the HBM rate.
 
 Each row times a CUDA graph of calls over enough copies of the weight (together past the GPU's L2) that every call
 reads its weight from HBM, as a token step does; the graph strips the host's launch cost, as a step replayed whole does.
@@ -13,12 +14,14 @@ import torch
 NANO = [("mamba in_proj", 10304, 2688), ("mamba out_proj", 2688, 4096), ("shared up", 3712, 2688),
         ("shared down", 2688, 3712), ("attn q", 4096, 2688), ("attn k / v", 256, 2688), ("attn o", 2688, 4096),
         ("lm_head", 131072, 2688)]
-TILES = [(0, 0), (2, 512), (4, 256), (8, 512), (16, 256)]
+TILES = [(0, 0, 4), (2, 512, 4), (4, 256, 4), (8, 512, 4), (16, 256, 4), (4, 512, 8), (2, 1024, 4)]  # (BN, BK, warps)
 
 
 def add_gemv_parser(bsub) -> None:
     bg = bsub.add_parser("gemv", help="one-row linears: cuBLAS against the Triton GEMV per tile, us and GB/s (CUDA)")
     bg.add_argument("--calls", type=int, default=20, help="calls a graph replays (default: %(default)s)")
+    bg.add_argument("--pdl", action="store_true", help="also tile()'s choice launched as programmatic dependents (Hopper): "
+                                                       "each call's launch under the one before")
     bg.set_defaults(func=cmd_bench_gemv)
 
 
@@ -49,8 +52,9 @@ def cmd_bench_gemv(args) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench gemv: needs CUDA")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(f"{torch.cuda.get_device_name(0)}; L2 {l2 / 2**20:.0f} MiB; BF16; us a call (GB/s); tiles (BN, BK), 0: tile()'s choice")
-    print(f"{'linear':14} {'N':>6} {'K':>5} {'MB':>6} {'cuBLAS':>14} " + " ".join(f"{str(t):>14}" for t in TILES))
+    print(f"{torch.cuda.get_device_name(0)}; L2 {l2 / 2**20:.0f} MiB; BF16; us a call (GB/s); tiles (BN, BK, warps), 0: tile()'s choice")
+    print(f"{'linear':14} {'N':>6} {'K':>5} {'MB':>6} {'cuBLAS':>14} " + " ".join(f"{str(t):>14}" for t in TILES)
+          + (f" {'pdl':>14}" if args.pdl else ""))
     for name, N, K in NANO:
         nbytes = N * K * 2
         copies = max(2, -(-3 * l2 // nbytes))
@@ -59,7 +63,9 @@ def cmd_bench_gemv(args) -> int:
         err = (gemv(x, ws[0]).float() - gemv_ref(x, ws[0]).float()).abs().max().item()
         calls = max(args.calls, copies)  # every copy read once a replay: together they pass the L2
         cells = [time_calls(lambda i: F.linear(x, ws[i % copies]), calls)]
-        cells += [time_calls(lambda i, t=t: gemv(x, ws[i % copies], bn=t[0], bk=t[1]), calls) for t in TILES]
+        cells += [time_calls(lambda i, t=t: gemv(x, ws[i % copies], bn=t[0], bk=t[1], num_warps=t[2]), calls) for t in TILES]
+        if args.pdl:
+            cells.append(time_calls(lambda i: gemv(x, ws[i % copies], pdl=True), calls))
         print(f"{name:14} {N:6} {K:5} {nbytes / 1e6:6.1f} " + " ".join(f"{us:6.2f} ({nbytes / us / 1e3:5.0f})" for us in cells)
               + f"  tile() {tile(N, K)}, max |err| {err:.1e}")
         del ws

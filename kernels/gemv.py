@@ -26,7 +26,10 @@ from sluice.kernels.rounding import rounded
 
 @triton.jit
 def _gemv_kernel(x, w, b, r, y, N, K, W_N, HAS_B: tl.constexpr, RELU2: tl.constexpr, HAS_R: tl.constexpr, YDT: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr):
+    if GDC:  # launched as a programmatic dependent (`pdl`): wait for the kernel before, and let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     rows = w + n.to(tl.int64)[:, None] * W_N  # 64-bit: an lm_head's N * K passes 2^31
@@ -50,9 +53,10 @@ def _gemv_kernel(x, w, b, r, y, N, K, W_N, HAS_B: tl.constexpr, RELU2: tl.conste
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, bn: int = 0, bk: int = 0,
-         num_warps: int = 4, relu2: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+         num_warps: int = 4, relu2: bool = False, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """x [K] (contiguous), weight [N, K] (rows contiguous), bias [N] or None -> y [N] in x's dtype; then relu2: relu(y)^2,
-    and residual [N] (contiguous, x's dtype): residual + y, in the same launch. bn, bk: the tile (0: `tile(N, K)`)."""
+    and residual [N] (contiguous, x's dtype): residual + y, in the same launch. bn, bk: the tile (0: `tile(N, K)`).
+    pdl: launched as a programmatic dependent launch (Hopper; an experiment of `sluice bench gemv --pdl`)."""
     N, K = weight.shape
     assert x.shape == (K,) and x.stride(0) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
     assert residual is None or (residual.shape == (N,) and residual.stride(0) == 1 and residual.dtype == x.dtype), residual
@@ -61,7 +65,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, bn),)](x, weight, bias if bias is not None else y, residual if residual is not None else y,
                                        y, N, K, weight.stride(0), HAS_B=bias is not None, RELU2=relu2,
-                                       HAS_R=residual is not None, YDT=TL_DTYPES[x.dtype], BN=bn, BK=bk, num_warps=num_warps)
+                                       HAS_R=residual is not None, YDT=TL_DTYPES[x.dtype], BN=bn, BK=bk, GDC=pdl,
+                                       num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return y
 
 

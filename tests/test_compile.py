@@ -36,10 +36,13 @@ def kernels():
         "weigh_parts summed": (_weigh_parts_kernel, {**parts, "y": "*bf16"},
                                dict(S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=True, BD=32, BL=64)),
         "gemv": (_gemv_kernel, {"x": "*bf16", "w": "*bf16", "b": "*bf16", "r": "*bf16", "y": "*bf16", "N": "i32", "K": "i32",
-                                "W_N": "i32"}, dict(HAS_B=True, RELU2=True, HAS_R=True, YDT=tl.bfloat16, BN=4, BK=512)),
+                                "W_N": "i32"}, dict(HAS_B=True, RELU2=True, HAS_R=True, YDT=tl.bfloat16, BN=4, BK=512, GDC=False)),
         "gemv fp16": (_gemv_kernel, {"x": "*fp16", "w": "*fp16", "b": "*fp16", "r": "*fp16", "y": "*fp16", "N": "i32",
                                      "K": "i32", "W_N": "i32"},
-                      dict(HAS_B=False, RELU2=False, HAS_R=False, YDT=tl.float16, BN=2, BK=256)),
+                      dict(HAS_B=False, RELU2=False, HAS_R=False, YDT=tl.float16, BN=2, BK=256, GDC=False)),
+        "gemv pdl": (_gemv_kernel, {"x": "*bf16", "w": "*bf16", "b": "*bf16", "r": "*bf16", "y": "*bf16", "N": "i32", "K": "i32",
+                                    "W_N": "i32"}, dict(HAS_B=False, RELU2=False, HAS_R=False, YDT=tl.bfloat16, BN=4, BK=512,
+                                                        GDC=True)),
         "rms_norm": (_rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16", "D": "i32", "eps": "fp32", "X_R": "i32",
                                         "Y_R": "i32"}, dict(B=4096)),
         "router scores": (_scores_kernel, {"x": "*bf16", "w": "*fp32", "s": "*fp32", "D": "i32", "E": "i32", "X_T": "i32"},
@@ -61,7 +64,7 @@ def kernels():
     }
 
 
-NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "rms_norm", "router scores", "mamba gate norm",
+NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "gemv pdl", "rms_norm", "router scores", "mamba gate norm",
          "router select", "add3", "kv append", "one-query attention", "must fail"]
 
 
