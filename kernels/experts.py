@@ -75,7 +75,8 @@ class TritonExperts:
         T, K = ids.shape
         E, dev = offs.numel(), ids.device
         rows = torch.argsort(ids.reshape(-1), stable=True)
-        first = (counts.cumsum(0) - counts)[:, None] + torch.arange(0, T, 16, device=dev)  # each expert's tiles
+        # each expert's tiles: a row's top-k are distinct experts, so an expert has at most T rows
+        first = (counts.cumsum(0) - counts)[:, None] + torch.arange(0, T, 16, device=dev)
         size = (counts[:, None] + first[:, :1] - first).clamp(0, 16)
         expert = torch.arange(E, device=dev)[:, None].expand_as(first)
         items = torch.stack((expert, first, size), dim=-1).reshape(-1, 3).to(torch.int32)
