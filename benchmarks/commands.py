@@ -88,7 +88,7 @@ def cmd_bench_model(args) -> int:
     import json
 
     from sluice.options import open_engine
-    from sluice.benchmarks.model import bench_model, format_bench, profile_decode, resident_roofline
+    from sluice.benchmarks.model import bench_model, format_bench, profile_decode, profile_prefill, resident_roofline
 
     lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
     if args.compare:
@@ -108,6 +108,9 @@ def cmd_bench_model(args) -> int:
             line = resident_roofline(r["decode"], split.get("resident_ms"))
             if line:
                 print(line)
+            if lengths and max(lengths) > 1:
+                print(f"profile of a {max(lengths)}-token prompt, per prompt token:")
+                print(profile_prefill(engine, max(lengths)))
     del engine  # the second engine opens with this one's GPU memory given back (a VRAM budget counts it)
     if args.resident_alone:
         line = resident_roofline(r["decode"], _resident_alone(args), "alone")

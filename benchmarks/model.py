@@ -296,6 +296,20 @@ def profile_decode(engine, tokens: int = 8, top: int = 25, seed: int = 0, split:
     return profile_steps(engine, step, 1, tokens, top, split)
 
 
+def profile_prefill(engine, tokens: int, steps: int = 2, top: int = 25, seed: int = 1) -> str:
+    """Where a `tokens`-token prompt's time goes (`profile_steps` over `steps` prompts, each on a fresh sequence, on the
+    VRAM tier the prompts before left), per prompt token."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+
+    def step():
+        seq = engine.new_sequence()
+        engine.extend(seq, torch.randint(3, vocab, (tokens,), generator=g).tolist(), last=True)
+        engine.release(seq)
+    step()  # warm: kernels compiled, the tier filled as a prompt fills it
+    return profile_steps(engine, step, tokens, steps, top)
+
+
 def profile_steps(engine, step, rows: int, steps: int, top: int = 25, split: dict | None = None) -> str:
     """Where `steps` calls of step() (each generating `rows` tokens) go: host Python functions (cProfile, by own time)
     and, on CUDA, the GPU's busy time per token (torch.profiler: kernels and copies), so host overhead shows as the

@@ -64,6 +64,15 @@ def test_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("sluice: error:") and "Traceback" not in err
 
 
+def test_bench_model_profiles_decode_and_a_prompt(stores, capsys):
+    """`bench model --profile`: where a decode step's time goes, then a prompt's of the longest length asked for."""
+    assert main(["bench", "model", "--model", str(stores["nemotron_h"]), "--device", "cpu", "--prompt-lengths", "4,8",
+                 "--decode-tokens", "2", "--profile"]) == 0
+    text = capsys.readouterr().out
+    assert "profile of a 8-token prompt, per prompt token:" in text and text.count("cProfile wall") == 2
+    assert "(extend)" in text.split("profile of a 8-token prompt")[1]  # the prompts, not the decode steps
+
+
 def test_bench_model_compares_schedules_in_one_table(stores, tmp_path, capsys):
     """`bench model --compare` runs each schedule on the same model and prints one table with the bandwidths
     measured in the same run; --json keeps every schedule's figures, a schedule run twice under a second name."""
