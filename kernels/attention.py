@@ -1,10 +1,10 @@
 """A one-token step's attention in one Triton launch: one query row per head over its KV head's keys and values.
 
 In a Nemotron-3-Nano token replayed as one graph (pipeline/whole.py), transformers' SDPA path ran each attention
-layer's single query as a memory-efficient kernel built for long query blocks (its time a call: BENCHMARKS.md). Here a program per query head reads its KV head's slots in BW-wide tiles (the G heads
-that share a KV head read it from the L2), scores scaled and masked, softmax kept online in fp32, values summed in
-fp32, rounded once to the query's dtype. Agrees with SDPA within fp32 summation order, not bit for bit.
-`one_query_attention_ref` is the plain-torch reference. A mask is SDPA's boolean one (True: attended) or none.
+layer's single query as a memory-efficient kernel built for long query blocks (its time a call: BENCHMARKS.md). Here
+a program per query head reads its KV head's slots in BW-wide tiles (the G heads that share a KV head read it from the
+L2), scores scaled and masked, softmax kept online in fp32, values summed in fp32, rounded once to the query's dtype.
+Agrees with SDPA within fp32 summation order, not bit for bit. `one_query_attention_ref` is the plain-torch reference. A mask is SDPA's boolean one (True: attended) or none.
 
 Shape legend: Hq query heads, Hk KV heads (G = Hq / Hk share one), W slots, D head width.
 """
@@ -57,7 +57,7 @@ def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torc
             and key.shape == value.shape and query.shape[-1] == key.shape[-1] and query.shape[1] % key.shape[1] == 0
             and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
             and query.dtype == key.dtype == value.dtype and query.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and (mask is None or (mask.dtype == torch.bool and mask.shape[-1] == key.shape[2] and mask.numel() == key.shape[2])))
+            and (mask is None or (mask.dtype == torch.bool and mask.shape[-1] == mask.numel() == key.shape[2])))
 
 
 def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

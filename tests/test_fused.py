@@ -167,15 +167,24 @@ def test_relu2_mlp_is_the_module_it_replaces():
         assert torch.equal(fused(x), want)
 
 
-def test_fused_nemotron_h_matches_transformers(stores, refs):
-    """`fused_ops`, `fused_linears` and `fused_mamba`: every RMSNorm, router, linear, shared expert and Mamba step of a
-    Nemotron-H through the kernels; the prompt's and every decode step's logits within the golden tolerance, the greedy
-    tokens the reference's."""
+@pytest.mark.parametrize("static_kv", [None, 64])
+def test_fused_nemotron_h_matches_transformers(static_kv, stores, refs, monkeypatch):
+    """`fused_ops`, `fused_linears` and `fused_mamba`: every RMSNorm, router, linear, shared expert, Mamba step and
+    one-token attention (kernels/attention.py, here interpreted: on a CPU it otherwise leaves it to SDPA; over a static
+    cache's window, masked, or a growing cache) of a Nemotron-H through the kernels; the prompt's and every decode
+    step's logits within the golden tolerance, the greedy tokens the reference's."""
+    from sluice.models import one_query
+
+    ran, kernel = [], one_query.one_query_attention
+    monkeypatch.setattr(one_query, "_runs_here", lambda q: True)
+    monkeypatch.setattr(one_query, "one_query_attention",
+                        lambda q, k, v, m, s: ran.append(m is not None) or kernel(q, k, v, m, s))
     with sluice.load(stores["nemotron_h"], device=DEVICE, fused_ops=True, fused_linears=True, fused_mamba=True,
-                     schedule="direct") as engine:  # the Mamba step's residual add in its out_proj's launch too
+                     schedule="direct", static_kv=static_kv) as engine:  # the Mamba step's residual add in its out_proj's too
         names = {type(m).__name__ for m in engine.model.hf.modules()}
         assert {"RMSNorm", "Gemv", "Relu2MLP"} <= names and not names & {"NemotronHRMSNorm", "Linear", "NemotronHMLP"}
         check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops", n=12)  # the same kernels each step: 12 of them
+    assert ran and all(ran) == (static_kv is not None)  # one-token steps' attention through the kernel, masked over a window
 
 
 def test_fused_linears_reach_the_moe_blocks_linears(stores, monkeypatch):
