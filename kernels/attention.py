@@ -4,7 +4,8 @@ In a Nemotron-3-Nano token replayed as one graph (pipeline/whole.py), transforme
 layer's single query as a memory-efficient kernel built for long query blocks (its time a call: BENCHMARKS.md). Here
 a program per query head reads its KV head's slots in BW-wide tiles (the G heads that share a KV head read it from the
 L2), scores scaled and masked, softmax kept online in fp32, values summed in fp32, rounded once to the query's dtype.
-Agrees with SDPA within fp32 summation order, not bit for bit. `one_query_attention_ref` is the plain-torch reference. A mask is SDPA's boolean one (True: attended) or none.
+Agrees with SDPA within fp32 summation order, not bit for bit. `one_query_attention_ref` is the plain-torch
+reference. A mask is SDPA's boolean one (True: attended) or none.
 
 Shape legend: Hq query heads, Hk KV heads (G = Hq / Hk share one), W slots, D head width.
 """
