@@ -2,8 +2,8 @@
 
 Shape legend: R rows in the launch (the (token, k) pairs routed to its experts), BM/BN/BK tile
 sizes, N output features, K input features. `items` [n_items, 3] int32 lists (expert index a,
-first row j0, row count) per BM-row tile; rows j of one expert are contiguous; a tile of no rows reads nothing. Expert a's block
-is at `bank + offs[a]`.
+first row j0, row count) per BM-row tile; rows j of one expert are contiguous; a tile of no rows
+reads nothing. Expert a's block is at `bank + offs[a]`.
 
     out[j, :] = epilogue(x[xrows[j], :] @ W_a^T)      W [N, K] (checkpoint orientation), or
                                                     W [K, N] when KMAJOR (re-laid ReLU^2 down)

@@ -149,7 +149,8 @@ class Coordinator:
         block = layer.moe
         decoding = all(h.shape[1] == 1 for h in hs)
         if decoding and len(hs) > 1 and self.plan is not None and self.plan.takes_rows(block):  # no host wait
-            return list(self.plan.rows(block, self._next[block.index], x, residual, first=block.index == 0).split(1, dim=1))
+            h = self.plan.rows(block, self._next[block.index], x, residual, first=block.index == 0)
+            return list(h.split(1, dim=1))
         li = LayerInput(block, self._next[block.index], x, residual, self._ahead[block.index], decoding)
         return list((await self.run_layer(li)).h.split([h.shape[1] for h in hs], dim=1))
 

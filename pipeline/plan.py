@@ -122,7 +122,8 @@ class TokenPlan:
         """Whether a batched step's decode rows of `block`'s layer run as one composed step (`rows`): the kernels run
         on the GPU with every block held (RAM or VRAM), and compute's `batch_rows` is `device`."""
         table = self.table
-        return table.backend == "triton" and not table.stream_ram and table.knobs.routed and table.knobs.batch_rows == "device"
+        return (table.backend == "triton" and not table.stream_ram and table.knobs.routed
+                and table.knobs.batch_rows == "device")
 
     def rows(self, block, nxt, x: torch.Tensor, residual: torch.Tensor, first: bool) -> torch.Tensor:
         """A batched step's T decode rows of `block`'s layer (x [T, D], residual [1, T, D]) as one composed step with no
@@ -222,7 +223,8 @@ class TokenPlan:
             return v["h"]
 
         step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
-        name = f"direct{'' if layer is None else '+input'}{'+ids' if hosted else ''}{f'+rows{rows}' if rows > 1 else ''}:{block.layer}"
+        tags = ('' if layer is None else '+input') + ('+ids' if hosted else '') + (f'+rows{rows}' if rows > 1 else '')
+        name = f"direct{tags}:{block.layer}"
         graphed = self.graphs is not None and block.graph_safe
         return (self.graphs.wrap(step, name) if graphed else step), t, marks
 

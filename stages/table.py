@@ -93,7 +93,7 @@ class Table(StreamedSteps):
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
         self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
         self.token_blocks = 0  # one-token steps' routed blocks (host count)
-        self.rows_blocks = torch.zeros((), dtype=torch.int64, device=dev)  # batched decode rows' distinct blocks a layer
+        self.rows_blocks = torch.zeros((), dtype=torch.int64, device=dev)  # batched decode rows' blocks (each layer's union)
         self.token_disk = 0  # ... read from disk (stream_ram)
         self.token_vram = 0  # ... read from VRAM (stream_ram: the host resolves them)
         self._seen = (0, 0, 0, 0, 0, 0, 0)  # (vram_served, staged_served, staged_copies, token_blocks, token_disk, token_vram,
@@ -168,7 +168,8 @@ class Table(StreamedSteps):
         self.tier.between_tokens()
 
     def _flush_counts(self) -> None:
-        """Add one-token steps' blocks per tier to the I/O counters (reads a device counter: syncs)."""
+        """Add one-token steps' and batched decode rows' blocks per tier to the I/O counters (reads device counters:
+        syncs)."""
         now = (int(self.vram_served), int(self.staged_served), int(self.staged_copies), self.token_blocks, self.token_disk,
                self.token_vram, int(self.rows_blocks))
         dv, ds, dc, db, dd, dh, dr = (a - b for a, b in zip(now, self._seen))
