@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -46,6 +47,7 @@ class TokenPlan:
         self.table = Table(TableKnobs(knobs), rt)
         self.graphs = self.table.graphs
         self.table.step = self.step
+        self.table.split = self.split
         for stage in self.stages:
             stage.table = self.table
         self._side = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
@@ -113,7 +115,7 @@ class TokenPlan:
         layer's whole host cost), or None where the host must act first (`layer`). `first`: the token's host work
         of its first MoE layer is due here (a whole step does it before its replay: `begin_token`)."""
         block, table = layer.moe, self.table
-        if table.backend != "triton" or not block.graph_safe or table.stream_ram:
+        if table.backend != "triton" or not block.graph_safe or table.stream_ram or table.cpu_share:
             return None
         with self.rt.tracer.span(table.name, layer=block.layer, stream=table.stream):
             return self.step(block, nxt, layer, (h,), first=first)
@@ -187,13 +189,42 @@ class TokenPlan:
             self._whole[0].append(t)
         return h
 
-    def _compose(self, block, nxt, layer, hosted: bool, rows: int = 1) -> tuple:
+    def split(self, block, nxt, args: tuple, routing: tuple, first: bool) -> Callable:
+        """A one-token step of `block`'s layer whose routed blocks the CPU shares (compute's `cpu_share`), in two parts:
+        the first queued now on args (x, residual) and routing (weights, ids, offs: the CPU's blocks at a zero block),
+        the shared term and the GPU's rows unsummed; returns finish(cpu_y [K, Dx], cpu_mask [K] bool) -> h, which
+        queues the second: the CPU's rows in place, the fixed-order sum, combine. Each part a graph where pure."""
+        key = (block.layer, True, True, 1, True)
+        made = self._steps.get(key)
+        if made is None:
+            with self.rt.streams.use(self.table.stream):
+                made = self._steps[key] = self._compose(block, nxt, None, True, cpu=True)
+        (gpu, mix), t, marks = made
+        for stage in self.stages:
+            stage.before(t, first and t.i == 0)
+        graphs, streams = self.graphs, self.rt.streams
+        replays = graphs.replays if graphs is not None else 0
+        with streams.use(self.table.stream):
+            rows = gpu(*args, *routing)
+
+        def finish(cpu_y: torch.Tensor, cpu_mask: torch.Tensor) -> torch.Tensor:
+            with streams.use(self.table.stream):
+                h = mix(*args, *rows, cpu_y, cpu_mask)
+            if graphs is not None and graphs.replays > replays:
+                self.rt.tracer.replayed(marks)
+            for stage in self.stages:
+                stage.after(t)
+                stage.tally(t)
+            return h
+        return finish
+
+    def _compose(self, block, nxt, layer, hosted: bool, rows: int = 1, cpu: bool = False) -> tuple:
         tracer, table = self.rt.tracer, self.table
         marks: list = []
         untimed = contextlib.nullcontext()
         part = (lambda name: tracer.phase(name, block.layer, table.stream, marks if self._whole is None else self._whole[1])) \
             if tracer.enabled else (lambda name: untimed)  # noqa: E731
-        t = TokenLayer(block, table.index[block.layer], nxt, hosted, part, rows)
+        t = TokenLayer(block, table.index[block.layer], nxt, hosted, part, rows, cpu)
         besides = [f for s in self.stages if (f := s.beside(t)) is not None]
         launches = [f for s in self.stages if s.produces != OUTPUT and (f := s.launch(t)) is not None]
         finish = [f for s in self.stages if s.produces == OUTPUT and (f := s.launch(t)) is not None]
@@ -219,8 +250,22 @@ class TokenPlan:
                 shared = v.get("shared")
                 if shared is not None and not captured:  # eager: not reused before the step's stream reads it
                     shared.record_stream(main)
+            if cpu:  # the GPU's rows (and the shared term) for `mix`, once the CPU's are in
+                return (v["y"],) if v.get("shared") is None else (v["y"], v["shared"])
             _run(finish, v)
             return v["h"]
+
+        if cpu:
+            def mix(x, residual, y, *rest):  # rest: (shared,)?, cpu_y, cpu_mask
+                v = {"x": x, "residual": residual, "y": y, "cpu_y": rest[-2], "cpu_mask": rest[-1]}
+                if len(rest) == 3:
+                    v["shared"] = rest[0]
+                _run(finish, v)
+                return v["h"]
+
+            graphed = self.graphs is not None and block.graph_safe
+            wrap = (lambda fn, name: self.graphs.wrap(fn, name)) if graphed else (lambda fn, name: fn)  # noqa: E731
+            return (wrap(experts, f"direct+ids+cpu:{block.layer}"), wrap(mix, f"direct+mix:{block.layer}")), t, marks
 
         step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
         tags = ('' if layer is None else '+input') + ('+ids' if hosted else '') + (f'+rows{rows}' if rows > 1 else '')

@@ -67,8 +67,8 @@ class WholeStep:
         if plan is None:
             return "the schedule's MoE layers are not composed into one-token steps (a `via: table` schedule is)"
         table = plan.table
-        if table.backend != "triton" or table.stream_ram:
-            return "one-token MoE steps wait for the host (the torch backend, or fetch's hold: false)"
+        if table.backend != "triton" or table.stream_ram or table.cpu_share:
+            return "one-token MoE steps wait for the host (the torch backend, fetch's hold: false, or compute's cpu_share)"
         if static_kv is None:
             return "attention over a growing cache (--static-kv N fixes its tensors)"
         if rt.recorder is not None:

@@ -6,10 +6,13 @@ the layer output is bit-identical whatever the schedule, cache size or arrival o
 is the model's: the latent up-projection for NemotronH, identity for Qwen3-MoE; then the block's shared
 term (its shared expert), which route has run already unless its `shared` knob is `late`. The same finish ends the
 fast path's one-token step (`launch`: pipeline/plan.py), after the join of its side stream (compute, via: table, has
-summed the routed experts there, before the join).
+summed the routed experts there, before the join; where the CPU shares the blocks, its rows replace the zero block's
+and the sum runs here, over k in the same order).
 """
 
 from __future__ import annotations
+
+import torch
 
 from sluice.kernels.down import ordered_sum
 from sluice.stages.base import Stage, StageIO
@@ -36,6 +39,13 @@ class Combine(Stage):
 
     def launch(self, t):
         block, part = t.block, t.part
+        if t.cpu:
+            def mixed(v):  # the CPU's rows (cpu_y, where cpu_mask) in place of the zero block's, then the same sum
+                with part("combine"):
+                    y = torch.where(v["cpu_mask"][:, None], v["cpu_y"], v["y"])
+                    routed = ordered_sum(y[None], v["x"].dtype)
+                    v["h"] = block.output(v["residual"], routed, v["x"], v.get("shared"))
+            return mixed
 
         def finish(v):  # compute has summed the routed experts (before the join of the shared term's stream)
             with part("combine"):

@@ -70,6 +70,19 @@ class ComputeKnobs:
     fp4_matvec: str = "auto"  # one-token NVFP4 / FP8 formulation: f16x2 | words | auto (fp4_formulation)
 
 
+def cpu_experts(cache: dict, rt, block, threads: int, compiled: bool, int8: bool):
+    """The CPU expert kernels (kernels/cpu.py CpuExperts) for `block`'s kind and activation, made once into `cache`;
+    threads: the native kernels' OpenMP threads (0: all cores but two, which stay with the event loop and the readers)."""
+    key = (block.kind, block.act_name)
+    if key not in cache:
+        from sluice.kernels.cpu import CpuExperts
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cache[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, compiled, threads=threads or max(1, cores - 2),
+                                act_name=block.act_name, int8=int8)
+    return cache[key]
+
+
 def expert_backend(stage: str, backend: str, device: torch.device) -> str:
     """A stage's `backend` knob resolved: auto is triton on CUDA, torch on a CPU; triton off CUDA needs the interpreter."""
     if backend not in ("auto", "triton", "torch"):
@@ -200,22 +213,15 @@ class Compute(Stage):
     def _cpu_blocks(self, li: LayerInput, dbs: list[DeviceBlock], x: torch.Tensor) -> torch.Tensor:
         """Experts on the CPU, from their RAM slots (a worker thread): x [n, Dx] fp32, the tokens routed to them (one
         token for several blocks; several for one block, token by token) -> [blocks, n, Dx] fp32."""
-        from sluice.kernels.cpu import CpuExperts
-
         block, rt = li.block, self.rt
-        key = (block.kind, block.act_name)
-        first = key not in self._cpu
-        if first:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            threads = self.knobs.cpu_threads or max(1, cores - 2)
-            self._cpu[key] = CpuExperts(rt.store.manifest, block.kind, block.act, block.glu, self.knobs.cpu_compile, threads=threads,
-                                        act_name=block.act_name, int8=self.knobs.cpu_int8)
+        first = (block.kind, block.act_name) not in self._cpu
+        experts = cpu_experts(self._cpu, rt, block, self.knobs.cpu_threads, self.knobs.cpu_compile, self.knobs.cpu_int8)
         t = time.perf_counter()
         views = [db.bank.narrow(0, db.offset, rt.store.block_bytes) for db in dbs]
         if len(dbs) > 1:  # one token through every block
-            out = self._cpu[key].run_many(views, x[0])[:, None]
+            out = experts.run_many(views, x[0])[:, None]
         else:
-            out = torch.stack([self._cpu[key].run(views[0], row) for row in x])[None]
+            out = torch.stack([experts.run(views[0], row) for row in x])[None]
         if rt.device.type == "cuda":  # pinned: the copy to the GPU then waits for nothing queued before it
             out = out.pin_memory()
         dt = (time.perf_counter() - t) / (x.shape[0] * len(dbs))  # seconds per block and token

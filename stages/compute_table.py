@@ -6,7 +6,8 @@ the down kernel's tail (on the step's stream, before the side stream's join; the
 `ordered_sum`; combine finishes). A prompt's experts run group by group as their blocks land (`group`: the grouped GEMM over blocks
 wherever they lie), or through the plain-torch reference (`reference`, the torch backend); combine sums those.
 `routed: false` skips the routed experts (and loading their blocks at open): a zero routed sum, outputs that are not
-the model's, to time the resident part alone (schedules/resident-alone.yaml).
+the model's, to time the resident part alone (schedules/resident-alone.yaml). With `cpu_share` the CPU computes part
+of a one-token step's blocks outside VRAM (stages/table_cpu.py): the GPU's rows stay unsummed for combine.
 """
 
 from __future__ import annotations
@@ -35,11 +36,19 @@ class ComputeTableKnobs:
 
     batch_rows: str = "device"  # a batched step's decode rows (pipeline/batch.py): device (one pass a layer over the
     # union of their experts, grouped on the GPU: no host wait) | host (routed on the host, as a prompt's rows)
+    cpu_share: float = 0.0  # fraction of a one-token step's blocks outside VRAM that the CPU computes from their RAM
+    # slots while the GPU reads the rest (the ids come to the host: one wait a MoE layer; stages/table_cpu.py)
+    cpu_balance: bool = False  # the CPU's count follows the measured CPU and PCIe rates (cpu_share until measured)
+    cpu_threads: int = 0  # the CPU experts' native threads; 0: all cores but two
+    cpu_compile: bool = True  # the CPU experts without a native kernel through torch.compile (else eager torch ops)
+    cpu_int8: bool = False  # the CPU's FP4 experts with activations rounded to int8 per scale group (stages/compute.py)
 
     def __post_init__(self):
         check_fp4_matvec("compute", self.fp4_matvec)
         if self.batch_rows not in ("device", "host"):
             raise ScheduleError(f"stage 'compute': 'batch_rows' must be device or host, got {self.batch_rows!r}")
+        if not 0.0 <= self.cpu_share <= 1.0:
+            raise ScheduleError(f"stage 'compute': 'cpu_share' must be between 0 and 1, got {self.cpu_share!r}")
 
 
 class ComputeTable(Stage):
@@ -69,6 +78,14 @@ class ComputeTable(Stage):
                     kern.run_rows(base, v["offs"], v["ids"], v["per_expert"], v["xe"], v["weights"], y)
                     v["routed"] = ordered_sum(y.view(T, K, -1), v["x"].dtype)
             return rows
+
+        if t.cpu:
+            def beside_cpu(v):  # the CPU's blocks read as a zero block (the host's offsets): their rows are its
+                with part("compute"):
+                    offs = v["offs"]
+                    v["y"] = kern._decode(base, offs, base, offs, v["xe"][0], v["weights"][0], block.combine_dtype, zero_skip,
+                                          host)  # [K, Dx]: row k weighted, combine sums them with the CPU's
+            return beside_cpu
 
         def experts(v):
             with part("compute"):  # and the fixed-order sum over the top-k, before the side stream's join

@@ -47,6 +47,7 @@ import torch
 
 from sluice.errors import ScheduleError
 from sluice.stages.compute import expert_backend, triton_experts
+from sluice.stages.table_cpu import CpuSteps
 from sluice.stages.table_ram import RamBlocks
 from sluice.stages.table_stream import StreamedSteps
 from sluice.stages.types import LayerInput
@@ -68,17 +69,24 @@ class TableKnobs:
             raise AttributeError(name) from None
 
 
-class Table(StreamedSteps):
+class Table(StreamedSteps, CpuSteps):
     name = "direct"  # the span a one-token MoE layer's step is traced under
 
     def __init__(self, knobs: TableKnobs, rt, stream: str = "compute"):
         self.knobs, self.rt, self.stream = knobs, rt, stream
         backend = expert_backend("compute", knobs.backend, rt.device)
         self.step: Callable | None = None  # the plan's one-token step of a layer (pipeline/plan.py `TokenPlan.step`)
+        self.split: Callable | None = None  # ... and of a layer whose blocks the CPU shares (`TokenPlan.split`)
         if rt.recorder is not None and (knobs.hold or not knobs.routed):
             raise ScheduleError("stage 'fetch' with hold: true keeps routed ids on the GPU and records no routing trace: "
                                 "record with hold: false (schedules/direct-stream.yaml) or a streaming schedule (e.g. overlap)")
         self.backend = backend
+        if knobs.cpu_share and not knobs.hold:
+            raise ScheduleError("stage 'compute': 'cpu_share' needs every block held in RAM (fetch's hold: true)")
+        self.cpu_share = knobs.cpu_share if knobs.routed and backend == "triton" else 0.0  # stages/table_cpu.py
+        self._cpu: dict = {}  # cpu_share: (kind, act) -> the CPU's expert kernels
+        self._cpu_credit = 0.0  # cpu_share: the CPU's share of blocks carried across layers
+        self._zero: tuple | None = None  # cpu_share: (a zero block on the device, its aligned start in it)
         store, dev = rt.store, rt.device
         self.layers = list(store.moe_layers)  # MoE index -> model layer
         self.index = {layer: i for i, layer in enumerate(self.layers)}
@@ -133,6 +141,8 @@ class Table(StreamedSteps):
         if li.x.shape[0] != 1 or self.backend != "triton":
             return None
         if not self.stream_ram:
+            if self.cpu_share:
+                return await self._token_cpu(li, i)
             return self.step(block, li.next_block, None, (li.x, li.residual))
         if i == 0:
             self.between_tokens()

@@ -113,3 +113,5 @@ class TokenLayer:
     # RAM cache, `hold: false`), rather than routed and resolved in it
     part: Callable[[str], Any]  # part(stage name): a context timing what it wraps under that name (only with --trace)
     rows: int = 1  # the step's rows: 1 (a one-token step), or T decode rows of a batched step (pipeline/batch.py)
+    cpu: bool = False  # a one-token step whose routed blocks the CPU shares (compute's `cpu_share`): the GPU's rows
+    # are left unsummed, and combine sums them with the CPU's in rank order once the host has them

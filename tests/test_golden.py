@@ -25,9 +25,10 @@ from sluice.stages.compute import GIL_SWITCH_S
 from common import DEVICE, MUST_DIFFER, PROMPT, VARIANTS, assert_logits_close, teacher_forced
 # every bundled schedule but those that differ from one of these only in a tier a CPU run lacks (the VRAM
 # tier's policy) or in a path tested on its own (the hybrid CPU path below, test_hybrid_cpu_path_*; `direct`, which
-# holds every block in RAM: tests/test_direct.py), and resident-alone, which skips the routed experts on purpose (a
-# measurement, tested against transformers without them in tests/test_direct.py)
-SKIPPED = ("vram-lfu", "hybrid", "hybrid-vram", "direct", "resident-alone")
+# holds every block in RAM: tests/test_direct.py; direct-hybrid, its share on the CPU: tests/test_table_cpu.py), and
+# resident-alone, which skips the routed experts on purpose (a measurement, tested against transformers without them in
+# tests/test_direct.py)
+SKIPPED = ("vram-lfu", "hybrid", "hybrid-vram", "direct", "direct-hybrid", "resident-alone")
 SCHEDULES = tuple(sorted(p.stem for p in SCHEDULES_DIR.glob("*.yaml") if p.stem not in SKIPPED))
 
 

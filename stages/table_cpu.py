@@ -1,0 +1,122 @@
+"""The device table's one-token steps whose routed blocks the CPU shares (compute's `cpu_share`): the hybrid miss path.
+
+Of the blocks a one-token MoE step routes to, those in the VRAM tier are read there by the GPU; of the others (in
+pinned RAM) the CPU computes a share from their RAM slots (kernels/cpu.py) while the GPU reads the rest over PCIe,
+so that the two finish together: PCIe and the host's RAM bandwidth add up. The router's ids, weights and expert
+input come to the host first (one wait a MoE layer, so the whole token no longer replays as one graph); the host
+picks the CPU's blocks, queues the plan's first part (pipeline/plan.py `TokenPlan.split`: the shared term and the
+GPU's rows, the CPU's blocks pointed at a zero block of VRAM), computes its own rows, sends them, and queues the
+second part (its rows in place, the fixed-order sum over k, combine). The CPU's rows are its kernels' arithmetic, so
+the layer's output is the streaming schedules' within rounding, not bit for bit.
+
+How many: `cpu_share` of the step's blocks outside VRAM (a credit carried across layers, so a share of 0.25 sends one
+block in four), or with `cpu_balance` the count that finishes both soonest from the measured rates: the CPU's
+seconds a block (its own timings, a moving average) and a block's bytes over the host-to-device rate. The CPU takes
+the lowest-ranked of them.
+
+`CpuSteps` is a part of `Table` (a mixin): it uses the table's rt, knobs, stream, tier, blocks, base, graphs, its `split` (the plan's) and
+StreamedSteps' offsets and landing set.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sluice.stages.compute import cpu_experts
+from sluice.stages.h2d import balance_cpu_blocks
+from sluice.stages.types import LayerInput
+
+ALIGN = 4096  # a block's alignment in its bank (the kernels' offsets assume it)
+
+
+class CpuSteps:
+    async def _token_cpu(self, li: LayerInput, i: int) -> torch.Tensor:
+        """A one-token step with the CPU's share: ids to the host, the split, the GPU's part, the CPU's rows, the rest."""
+        block, K = li.block, li.block.top_k
+        rt, tracer, streams = self.rt, self.rt.tracer, self.rt.streams
+        if i == 0:
+            self.between_tokens()  # the tier's turn, before the host reads where blocks lie
+        with tracer.span("route", layer=block.layer, stream=self.stream):
+            with streams.use(self.stream):
+                weights, ids, both = self._cpu_router(block)(li.x)
+            host, arrived = streams.to_host(self.stream, both, reuse=("cpu share", i))
+            await rt.ids_arrived(arrived)
+        routed = host[0, :K].long().tolist()
+        w, xe = host[0, K : 2 * K].clone(), host[0, 2 * K :].clone()  # the buffer is the next token's
+        rt.stats.observe_routing(block.layer, tuple(routed))
+        tier, landing, bb = self.tier, self._landing(), self.block_bytes
+        slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]
+        in_ram = [k for k, slot in enumerate(slots) if slot is None]
+        cpu = in_ram[len(in_ram) - self._cpu_count(len(in_ram)) :]  # the lowest-ranked
+        zero, ram = self._zero_offset(), self.blocks.off[i]
+        offs_host, offs = self._offsets(i, K)
+        offs_host.numpy()[:] = [zero if k in cpu else ram[e] if slot is None else slot * bb
+                                for k, (e, slot) in enumerate(zip(routed, slots))]
+        with streams.use(self.stream):
+            offs.copy_(offs_host, non_blocking=True)
+        finish = self.split(block, li.next_block, (li.x, li.residual), (weights, ids, offs), False)
+        self.token_vram += K - len(in_ram)
+        y_host = streams.host_buffer(("cpu rows", i), torch.Size([K, xe.shape[0]]), block.combine_dtype)
+        mask_host = streams.host_buffer(("cpu mask", i), torch.Size([K]), torch.bool)
+        mask_host.zero_()
+        if cpu:
+            with tracer.span("compute:cpu", layer=block.layer):  # a host span: the CPU's share in the trace
+                self._cpu_rows(block, [routed[k] for k in cpu], xe, w[cpu], li.x.dtype, y_host, cpu)
+            mask_host[cpu] = True
+        with streams.use(self.stream):
+            y_dev = y_host.to(li.x.device, non_blocking=True)
+            mask_dev = mask_host.to(li.x.device, non_blocking=True)
+            return finish(y_dev, mask_dev)
+
+    def _cpu_rows(self, block, experts: list[int], xe: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, y: torch.Tensor,
+                  rows: list[int]) -> None:
+        """The CPU's experts on xe [Dx] fp32 from their RAM slots, each output rounded to x_dtype and weighted
+        as the GPU's kernels do, into y's `rows`; the time a block feeds the CPU's rate (`cpu_balance`)."""
+        k, rt = self.knobs, self.rt
+        first = (block.kind, block.act_name) not in self._cpu
+        kernels = cpu_experts(self._cpu, rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
+        t = time.perf_counter()
+        out = kernels.run_many([self.blocks.entries[(block.layer, e)].buf for e in experts], xe)  # [n, Dx] fp32
+        y[rows] = (out.to(x_dtype).float() * w[:, None]).to(y.dtype)
+        dt = (time.perf_counter() - t) / len(experts)
+        rt.stats.cpu_blocks += len(experts)
+        if not first:  # the first call compiles the kernels: not a rate
+            rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
+
+    def _cpu_count(self, outside: int) -> int:
+        """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
+        k, rt = self.knobs, self.rt
+        if k.cpu_balance and rt.cpu_s_per_block is not None and rt.device.type == "cuda":
+            if rt.h2d_bps is None:
+                from sluice.kernels.rates import h2d_bandwidth
+
+                rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
+            return balance_cpu_blocks(outside, self.block_bytes / rt.h2d_bps, rt.cpu_s_per_block)
+        self._cpu_credit += k.cpu_share * outside
+        n = min(outside, int(self._cpu_credit + 1e-9))
+        self._cpu_credit -= n
+        return n
+
+    def _cpu_router(self, block):
+        """x -> (weights, ids, [1, 2K + Dx] fp32: the ids, weights and expert input, for one copy to the host), replayed
+        as a graph where graphs are on."""
+        router = self._routers.get(("cpu", block.layer))
+        if router is None:
+            def route(x):
+                weights, ids = block.router(x)
+                return weights, ids, torch.cat((ids.float(), weights.float(), block.expert_input(x).float()), dim=1)
+
+            graphed = self.graphs is not None and block.graph_safe
+            router = self._routers[("cpu", block.layer)] = self.graphs.wrap(route, f"router+xe:{block.layer}") if graphed else route
+        return router
+
+    def _zero_offset(self) -> int:
+        """The offset from the kernels' base of a zero block on the device, which the GPU reads in place of the CPU's
+        blocks: its rows come out zero whatever the format (zero weights and scales)."""
+        if self._zero is None:
+            pad = torch.zeros(self.block_bytes + ALIGN, dtype=torch.uint8, device=self.rt.device)
+            self._zero = (pad, (-pad.data_ptr()) % ALIGN)
+        pad, at = self._zero
+        return pad.data_ptr() + at - self.base.data_ptr()

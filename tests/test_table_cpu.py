@@ -1,0 +1,49 @@
+"""The fast path's hybrid miss path (compute's `cpu_share`, stages/table_cpu.py): of a one-token step's blocks outside
+VRAM the CPU computes a share from their RAM slots while the GPU kernels read the rest; its rows join the GPU's in
+combine's fixed-order sum."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sluice
+from sluice.errors import ScheduleError
+from common import DEVICE, PROMPT, assert_logits_close, greedy_logits
+from test_direct import direct_schedule
+
+STEPS = 8
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h_latent", "gpt_oss"])
+def test_cpu_share_gives_the_direct_logits(variant, stores, refs, tmp_path, monkeypatch):
+    """With half the blocks outside VRAM on the CPU: the reference's greedy tokens, every decode step's logits those of
+    direct without the share within the golden tolerance (the CPU's kernels round their own way), blocks from all three
+    places (VRAM, the GPU over PCIe, the CPU); the CPU's rows weighted twice over (a fault) are caught."""
+    from sluice.stages.table_cpu import CpuSteps
+
+    plain = direct_schedule(tmp_path, "plain", backend="triton", refresh=2)
+    hybrid = direct_schedule(tmp_path, "hybrid", backend="triton", refresh=2, cpu_share=0.5, cpu_compile=False)
+
+    def run(schedule):
+        with sluice.load(stores[variant], device=DEVICE, schedule=schedule, vram_slots=4) as engine:
+            logits = greedy_logits(engine, PROMPT, STEPS)
+            return logits, engine.rt.stats.snapshot(), engine.whole
+
+    want, _, _ = run(plain)
+    got, io, whole = run(hybrid)
+    assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, STEPS)
+    assert_logits_close(variant, got, want, f"{variant} with the CPU's share")
+    assert io["cpu_blocks"] > 0 and io["blocks"]["vram"] > 0 and io["blocks"]["ram"] > io["cpu_blocks"]
+    assert whole is None  # the ids come to the host at each MoE layer: no whole-token graph
+
+    rows = CpuSteps._cpu_rows
+    monkeypatch.setattr(CpuSteps, "_cpu_rows", lambda self, block, experts, xe, w, *a: rows(self, block, experts, xe, 2 * w, *a))
+    wrong, _, _ = run(hybrid)
+    with pytest.raises(AssertionError, match="max \\|dlogit\\|"):
+        assert_logits_close(variant, wrong, want, "the CPU's rows weighted twice")
+
+
+def test_cpu_share_needs_every_block_held(stores, tmp_path):
+    schedule = direct_schedule(tmp_path, "stream-hybrid", base="direct-stream", cpu_share=0.5)
+    with pytest.raises(ScheduleError, match="cpu_share.*hold: true"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule)
