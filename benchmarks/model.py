@@ -176,7 +176,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
     if d["vram_fills_per_token"]:
         lines.append(f"  VRAM hot set: {d['vram_fills_per_token']:.2f} blocks/token copied in by its refreshes")
     if d["cpu_blocks_per_token"]:
-        each = f", {d['cpu_ms_per_block']:.2f} ms each (moving average)" if d.get("cpu_ms_per_block") else ""
+        each = (f", {d['cpu_ms_per_block']:.2f} ms each (moving average; {block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s "
+                f"of expert bytes)") if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
     lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"
                  + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB" if "vram_peak_bytes" in d else ""))
