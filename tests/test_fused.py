@@ -184,7 +184,9 @@ def test_fused_nemotron_h_matches_transformers(static_kv, stores, refs, monkeypa
         names = {type(m).__name__ for m in engine.model.hf.modules()}
         assert {"RMSNorm", "Gemv", "Relu2MLP"} <= names and not names & {"NemotronHRMSNorm", "Linear", "NemotronHMLP"}
         check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops", n=12)  # the same kernels each step: 12 of them
-    assert ran and all(ran) == (static_kv is not None)  # one-token steps' attention through the kernel, masked over a window
+    # one-token steps' attention through the kernel, masked over a static cache's window (a growing cache's mask is
+    # transformers' choice: None on a CPU, a mask on CUDA; either way through the kernel)
+    assert ran and (static_kv is None or all(ran))
 
 
 def test_fused_linears_reach_the_moe_blocks_linears(stores, monkeypatch):
