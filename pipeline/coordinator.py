@@ -157,11 +157,15 @@ class Coordinator:
     def token(self, layer, h: torch.Tensor, ctx) -> torch.Tensor | None:
         """A one-token step of MoE `layer` on h [1, 1, D] queued with no host wait (the plan's composed step, from h or,
         for a block whose MoE input is not pure, from the layer's MoE input; the token's first host work is the
-        caller's: `plan.begin_token`), or None where the host must act or no plan composes it."""
+        caller's: `plan.begin_token`), or None where the host must act or no plan composes it; where the CPU shares the
+        layer's blocks, its first part queued and a CpuTurn (stages/table_cpu.py) for the rest."""
         if self.plan is None:
             return None
         block = layer.moe
         nxt = self._next[block.index]
+        if self.plan.table.cpu_share:  # a CpuTurn: the host's part and the rest (a whole step in segments)
+            args = (h,) if block.graph_safe else layer.moe_input(h, ctx)
+            return self.plan.token_cpu(block, nxt, layer if block.graph_safe else None, args)
         if block.graph_safe:
             return self.plan.token(layer, h, nxt, first=False)
         return self.plan.step(block, nxt, None, layer.moe_input(h, ctx), first=False)

@@ -7,7 +7,9 @@ predict's guesses), the step's stream runs every `launch` part (route, fetch, co
 the stage producing the layer's output (combine) finishes. The composed step is captured as one CUDA graph per
 layer (`FnGraphs`, only for blocks whose MoE functions are pure: `MoEBlock.graph_safe`; others run it eagerly,
 still without a host wait); on a CPU it runs in line. With a trace each part times itself under its stage's name
-(GPU spans that the graph records on every replay).
+(GPU spans that the graph records on every replay). Where the CPU shares a layer's blocks (compute's `cpu_share`) the
+step is composed in two parts around the CPU's rows: up to the GPU's rows (`split`, on the host's split; `token_cpu`,
+on the device's) and the mix of both rows into combine's sum (stages/table_cpu.py).
 
 A step whose routed ids must come to the host (a prompt, the torch backend, a one-token step of a block whose MoE
 input is not pure over a RAM cache) runs the same stages' host faces in order (`layer`): fetch readies the tier,
@@ -209,7 +211,7 @@ class TokenPlan:
 
         def finish(cpu_y: torch.Tensor, cpu_mask: torch.Tensor) -> torch.Tensor:
             with streams.use(self.table.stream):
-                h = mix(*args, *rows, cpu_y, cpu_mask)
+                h = mix(*rows[:3], cpu_y, cpu_mask, *rows[3:])
             if graphs is not None and graphs.replays > replays:
                 self.rt.tracer.replayed(marks)
             for stage in self.stages:
@@ -217,6 +219,30 @@ class TokenPlan:
                 stage.tally(t)
             return h
         return finish
+
+    def token_cpu(self, block, nxt, layer, args: tuple):
+        """A one-token step of `block`'s layer whose blocks the CPU shares, the split made on the device (a whole step in
+        segments: pipeline/whole.py): its first part queued now on args ((h,) with `layer`, else (x, residual)): the
+        router, the CPU's blocks chosen and told to the host (stages/table_cpu.py), the GPU's rows. Returns the table's
+        `CpuTurn`: the host's part at the segment's end, and the mix that starts the next segment."""
+        key = (block.layer, layer is None, False, 1, True)
+        made = self._steps.get(key)
+        if made is None:
+            with self.rt.streams.use(self.table.stream):
+                made = self._steps[key] = self._compose(block, nxt, layer, False, cpu=True)
+        (gpu, mix), t, marks = made
+        for stage in self.stages:
+            stage.before(t, False)
+        with self.rt.streams.use(self.table.stream):
+            x, residual, y, mask, *shared = gpu(*args)
+        for stage in self.stages:
+            stage.after(t)
+        if self._whole is None:
+            for stage in self.stages:
+                stage.tally(t)
+        else:
+            self._whole[0].append(t)
+        return self.table.cpu_turn(block, t.i, lambda cpu_y: mix(x, residual, y, cpu_y, mask, *shared))
 
     def _compose(self, block, nxt, layer, hosted: bool, rows: int = 1, cpu: bool = False) -> tuple:
         tracer, table = self.rt.tracer, self.table
@@ -250,22 +276,25 @@ class TokenPlan:
                 shared = v.get("shared")
                 if shared is not None and not captured:  # eager: not reused before the step's stream reads it
                     shared.record_stream(main)
-            if cpu:  # the GPU's rows (and the shared term) for `mix`, once the CPU's are in
-                return (v["y"],) if v.get("shared") is None else (v["y"], v["shared"])
+            if cpu:  # what `mix` takes once the CPU's rows are in: (x, residual, y[, the device's CPU mask][, shared])
+                return (v["x"], v["residual"], v["y"], *((v["cpu_mask"],) if "cpu_mask" in v else ()),
+                        *((v["shared"],) if v.get("shared") is not None else ()))
             _run(finish, v)
             return v["h"]
 
         if cpu:
-            def mix(x, residual, y, *rest):  # rest: (shared,)?, cpu_y, cpu_mask
-                v = {"x": x, "residual": residual, "y": y, "cpu_y": rest[-2], "cpu_mask": rest[-1]}
-                if len(rest) == 3:
-                    v["shared"] = rest[0]
+            def mix(x, residual, y, cpu_y, cpu_mask, *shared):
+                v = {"x": x, "residual": residual, "y": y, "cpu_y": cpu_y, "cpu_mask": cpu_mask}
+                if shared:
+                    v["shared"] = shared[0]
                 _run(finish, v)
                 return v["h"]
 
+            first = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
             graphed = self.graphs is not None and block.graph_safe
             wrap = (lambda fn, name: self.graphs.wrap(fn, name)) if graphed else (lambda fn, name: fn)  # noqa: E731
-            return (wrap(experts, f"direct+ids+cpu:{block.layer}"), wrap(mix, f"direct+mix:{block.layer}")), t, marks
+            tag = ("+ids" if hosted else "+input" if layer is not None else "") + "+cpu"
+            return (wrap(first, f"direct{tag}:{block.layer}"), wrap(mix, f"direct+mix:{block.layer}")), t, marks
 
         step = experts if layer is None else lambda h: experts(*layer.moe_input(h, None))
         tags = ('' if layer is None else '+input') + ('+ids' if hosted else '') + (f'+rows{rows}' if rows > 1 else '')

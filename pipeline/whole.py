@@ -31,7 +31,9 @@ class _Whole:
 
     ids: torch.Tensor  # [1, 1] int64 on the device: the token, written before each replay
     past: torch.Tensor  # [] int64 on the device: its position
-    graph: Any = None  # torch.cuda.CUDAGraph; None: the body runs eagerly at each step (a CPU: tests/test_whole.py)
+    graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph segments, replayed in order with the host's turns
+    # between them; none: the body runs eagerly at each step (a CPU: tests/test_whole.py)
+    turns: list = field(default_factory=list)  # after segment j (but the last): the host's turn (stages/table_cpu.py CpuTurn)
     logits: torch.Tensor | None = None  # [1, V] fp32, in the graphs' pool: read before the next replay
     ran: list = field(default_factory=list)  # the plan's composed steps the body holds (their tallies per replay)
     marks: list = field(default_factory=list)  # their parts' trace marks
@@ -67,8 +69,8 @@ class WholeStep:
         if plan is None:
             return "the schedule's MoE layers are not composed into one-token steps (a `via: table` schedule is)"
         table = plan.table
-        if table.backend != "triton" or table.stream_ram or table.cpu_share:
-            return "one-token MoE steps wait for the host (the torch backend, fetch's hold: false, or compute's cpu_share)"
+        if table.backend != "triton" or table.stream_ram:
+            return "one-token MoE steps wait for the host (the torch backend, or fetch's hold: false)"
         if static_kv is None:
             return "attention over a growing cache (--static-kv N fixes its tensors)"
         if rt.recorder is not None:
@@ -102,10 +104,14 @@ class WholeStep:
         plan.begin_token()
         w.ids.fill_(token)
         w.past.fill_(past)
-        if w.graph is None:
-            self._body(w, cache)
+        if not w.graphs:
+            for turn in self._body(w, cache):
+                turn.host()
         else:
-            w.graph.replay()
+            for j, graph in enumerate(w.graphs):
+                graph.replay()
+                if j < len(w.turns):
+                    w.turns[j].host()
         self.replays += 1
         plan.replayed(w.ran, w.marks)
         return w.logits.clone()  # the pool's output is overwritten by the next replay
@@ -121,27 +127,43 @@ class WholeStep:
         w = _Whole(torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.zeros((), dtype=torch.int64, device=dev))
         if not self.graphs:
             return w
-        w.graph = torch.cuda.CUDAGraph()
         try:
-            with self.rt.streams.capture(w.graph, self.pool):
-                self._body(w, cache)
+            body = self._body(w, cache)
+            while True:  # a segment up to each host turn, and the last one to the logits
+                graph = torch.cuda.CUDAGraph()
+                with self.rt.streams.capture(graph, self.pool):
+                    turn = next(body, None)
+                w.graphs.append(graph)
+                if turn is None:
+                    break
+                w.turns.append(turn)
         except Exception as e:
+            body.close()  # its plan.whole() ends
             self.off = str(e)[:200]
             get_logger().warning("one-token steps run layer by layer: the whole step cannot be captured", error=self.off)
             return None
         self.captures += 1
         return w
 
-    def _body(self, w: _Whole, cache) -> None:
-        """The step's work: the engine's layer loop (pipeline/engine.py `_step`) for one token on the device alone."""
+    def _body(self, w: _Whole, cache):
+        """The step's work: the engine's layer loop (pipeline/engine.py `_step`) for one token on the device alone,
+        yielding at a MoE layer whose blocks the CPU shares its turn for the host (the segment ends there; the next
+        begins with the layer's mix)."""
         model = self.model
         with self.coordinator.plan.whole() as (ran, marks):
             h, ctx = model.begin(w.ids, cache, w.past)
             for layer in model.layers:
                 if layer.moe is None:
                     h = layer.forward(h, ctx)
-                elif (h := self.coordinator.token(layer, h, ctx)) is None:
+                    continue
+                out = self.coordinator.token(layer, h, ctx)
+                if out is None:
                     raise RuntimeError(f"layer {layer.moe.layer}'s one-token MoE step needs the host")
+                if isinstance(out, torch.Tensor):
+                    h = out
+                else:
+                    yield out
+                    h = out.finish()
             w.logits = model.head(h)
             if self.routing is not None:
                 self.routing.advance(1)

@@ -95,6 +95,8 @@ class FetchTable(Stage):
             with part("fetch"):  # each routed id to its block: a VRAM slot, a staging slot, else its RAM slot
                 v["offs"] = resolve(v["ids"][0], tier.table[i], tier.in_vram[i], table.held[i % 2], stage0, bb, gid0, torch.empty(K, dtype=torch.int64, device=v["x"].device), tier.uses[i],
                                     table.vram_served, table.staged_served)
+                if t.cpu:  # the CPU's blocks chosen on the device and told to the host (stages/table_cpu.py)
+                    table.cpu_split(v, t)
         return find
 
     def before(self, t, first: bool) -> None:

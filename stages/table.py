@@ -87,6 +87,10 @@ class Table(StreamedSteps, CpuSteps):
         self._cpu: dict = {}  # cpu_share: (kind, act) -> the CPU's expert kernels
         self._cpu_credit = 0.0  # cpu_share: the CPU's share of blocks carried across layers
         self._zero: tuple | None = None  # cpu_share: (a zero block on the device, its aligned start in it)
+        self._cpu_bufs: dict = {}  # cpu_share, split on the device: MoE index -> its buffers (stages/table_cpu.py)
+        self._cpu_outside: dict[int, int] = {}  # ... MoE index -> its blocks outside VRAM at its last step
+        self._cpu_seq = 0  # ... the token's number
+        self._cpu_dev: tuple | None = None  # ... on the device: (each layer's count, the token's number, the zero block's offset)
         store, dev = rt.store, rt.device
         self.layers = list(store.moe_layers)  # MoE index -> model layer
         self.index = {layer: i for i, layer in enumerate(self.layers)}
@@ -97,6 +101,10 @@ class Table(StreamedSteps, CpuSteps):
         triton = backend == "triton" and knobs.routed
         self.tier = VramTier(knobs, rt, self.layers, vram, self.blocks.off, self.blocks.resident, stream, banks=triton,
                          staging=triton and knobs.predict and not self.stream_ram, stream_ram=self.stream_ram)
+        self.num_experts, self.block_bytes = store.manifest.num_experts, store.block_bytes
+        if self.cpu_share:
+            self._cpu_dev = (torch.zeros(len(self.layers), dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev),
+                             torch.full((), self._zero_offset(), dtype=torch.int64, device=dev))
         self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank
         self.staged_copies = torch.zeros((), dtype=torch.int64, device=dev)  # blocks copied into it (guesses, right or wrong)
@@ -176,6 +184,8 @@ class Table(StreamedSteps, CpuSteps):
         """At a one-token step's first MoE layer: the tier's turn (storage/vram_tier.py VramTier.between_tokens)."""
         self.settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
         self.tier.between_tokens()
+        if self.cpu_share:
+            self.cpu_token_begins()
 
     def _flush_counts(self) -> None:
         """Add one-token steps' and batched decode rows' blocks per tier to the I/O counters (reads device counters:

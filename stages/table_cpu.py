@@ -2,17 +2,22 @@
 
 Of the blocks a one-token MoE step routes to, those in the VRAM tier are read there by the GPU; of the others (in
 pinned RAM) the CPU computes a share from their RAM slots (kernels/cpu.py) while the GPU reads the rest over PCIe,
-so that the two finish together: PCIe and the host's RAM bandwidth add up. The router's ids, weights and expert
-input come to the host first (one wait a MoE layer, so the whole token no longer replays as one graph); the host
-picks the CPU's blocks, queues the plan's first part (pipeline/plan.py `TokenPlan.split`: the shared term and the
-GPU's rows, the CPU's blocks pointed at a zero block of VRAM), computes its own rows, sends them, and queues the
-second part (its rows in place, the fixed-order sum over k, combine). The CPU's rows are its kernels' arithmetic, so
-the layer's output is the streaming schedules' within rounding, not bit for bit.
+so that PCIe and the host's RAM bandwidth add up. The CPU's rows are its kernels' arithmetic, so the layer's output
+is the streaming schedules' within rounding, not bit for bit. Two forms:
+- a whole step in segments (pipeline/whole.py; `cpu_split`, `cpu_turn`): the split is made on the device in the
+  step's fetch part (the CPU takes the lowest-ranked routed blocks outside VRAM, up to the layer's count for this
+  token, their offsets pointed at a zero block), which copies the ids, weights, expert input and masks to pinned
+  memory and then the token's number; the segment ends after the GPU's rows are queued; the host spins until the
+  number lands, computes the CPU's rows into pinned memory, and replays the next segment, which copies them in and
+  mixes them into combine's fixed-order sum. The host's work a MoE layer: one replay, one wait, the CPU's rows.
+- layer by layer (`_token_cpu`: a sequence's first one-token step, or where no whole step runs): the ids come to the
+  host, which picks the CPU's blocks, queues the plan's first part (pipeline/plan.py `TokenPlan.split`), computes
+  its rows and queues the second.
 
-How many: `cpu_share` of the step's blocks outside VRAM (a credit carried across layers, so a share of 0.25 sends one
-block in four), or with `cpu_balance` the count that finishes both soonest from the measured rates: the CPU's
-seconds a block (its own timings, a moving average) and a block's bytes over the host-to-device rate. The CPU takes
-the lowest-ranked of them.
+How many: `cpu_share` of the blocks outside VRAM (a credit carried across layers, so a share of 0.25 sends one block
+in four), or with `cpu_balance` the count that finishes both soonest from the measured rates: the CPU's seconds a
+block (its own timings, a moving average) and a block's bytes over the host-to-device rate. In segments, each layer's
+count for a token comes from the blocks its step had outside VRAM the token before.
 
 `CpuSteps` is a part of `Table` (a mixin): it uses the table's rt, knobs, stream, tier, blocks, base, graphs, its `split` (the plan's) and
 StreamedSteps' offsets and landing set.
@@ -21,14 +26,38 @@ StreamedSteps' offsets and landing set.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from sluice.errors import SluiceError
 from sluice.stages.compute import cpu_experts
 from sluice.stages.h2d import balance_cpu_blocks
 from sluice.stages.types import LayerInput
 
 ALIGN = 4096  # a block's alignment in its bank (the kernels' offsets assume it)
+
+
+@dataclass(frozen=True)
+class CpuTurn:
+    """A MoE layer's CPU share in a whole step replayed in segments (pipeline/whole.py): `host` at the end of the segment
+    that queued the layer's first part (waits for its ids, computes the CPU's rows into pinned memory), `finish` at the
+    start of the next (their copy to the device, the mix, combine) -> h."""
+
+    host: Callable[[], None]
+    finish: Callable[[], torch.Tensor]
+
+
+@dataclass
+class _LayerBuffers:
+    """A MoE layer's buffers for the device split: what the device tells the host, and the CPU's rows back."""
+
+    pack: torch.Tensor  # pinned fp32 [4K + Dx]: ids, weights, expert input, the CPU's mask, the mask of blocks outside VRAM
+    seq: torch.Tensor  # pinned int64 [1]: the token's number, copied after the pack (the host's sign that it landed)
+    y: torch.Tensor  # pinned [K, Dx] combine dtype: the CPU's rows
+    y_dev: torch.Tensor  # [K, Dx] on the device: their copy, which the mix reads
+    x_dtype: torch.dtype
 
 
 class CpuSteps:
@@ -120,3 +149,70 @@ class CpuSteps:
             self._zero = (pad, (-pad.data_ptr()) % ALIGN)
         pad, at = self._zero
         return pad.data_ptr() + at - self.base.data_ptr()
+
+    # -- the split made on the device (a whole step in segments) ------------------------------------------------------
+
+    def cpu_split(self, v: dict, t) -> None:
+        """In a step's fetch part: the CPU takes the lowest-ranked routed blocks outside VRAM, up to the layer's count
+        for this token (`cpu_token_begins`); their offsets point at the zero block; the ids, weights, expert input and
+        masks go to pinned memory, then the token's number (the host waits for it: `cpu_turn`)."""
+        i, ids = t.i, v["ids"][0]
+        ram = 1 - self.tier.in_vram[i][ids]
+        later = ram.flip(0).cumsum(0).flip(0)  # blocks outside VRAM from each rank on
+        cpu = (ram > 0) & (later <= self._cpu_dev[0][i])
+        v["offs"] = torch.where(cpu, self._cpu_dev[2], v["offs"])
+        v["cpu_mask"] = cpu
+        b = self._cpu_buffers(i, t.block, v["xe"])
+        b.pack.copy_(torch.cat((ids.float(), v["weights"][0].float(), v["xe"][0].float(), cpu.float(), ram.float())),
+                     non_blocking=True)
+        b.seq.copy_(self._cpu_dev[1], non_blocking=True)
+
+    def cpu_turn(self, block, i: int, mix: Callable) -> CpuTurn:
+        """The host's part of MoE index i's device split this token, and the mix: mix(cpu_y on the device) -> h."""
+        b, K = self._cpu_bufs[i], block.top_k
+
+        def host() -> None:  # at every replay: this token's number
+            self._await_seq(b.seq, self._cpu_seq)
+            pack = b.pack
+            ids, w, xe = pack[:K].long(), pack[K : 2 * K], pack[2 * K : -2 * K].clone()
+            rows = (pack[-2 * K : -K] > 0.5).nonzero()[:, 0].tolist()
+            self._cpu_outside[i] = int((pack[-K:] > 0.5).sum())  # for the next token's count
+            if rows:
+                self._cpu_rows(block, ids[rows].tolist(), xe, w[rows], b.x_dtype, b.y, rows)
+
+        def finish() -> torch.Tensor:
+            b.y_dev.copy_(b.y, non_blocking=True)
+            return mix(b.y_dev)
+        return CpuTurn(host, finish)
+
+    def cpu_token_begins(self) -> None:
+        """Before a token's first MoE layer, once a step has split on the device: each layer's count for the device
+        split (from the blocks its last step had outside VRAM), and the token's number."""
+        if not self._cpu_bufs:
+            return
+        K = self.rt.store.manifest.top_k
+        counts = self.rt.streams.host_buffer(("cpu counts",), torch.Size([len(self.layers)]), torch.int64)
+        counts.numpy()[:] = [self._cpu_count(self._cpu_outside.get(i, K)) for i in range(len(self.layers))]
+        self._cpu_seq += 1
+        counts_dev, seq_dev, _ = self._cpu_dev
+        counts_dev.copy_(counts, non_blocking=True)
+        seq_dev.fill_(self._cpu_seq)
+
+    def _cpu_buffers(self, i: int, block, xe: torch.Tensor) -> _LayerBuffers:
+        b = self._cpu_bufs.get(i)
+        if b is None:
+            K, dx, streams = block.top_k, xe.shape[1], self.rt.streams
+            b = self._cpu_bufs[i] = _LayerBuffers(
+                streams.host_buffer(("cpu pack", i), torch.Size([4 * K + dx]), torch.float32),
+                streams.host_buffer(("cpu seq", i), torch.Size([1]), torch.int64),
+                streams.host_buffer(("cpu rows", i), torch.Size([K, dx]), block.combine_dtype),
+                torch.empty(K, dx, dtype=block.combine_dtype, device=xe.device), xe.dtype)
+        return b
+
+    def _await_seq(self, seq: torch.Tensor, value: int) -> None:
+        """Spin until the device's copy of the token's number has landed (its pack came before it, in stream order)."""
+        got, t = seq.numpy(), time.perf_counter()
+        while got[0] != value:
+            if time.perf_counter() - t > 60:
+                raise SluiceError(f"a whole step's MoE ids did not reach the host in 60 s (token {value})")
+        self.rt.stats.ids_wait_s += time.perf_counter() - t

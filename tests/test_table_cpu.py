@@ -47,3 +47,29 @@ def test_cpu_share_needs_every_block_held(stores, tmp_path):
     schedule = direct_schedule(tmp_path, "stream-hybrid", base="direct-stream", cpu_share=0.5)
     with pytest.raises(ScheduleError, match="cpu_share.*hold: true"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule)
+
+
+def test_cpu_share_in_a_whole_step_of_segments(stores, refs, tmp_path, monkeypatch):
+    """A whole step with the CPU's share runs in segments (pipeline/whole.py): the split made on the device (the
+    lowest-ranked blocks outside VRAM, up to each layer's count), the host's turn between segments computing the CPU's
+    rows; eager on a CPU (SLUICE_TEST_DEVICE=cuda captures and replays them). Greedy tokens are the reference's, the
+    logits direct's within the golden tolerance, the CPU computed blocks in the replayed steps."""
+    from sluice.stages.table_cpu import CpuSteps
+    from test_whole import _open
+
+    turns = []  # the host's turns between segments, by token
+    monkeypatch.setattr(CpuSteps, "_await_seq", lambda self, seq, value: turns.append(value))
+    variant = "nemotron_h_latent"
+    plain = direct_schedule(tmp_path, "plain", backend="triton", refresh=2)
+    hybrid = direct_schedule(tmp_path, "hybrid", backend="triton", refresh=2, cpu_share=0.5, cpu_compile=False)
+    with _open(stores[variant], plain, True, vram_slots=4) as engine:
+        want = greedy_logits(engine, PROMPT, STEPS)
+    with _open(stores[variant], hybrid, True, vram_slots=4) as engine:
+        got = greedy_logits(engine, PROMPT, STEPS)
+        replays, cpu = engine.whole.replays, engine.rt.stats.cpu_blocks
+        before = cpu
+        greedy_logits(engine, PROMPT[:4], 3)  # a second sequence: its replays compute CPU rows too
+        after = engine.rt.stats.cpu_blocks
+    assert replays > 0 and cpu > 0 and after > before and len(set(turns)) >= replays
+    assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, STEPS)
+    assert_logits_close(variant, got, want, "the CPU's share, whole step in segments")
