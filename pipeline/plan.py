@@ -53,7 +53,7 @@ class TokenPlan:
         for stage in self.stages:
             stage.table = self.table
         self._side = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
-        self._steps: dict[tuple, tuple] = {}  # (model layer, whole, hosted, rows) -> (step, TokenLayer, marks)
+        self._steps: dict[tuple, tuple] = {}  # (model layer, whole, hosted, rows, cpu) -> (step, TokenLayer, marks)
         self._whole: tuple[list, list] | None = None  # while a graph around the steps captures (`whole`): (ran, marks)
 
     async def layer(self, li: LayerInput) -> torch.Tensor:
@@ -168,12 +168,7 @@ class TokenPlan:
         """The composed one-token step of `block`'s layer on args: (h,) with `layer` (its MoE input in the step), else
         (x [rows, D], residual); `routing`: (weights, ids, offs) found by the host. `first`: the stages' host work of a
         token's first MoE layer is due (the table's host side did it already when it routed)."""
-        key = (block.layer, layer is None, routing is not None, rows)
-        made = self._steps.get(key)
-        if made is None:  # its constants made on the stream that reads them
-            with self.rt.streams.use(self.table.stream):
-                made = self._steps[key] = self._compose(block, nxt, layer, routing is not None, rows)
-        fn, t, marks = made
+        fn, t, marks = self._made(block, nxt, layer, routing is not None, rows)
         for stage in self.stages:
             stage.before(t, first and t.i == 0)
         graphs = self.graphs
@@ -182,6 +177,22 @@ class TokenPlan:
             h = fn(*args, *(routing or ()))
         if graphs is not None and graphs.replays > replays:  # a replay: its parts' spans, read at flush
             self.rt.tracer.replayed(marks)
+        self._ran(t)
+        return h
+
+    def _made(self, block, nxt, layer, hosted: bool, rows: int = 1, cpu: bool = False) -> tuple:
+        """The composed step of these kinds (`_compose`), made once: (its function or, with `cpu`, its two parts; its
+        TokenLayer; its trace marks)."""
+        key = (block.layer, layer is None, hosted, rows, cpu)
+        made = self._steps.get(key)
+        if made is None:  # its constants made on the stream that reads them
+            with self.rt.streams.use(self.table.stream):
+                made = self._steps[key] = self._compose(block, nxt, layer, hosted, rows, cpu)
+        return made
+
+    def _ran(self, t) -> None:
+        """A step's host work after it is queued: the stages' `after`, and their tallies (or, inside a graph around
+        the steps, t kept for `replayed`)."""
         for stage in self.stages:
             stage.after(t)
         if self._whole is None:
@@ -189,19 +200,13 @@ class TokenPlan:
                 stage.tally(t)
         else:
             self._whole[0].append(t)
-        return h
 
     def split(self, block, nxt, args: tuple, routing: tuple, first: bool) -> Callable:
         """A one-token step of `block`'s layer whose routed blocks the CPU shares (compute's `cpu_share`), in two parts:
         the first queued now on args (x, residual) and routing (weights, ids, offs: the CPU's blocks at a zero block),
         the shared term and the GPU's rows unsummed; returns finish(cpu_y [K, Dx], cpu_mask [K] bool) -> h, which
         queues the second: the CPU's rows in place, the fixed-order sum, combine. Each part a graph where pure."""
-        key = (block.layer, True, True, 1, True)
-        made = self._steps.get(key)
-        if made is None:
-            with self.rt.streams.use(self.table.stream):
-                made = self._steps[key] = self._compose(block, nxt, None, True, cpu=True)
-        (gpu, mix), t, marks = made
+        (gpu, mix), t, marks = self._made(block, nxt, None, True, cpu=True)
         for stage in self.stages:
             stage.before(t, first and t.i == 0)
         graphs, streams = self.graphs, self.rt.streams
@@ -214,9 +219,7 @@ class TokenPlan:
                 h = mix(*rows[:3], cpu_y, cpu_mask, *rows[3:])
             if graphs is not None and graphs.replays > replays:
                 self.rt.tracer.replayed(marks)
-            for stage in self.stages:
-                stage.after(t)
-                stage.tally(t)
+            self._ran(t)
             return h
         return finish
 
@@ -225,23 +228,12 @@ class TokenPlan:
         segments: pipeline/whole.py): its first part queued now on args ((h,) with `layer`, else (x, residual)): the
         router, the CPU's blocks chosen and told to the host (stages/table_cpu.py), the GPU's rows. Returns the table's
         `CpuTurn`: the host's part at the segment's end, and the mix that starts the next segment."""
-        key = (block.layer, layer is None, False, 1, True)
-        made = self._steps.get(key)
-        if made is None:
-            with self.rt.streams.use(self.table.stream):
-                made = self._steps[key] = self._compose(block, nxt, layer, False, cpu=True)
-        (gpu, mix), t, marks = made
+        (gpu, mix), t, marks = self._made(block, nxt, layer, False, cpu=True)
         for stage in self.stages:
             stage.before(t, False)
         with self.rt.streams.use(self.table.stream):
             x, residual, y, mask, *shared = gpu(*args)
-        for stage in self.stages:
-            stage.after(t)
-        if self._whole is None:
-            for stage in self.stages:
-                stage.tally(t)
-        else:
-            self._whole[0].append(t)
+        self._ran(t)
         return self.table.cpu_turn(block, t.i, lambda cpu_y: mix(x, residual, y, cpu_y, mask, *shared))
 
     def _compose(self, block, nxt, layer, hosted: bool, rows: int = 1, cpu: bool = False) -> tuple:
