@@ -86,6 +86,7 @@ class CpuSteps:
         with streams.use(self.stream):
             offs.copy_(offs_host, non_blocking=True)
         finish = self.split(block, li.next_block, (li.x, li.residual), (weights, ids, offs), False)
+        self._cpu_buffers(i, block, xe.shape[0], li.x)  # made here, before a whole step's capture needs them
         self.token_vram += K - len(in_ram)
         y_host = streams.host_buffer(("cpu rows", i), torch.Size([K, xe.shape[0]]), block.combine_dtype)
         mask_host = streams.host_buffer(("cpu mask", i), torch.Size([K]), torch.bool)
@@ -162,7 +163,7 @@ class CpuSteps:
         cpu = (ram > 0) & (later <= self._cpu_dev[0][i])
         v["offs"] = torch.where(cpu, self._cpu_dev[2], v["offs"])
         v["cpu_mask"] = cpu
-        b = self._cpu_buffers(i, t.block, v["xe"])
+        b = self._cpu_buffers(i, t.block, v["xe"].shape[1], v["x"])
         b.pack.copy_(torch.cat((ids.float(), v["weights"][0].float(), v["xe"][0].float(), cpu.float(), ram.float())),
                      non_blocking=True)
         b.seq.copy_(self._cpu_dev[1], non_blocking=True)
@@ -198,15 +199,17 @@ class CpuSteps:
         counts_dev.copy_(counts, non_blocking=True)
         seq_dev.fill_(self._cpu_seq)
 
-    def _cpu_buffers(self, i: int, block, xe: torch.Tensor) -> _LayerBuffers:
+    def _cpu_buffers(self, i: int, block, dx: int, x: torch.Tensor) -> _LayerBuffers:
+        """MoE index i's buffers for the device split (made by a sequence's first, layer-by-layer step: pinned memory
+        cannot be allocated while a graph captures)."""
         b = self._cpu_bufs.get(i)
         if b is None:
-            K, dx, streams = block.top_k, xe.shape[1], self.rt.streams
+            K, streams = block.top_k, self.rt.streams
             b = self._cpu_bufs[i] = _LayerBuffers(
                 streams.host_buffer(("cpu pack", i), torch.Size([4 * K + dx]), torch.float32),
                 streams.host_buffer(("cpu seq", i), torch.Size([1]), torch.int64),
                 streams.host_buffer(("cpu rows", i), torch.Size([K, dx]), block.combine_dtype),
-                torch.empty(K, dx, dtype=block.combine_dtype, device=xe.device), xe.dtype)
+                torch.empty(K, dx, dtype=block.combine_dtype, device=x.device), x.dtype)
         return b
 
     def _await_seq(self, seq: torch.Tensor, value: int) -> None:
