@@ -11,7 +11,7 @@ from sluice.errors import ScheduleError
 from common import DEVICE, PROMPT, assert_logits_close, greedy_logits
 from test_direct import direct_schedule
 
-STEPS = 8
+STEPS = 6
 
 
 @pytest.mark.parametrize("variant", ["nemotron_h_latent", "gpt_oss"])
