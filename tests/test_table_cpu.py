@@ -4,7 +4,6 @@ combine's fixed-order sum."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import sluice
 from sluice.errors import ScheduleError
