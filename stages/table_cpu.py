@@ -86,19 +86,17 @@ class CpuSteps:
         with streams.use(self.stream):
             offs.copy_(offs_host, non_blocking=True)
         finish = self.split(block, li.next_block, (li.x, li.residual), (weights, ids, offs), False)
-        self._cpu_buffers(i, block, xe.shape[0], li.x)  # made here, before a whole step's capture needs them
+        b = self._cpu_buffers(i, block, xe.shape[0], li.x)  # made here, before a whole step's capture needs them
         self.token_vram += K - len(in_ram)
-        y_host = streams.host_buffer(("cpu rows", i), torch.Size([K, xe.shape[0]]), block.combine_dtype)
         mask_host = streams.host_buffer(("cpu mask", i), torch.Size([K]), torch.bool)
         mask_host.zero_()
         if cpu:
             with tracer.span("compute:cpu", layer=block.layer):  # a host span: the CPU's share in the trace
-                self._cpu_rows(block, [routed[k] for k in cpu], xe, w[cpu], li.x.dtype, y_host, cpu)
+                self._cpu_rows(block, [routed[k] for k in cpu], xe, w[cpu], li.x.dtype, b.y, cpu)
             mask_host[cpu] = True
         with streams.use(self.stream):
-            y_dev = y_host.to(li.x.device, non_blocking=True)
-            mask_dev = mask_host.to(li.x.device, non_blocking=True)
-            return finish(y_dev, mask_dev)
+            b.y_dev.copy_(b.y, non_blocking=True)
+            return finish(b.y_dev, mask_host.to(li.x.device, non_blocking=True))
 
     def _cpu_rows(self, block, experts: list[int], xe: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, y: torch.Tensor,
                   rows: list[int]) -> None:
