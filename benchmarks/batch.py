@@ -2,8 +2,8 @@
 aggregate and per-sequence tokens per second and routed expert bytes per generated token, under the routing
 setting given (a figure that depends on routing says which).
 
-Each batch size gets fresh sequences of random prompts, one untimed step, then `--decode-tokens` timed steps of
-greedy decode; batch size 1 runs the ordinary one-token step (`extend`), the baseline the others are compared with.
+Each batch size gets fresh sequences of random prompts, two untimed steps (the first runs layer by layer and compiles
+kernels, the second captures the step whole where it can be), then `--decode-tokens` timed steps of greedy decode; batch size 1 runs the ordinary one-token step (`extend`), the baseline the others are compared with.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def add_batch_parser(bsub) -> None:
 
 def decoding(engine, batch: int, prompt_length: int, seed: int = 0):
     """`batch` fresh sequences of random prompts and a step() that decodes one greedy token for each (`extend` for
-    one sequence, `extend_many` for more), its first (untimed) call made: the first batched step compiles its kernels."""
+    one sequence, `extend_many` for more), its first two (untimed) calls made: the first compiles its kernels, the
+    second captures the whole step (pipeline/whole.py)."""
     g = torch.Generator().manual_seed(seed + batch)
     vocab = engine.model.config.vocab_size
     seqs = [engine.new_sequence() for _ in range(batch)]
@@ -42,6 +43,7 @@ def decoding(engine, batch: int, prompt_length: int, seed: int = 0):
     def step():
         rows = [engine.extend(seqs[0], last)] if batch == 1 else engine.extend_many(seqs, last)
         last[:] = [int(row[-1].argmax()) for row in rows]
+    step()
     step()
     return step
 

@@ -7,9 +7,11 @@ layer takes the rows in one call where it can (`Layer.forward_rows`): an attenti
 together, each sequence's attention over its own cache (models/rows.py); a Mamba-2 block's projections over every
 decode row and its conv and SSM step over all their states at once; a DeltaNet layer its decode rows over their
 gathered states. What cannot (a Mamba-2 or DeltaNet layer's prompt pieces) runs per sequence on its own cache, as
-alone. Every layer runs eagerly here: the one-token graphs are keyed by one sequence's state. The MoE layer gets the rows as one prompt-like step (T = B), so
-its experts run as grouped kernels and each row is combined in the same fixed order as alone; logits agree with
-one-at-a-time decode within the kernels' rounding (a row's sums are grouped differently), not bit for bit.
+alone. A step of decode tokens alone replays whole as one graph over these sequences' states where a one-token
+step would (pipeline/whole.py `run_rows`, from their second such step); other steps run layer by layer here. The MoE
+layer gets the rows as one prompt-like step (T = B), so its experts run as grouped kernels and each row is combined
+in the same fixed order as alone; logits agree with one-at-a-time decode within the kernels' rounding (a row's sums
+are grouped differently), not bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from sluice.errors import SluiceError
+from sluice.pipeline.whole import resident_rows
 
 
 async def step_many(engine, seqs: list, pieces: list[list[int]]) -> list[torch.Tensor]:
@@ -24,21 +27,21 @@ async def step_many(engine, seqs: list, pieces: list[list[int]]) -> list[torch.T
     last-position logits [1, V] fp32 on the device."""
     model, coordinator, recorder = engine.model, engine.coordinator, engine.rt.recorder
     rows = sum(len(p) for p in pieces)
-    for s in seqs:
-        s.state_key = None  # a step layer by layer may place a state anew (pipeline/whole.py looks it up again)
     if recorder is not None:
         recorder.begin_step(rows)
     with torch.inference_mode():
-        begun = [model.begin(torch.tensor([p], device=engine.device), s.cache, len(s.tokens)) for s, p in zip(seqs, pieces)]
-        hs, ctxs = [h for h, _ in begun], [c for _, c in begun]
-        for layer in model.layers:
-            if layer.moe is None:
-                hs = layer.forward_rows(hs, ctxs) or [layer.forward(h, ctx) for h, ctx in zip(hs, ctxs)]
-            else:
-                hs = await coordinator.moe_rows(layer, hs, ctxs)
-        logits = [model.head(h[:, -1:]) for h in hs]
-        if engine.routing is not None:
-            engine.routing.advance(rows)
+        whole = engine.whole if rows == len(seqs) and all(s.tokens for s in seqs) else None
+        logits = whole.run_rows(seqs, [p[0] for p in pieces]) if whole is not None else None
+        if logits is None:
+            for s in seqs:
+                s.state_key = None  # a step layer by layer may place a state anew (pipeline/whole.py looks it up again)
+            begun = [model.begin(torch.tensor([p], device=engine.device), s.cache, len(s.tokens)) for s, p in zip(seqs, pieces)]
+            hs, ctxs = [h for h, _ in begun], [c for _, c in begun]
+            for layer in model.layers:
+                hs = resident_rows(layer, hs, ctxs) if layer.moe is None else await coordinator.moe_rows(layer, hs, ctxs)
+            logits = [model.head(h[:, -1:]) for h in hs]
+            if engine.routing is not None:
+                engine.routing.advance(rows)
     for s, p in zip(seqs, pieces):
         s.tokens.extend(p)
     if recorder is not None:

@@ -141,18 +141,23 @@ class Coordinator:
     async def moe_rows(self, layer, hs: list[torch.Tensor], ctxs: list) -> list[torch.Tensor]:
         """A MoE layer over several sequences' inputs hs [1, T_b, D] at once (pipeline/batch.py): their rows run as
         one step of sum(T_b) tokens; each sequence's output h."""
-        packed = layer.moe_input_rows(hs, ctxs)
-        if packed is None:
-            parts = [layer.moe_input(h, ctx) for h, ctx in zip(hs, ctxs)]
-            packed = torch.cat([x for x, _ in parts]), torch.cat([r for _, r in parts], dim=1)
-        x, residual = packed
         block = layer.moe
+        if (out := self.rows(layer, hs, ctxs, first=block.index == 0)) is not None:
+            return out
+        x, residual = _packed(layer, hs, ctxs)
         decoding = all(h.shape[1] == 1 for h in hs)
-        if decoding and len(hs) > 1 and self.plan is not None and self.plan.takes_rows(block):  # no host wait
-            h = self.plan.rows(block, self._next[block.index], x, residual, first=block.index == 0)
-            return list(h.split(1, dim=1))
         li = LayerInput(block, self._next[block.index], x, residual, self._ahead[block.index], decoding)
         return list((await self.run_layer(li)).h.split([h.shape[1] for h in hs], dim=1))
+
+    def rows(self, layer, hs: list[torch.Tensor], ctxs: list, first: bool) -> list[torch.Tensor] | None:
+        """Several sequences' one-token steps of MoE `layer` (hs [1, 1, D]) as the plan's composed step over their rows,
+        queued with no host wait, or None where the host must act or no plan composes it. `first`: the token's host
+        work is due here (a whole step does it before its replay: `begin_token`)."""
+        block = layer.moe
+        if len(hs) < 2 or any(h.shape[1] != 1 for h in hs) or self.plan is None or not self.plan.takes_rows(block):
+            return None
+        x, residual = _packed(layer, hs, ctxs)
+        return list(self.plan.rows(block, self._next[block.index], x, residual, first).split(1, dim=1))
 
     def token(self, layer, h: torch.Tensor, ctx) -> torch.Tensor | None:
         """A one-token step of MoE `layer` on h [1, 1, D] queued with no host wait (the plan's composed step, from h or,
@@ -227,3 +232,12 @@ def _first(eg: BaseExceptionGroup) -> BaseException:
     while isinstance(e, BaseExceptionGroup):
         e = e.exceptions[0]
     return e
+
+
+def _packed(layer, hs: list[torch.Tensor], ctxs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's input over several sequences' rows: (x [sum(T_b), D], residual [1, sum(T_b), D])."""
+    packed = layer.moe_input_rows(hs, ctxs)
+    if packed is None:
+        parts = [layer.moe_input(h, ctx) for h, ctx in zip(hs, ctxs)]
+        packed = torch.cat([x for x, _ in parts]), torch.cat([r for _, r in parts], dim=1)
+    return packed

@@ -26,14 +26,14 @@ from sluice.log import get_logger
 
 @dataclass
 class _Whole:
-    """One sequence state's captured step."""
+    """One sequence state's captured step (or several sequences' one batched step: `WholeStep.run_rows`)."""
 
-    ids: torch.Tensor  # [1, 1] int64 on the device: the token, written before each replay
-    past: torch.Tensor  # [] int64 on the device: its position
+    ids: torch.Tensor  # [B, 1] int64 on the device: each sequence's token, written before each replay
+    past: torch.Tensor  # [] int64 on the device: its position ([B]: each sequence's)
     graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph segments, replayed in order with the host's turns
     # between them; none: the body runs eagerly at each step (a CPU: tests/test_whole.py)
     turns: list = field(default_factory=list)  # after segment j (but the last): the host's turn (stages/table_cpu.py CpuTurn)
-    logits: torch.Tensor | None = None  # [1, V] fp32, in the graphs' pool: read before the next replay
+    logits: torch.Tensor | None = None  # [B, V] fp32, in the graphs' pool: read before the next replay
     ran: list = field(default_factory=list)  # the plan's composed steps the body holds (their tallies per replay)
     marks: list = field(default_factory=list)  # their parts' trace marks
 
@@ -95,16 +95,47 @@ class WholeStep:
         w = self._seen[key]
         self._seen.move_to_end(key)
         if w is None:
-            w = self._capture(cache)
+            w = self._capture(self._body, cache, (1, 1), ())
             if w is None:
                 return None
             self._keep(key, w)
-        plan = self.coordinator.plan
-        plan.begin_token()
         w.ids.fill_(token)
         w.past.fill_(past)
+        self._replay(w, self._body, cache)
+        return w.logits.clone()  # the pool's output is overwritten by the next replay
+
+    def run_rows(self, seqs: list, tokens: list[int]) -> list[torch.Tensor] | None:
+        """The logits [1, V] fp32 of each token appended to its sequence in one batched step (pipeline/batch.py), from
+        the step's replay over these sequences' states; None where it runs layer by layer instead (their first batched
+        step over these states, a MoE layer whose rows wait for the host, or whole steps off)."""
+        if self.off is not None or len(seqs) < 2:
+            return None
+        caches = [s.cache for s in seqs]
+        for s in seqs:
+            s.state_key = s.state_key or _state_key(s.cache)
+        key = ("rows", *(s.state_key for s in seqs))
+        if key not in self._seen:
+            self._keep(key, None)
+            return None
+        w = self._seen[key]
+        self._seen.move_to_end(key)
+        if w is None:
+            w = self._capture(self._body_rows, caches, (len(seqs), 1), (len(seqs),))
+            if w is None:
+                return None
+            self._keep(key, w)
+        w.ids.copy_(torch.tensor(tokens).view(-1, 1))
+        w.past.copy_(torch.tensor([len(s.tokens) for s in seqs]))
+        self._replay(w, self._body_rows, caches)
+        return list(w.logits.clone().split(1))
+
+    def _replay(self, w: _Whole, body, state) -> None:
+        """The step's host work before it (`begin_token`), its segments replayed with the host's turns between them (or,
+        without graphs, its body run eagerly), then its tallies."""
+        plan = self.coordinator.plan
+        plan.begin_token()
         if not w.graphs:
-            for turn in self._body(w, cache):
+            for turn in body(w, state):
                 turn.host()
         else:
             for j, graph in enumerate(w.graphs):
@@ -113,7 +144,6 @@ class WholeStep:
                     w.turns[j].host()
         self.replays += 1
         plan.replayed(w.ran, w.marks)
-        return w.logits.clone()  # the pool's output is overwritten by the next replay
 
     def _keep(self, key: tuple, w: _Whole | None) -> None:
         self._seen[key] = w
@@ -121,13 +151,15 @@ class WholeStep:
         while len(self._seen) > self.KEEP:
             self._seen.popitem(last=False)
 
-    def _capture(self, cache) -> _Whole | None:
+    def _capture(self, make, state, ids: tuple, past: tuple) -> _Whole | None:
+        """The step make(w, state) captured in segments (shapes of its token ids and positions), or None (whole steps
+        off from now on, with a warning) where it cannot be."""
         dev = self.model.device
-        w = _Whole(torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.zeros((), dtype=torch.int64, device=dev))
+        w = _Whole(torch.zeros(ids, dtype=torch.int64, device=dev), torch.zeros(past, dtype=torch.int64, device=dev))
         if not self.graphs:
             return w
         try:
-            body = self._body(w, cache)
+            body = make(w, state)
             while True:  # a segment up to each host turn, and the last one to the logits
                 graph = torch.cuda.CUDAGraph()
                 with self.rt.streams.capture(graph, self.pool):
@@ -167,6 +199,31 @@ class WholeStep:
             if self.routing is not None:
                 self.routing.advance(1)
         w.ran, w.marks = ran, marks
+
+    def _body_rows(self, w: _Whole, caches: list):
+        """A batched step's work over B sequences' one-token steps (pipeline/batch.py `step_many`, on the device alone):
+        each resident layer over their rows at once where it can, each MoE layer's rows as one composed step."""
+        model, coordinator = self.model, self.coordinator
+        with coordinator.plan.whole() as (ran, marks):
+            begun = [model.begin(w.ids[b : b + 1], cache, w.past[b]) for b, cache in enumerate(caches)]
+            hs, ctxs = [h for h, _ in begun], [c for _, c in begun]
+            for layer in model.layers:
+                if layer.moe is None:
+                    hs = resident_rows(layer, hs, ctxs)
+                    continue
+                hs = coordinator.rows(layer, hs, ctxs, first=False)
+                if hs is None:
+                    raise RuntimeError(f"layer {layer.moe.layer}'s batched MoE step needs the host")
+            w.logits = torch.cat([model.head(h) for h in hs])
+            if self.routing is not None:
+                self.routing.advance(len(caches))
+        w.ran, w.marks = ran, marks
+        yield from ()
+
+
+def resident_rows(layer, hs: list, ctxs: list) -> list:
+    """A resident layer over several sequences' rows: at once where the layer can (`forward_rows`), else one by one."""
+    return layer.forward_rows(hs, ctxs) or [layer.forward(h, ctx) for h, ctx in zip(hs, ctxs)]
 
 
 def _state_key(cache) -> tuple:
