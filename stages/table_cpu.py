@@ -74,6 +74,8 @@ class CpuSteps:
             await rt.ids_arrived(arrived)
         routed = host[0, :K].long().tolist()
         w, xe = host[0, K : 2 * K].clone(), host[0, 2 * K :].clone()  # the buffer is the next token's
+        if self.knobs.cpu_balance and rt.cpu_s_per_block is None:
+            self._cpu_calibrate(block, xe)
         rt.stats.observe_routing(block.layer, tuple(routed))
         tier, landing, bb = self.tier, self._landing(), self.block_bytes
         slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]
@@ -110,8 +112,23 @@ class CpuSteps:
         y[rows] = (out.to(x_dtype).float() * w[:, None]).to(y.dtype)
         dt = (time.perf_counter() - t) / len(experts)
         rt.stats.cpu_blocks += len(experts)
-        if not first:  # the first call compiles the kernels: not a rate
+        if not first and len(experts) > 1:  # the first call compiles the kernels; one block's call is mostly its overhead
             rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
+
+    def _cpu_calibrate(self, block, xe: torch.Tensor, n: int = 4, runs: int = 3) -> None:
+        """The CPU's seconds a block before any step has timed it (`cpu_balance`): the best of a few calls over n of
+        the layer's blocks, after one that compiles the kernels. Without it a first slow call would leave the CPU no
+        blocks, and so no later timing to correct it."""
+        k = self.knobs
+        kernels = cpu_experts(self._cpu, self.rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
+        bufs = [self.blocks.entries[(block.layer, e)].buf for e in range(min(n, self.num_experts))]
+        kernels.run_many(bufs, xe)
+        best = float("inf")
+        for _ in range(runs):
+            t = time.perf_counter()
+            kernels.run_many(bufs, xe)
+            best = min(best, time.perf_counter() - t)
+        self.rt.cpu_s_per_block = best / len(bufs)
 
     def _cpu_count(self, outside: int) -> int:
         """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
