@@ -2,7 +2,8 @@
 aggregate and per-sequence tokens per second and routed expert bytes per generated token, under the routing
 setting given (a figure that depends on routing says which).
 
-Each batch size gets fresh sequences of random prompts, two untimed steps (the first runs layer by layer and compiles
+First one sequence decodes `--warm-tokens` untimed (the VRAM tier settles on the routing, as a conversation's first
+turns leave it). Each batch size gets fresh sequences of random prompts, two untimed steps (the first runs layer by layer and compiles
 kernels, the second captures the step whole where it can be), then `--decode-tokens` timed steps of greedy decode; batch size 1 runs the ordinary one-token step (`extend`), the baseline the others are compared with.
 """
 
@@ -24,6 +25,8 @@ def add_batch_parser(bsub) -> None:
     bb.add_argument("--batches", default="1,2,4,8", help="comma-separated batch sizes (default: %(default)s)")
     bb.add_argument("--prompt-length", type=int, default=32)
     bb.add_argument("--decode-tokens", type=int, default=16)
+    bb.add_argument("--warm-tokens", type=int, default=64, help="one sequence's tokens decoded first, untimed, so that every "
+                                                                "row meets a VRAM tier settled on the routing (default: %(default)s)")
     bb.add_argument("--json", type=Path, help="also write the rows as JSON")
     bb.add_argument("--profile", action="store_true", help="also profile steps of the largest batch: host functions and "
                                                            "GPU busy time, per generated token")
@@ -61,16 +64,16 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
     blocks = sum(io["blocks"].values())
     return {"batch": batch, "aggregate_tok_s": generated / seconds, "per_sequence_tok_s": tokens / seconds,
             "step_ms": 1000 * seconds / tokens, "expert_bytes_per_token": blocks * engine.store.block_bytes / generated,
-            "disk_blocks_per_token": io["blocks"]["disk"] / generated}
+            "disk_blocks_per_token": io["blocks"]["disk"] / generated, "vram_share": io["blocks"]["vram"] / max(blocks, 1)}
 
 
 def format_rows(rows: list[dict]) -> str:
     base = rows[0]["aggregate_tok_s"] if rows and rows[0]["batch"] == 1 else None
-    lines = ["batch | aggregate tok/s | per sequence tok/s | step ms | expert MB / token | disk blocks / token | x batch 1"]
+    lines = ["batch | aggregate tok/s | per sequence tok/s | step ms | expert MB / token | from VRAM | disk blocks / token | x batch 1"]
     for r in rows:
         ratio = f"{r['aggregate_tok_s'] / base:.2f}" if base else "-"
         lines.append(f"{r['batch']:5d} | {r['aggregate_tok_s']:15.1f} | {r['per_sequence_tok_s']:18.1f} | {r['step_ms']:7.2f} | "
-                     f"{r['expert_bytes_per_token'] / 1e6:17.2f} | {r['disk_blocks_per_token']:19.2f} | {ratio}")
+                     f"{r['expert_bytes_per_token'] / 1e6:17.2f} | {r.get('vram_share', 0):9.0%} | {r['disk_blocks_per_token']:19.2f} | {ratio}")
     return "\n".join(lines)
 
 
@@ -80,7 +83,11 @@ def cmd_bench_batch(args) -> int:
 
     sizes = counts("--batches", args.batches)
     with open_engine(args) as engine:
-        r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine)}
+        r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine), "warm_tokens": args.warm_tokens}
+        if args.warm_tokens > 0:
+            step = decoding(engine, 1, args.prompt_length, seed=-1)
+            for _ in range(args.warm_tokens):
+                step()
         r["rows"] = [bench_batch(engine, b, args.prompt_length, args.decode_tokens) for b in sizes]
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name}")
         print(routing_line(r))

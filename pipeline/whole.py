@@ -58,6 +58,7 @@ class WholeStep:
         self.pool = rt.streams.capture_pool(rt.pools) if graphs else None
         self._seen: OrderedDict[tuple, _Whole | None] = OrderedDict()  # state key -> its step (None: warmed up only)
         self.off: str | None = None  # why whole steps stopped (a failed capture)
+        self.rows_off: str | None = None  # why batched steps stopped replaying whole (one-token steps go on)
         self.captures = self.replays = 0
 
     @staticmethod
@@ -108,7 +109,7 @@ class WholeStep:
         """The logits [1, V] fp32 of each token appended to its sequence in one batched step (pipeline/batch.py), from
         the step's replay over these sequences' states; None where it runs layer by layer instead (their first batched
         step over these states, a MoE layer whose rows wait for the host, or whole steps off)."""
-        if self.off is not None or len(seqs) < 2:
+        if self.off is not None or self.rows_off is not None or len(seqs) < 2:
             return None
         caches = [s.cache for s in seqs]
         for s in seqs:
@@ -120,7 +121,7 @@ class WholeStep:
         w = self._seen[key]
         self._seen.move_to_end(key)
         if w is None:
-            w = self._capture(self._body_rows, caches, (len(seqs), 1), (len(seqs),))
+            w = self._capture(self._body_rows, caches, (len(seqs), 1), (len(seqs),), rows=True)
             if w is None:
                 return None
             self._keep(key, w)
@@ -151,9 +152,9 @@ class WholeStep:
         while len(self._seen) > self.KEEP:
             self._seen.popitem(last=False)
 
-    def _capture(self, make, state, ids: tuple, past: tuple) -> _Whole | None:
-        """The step make(w, state) captured in segments (shapes of its token ids and positions), or None (whole steps
-        off from now on, with a warning) where it cannot be."""
+    def _capture(self, make, state, ids: tuple, past: tuple, rows: bool = False) -> _Whole | None:
+        """The step make(w, state) captured in segments (shapes of its token ids and positions), or None where it
+        cannot be: whole steps off from now on (`rows`: batched ones only), with a warning."""
         dev = self.model.device
         w = _Whole(torch.zeros(ids, dtype=torch.int64, device=dev), torch.zeros(past, dtype=torch.int64, device=dev))
         if not self.graphs:
@@ -170,8 +171,13 @@ class WholeStep:
                 w.turns.append(turn)
         except Exception as e:
             body.close()  # its plan.whole() ends
-            self.off = str(e)[:200]
-            get_logger().warning("one-token steps run layer by layer: the whole step cannot be captured", error=self.off)
+            why = str(e)[:200]
+            if rows:
+                self.rows_off = why
+            else:
+                self.off = why
+            get_logger().warning(f"{'batched' if rows else 'one-token'} steps run layer by layer: the whole step cannot be "
+                                 "captured", error=why)
             return None
         self.captures += 1
         return w

@@ -249,9 +249,9 @@ def test_bench_batch_reports_each_batch_size(stores, tmp_path, capsys):
 
     out = tmp_path / "batch.json"
     assert main(["bench", "batch", "--model", str(stores["qwen3_moe"]), "--device", DEVICE, "--batches", "1,3",
-                 "--decode-tokens", "2", "--prompt-length", "4", "--json", str(out), "--profile"]) == 0
+                 "--decode-tokens", "2", "--prompt-length", "4", "--warm-tokens", "2", "--json", str(out), "--profile"]) == 0
     r = json.loads(out.read_text())
     assert r["routing"] == "natural" and [row["batch"] for row in r["rows"]] == [1, 3]
-    assert all(row["aggregate_tok_s"] > 0 and row["expert_bytes_per_token"] > 0 for row in r["rows"])
+    assert all(row["aggregate_tok_s"] > 0 and row["expert_bytes_per_token"] > 0 and 0 <= row["vram_share"] <= 1 for row in r["rows"])
     printed = capsys.readouterr().out
     assert "routing: natural" in printed and "profile of 3 sequences a step" in printed and "step_many" in printed

@@ -33,7 +33,7 @@ def test_cpu_share_gives_the_direct_logits(variant, stores, refs, tmp_path, monk
     assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, STEPS)
     assert_logits_close(variant, got, want, f"{variant} with the CPU's share")
     assert io["cpu_blocks"] > 0 and io["blocks"]["vram"] > 0 and io["blocks"]["ram"] > io["cpu_blocks"]
-    assert (whole is None) == (DEVICE == "cpu")  # on CUDA the step replays whole in segments (no graphs on a CPU)
+    assert whole is None or DEVICE != "cpu"  # no graphs on a CPU (on CUDA a static cache's step replays in segments)
 
     rows = CpuSteps._cpu_rows
     monkeypatch.setattr(CpuSteps, "_cpu_rows", lambda self, block, experts, xe, w, *a: rows(self, block, experts, xe, 2 * w, *a))
