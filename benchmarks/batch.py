@@ -67,10 +67,23 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
             "disk_blocks_per_token": io["blocks"]["disk"] / generated, "vram_share": io["blocks"]["vram"] / max(blocks, 1)}
 
 
+def _row(engine, batch: int, prompt_length: int, tokens: int) -> dict:
+    """bench_batch's row, or where the batch's states and steps do not fit the VRAM budget, a row saying so (the
+    smaller batches' rows stand)."""
+    try:
+        return bench_batch(engine, batch, prompt_length, tokens)
+    except torch.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        return {"batch": batch, "error": f"out of VRAM: {str(e).splitlines()[0][:120]}"}
+
+
 def format_rows(rows: list[dict]) -> str:
-    base = rows[0]["aggregate_tok_s"] if rows and rows[0]["batch"] == 1 else None
+    base = rows[0].get("aggregate_tok_s") if rows and rows[0]["batch"] == 1 else None
     lines = ["batch | aggregate tok/s | per sequence tok/s | step ms | expert MB / token | from VRAM | disk blocks / token | x batch 1"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['batch']:5d} | {r['error']}")
+            continue
         ratio = f"{r['aggregate_tok_s'] / base:.2f}" if base else "-"
         lines.append(f"{r['batch']:5d} | {r['aggregate_tok_s']:15.1f} | {r['per_sequence_tok_s']:18.1f} | {r['step_ms']:7.2f} | "
                      f"{r['expert_bytes_per_token'] / 1e6:17.2f} | {r.get('vram_share', 0):9.0%} | {r['disk_blocks_per_token']:19.2f} | {ratio}")
@@ -88,7 +101,7 @@ def cmd_bench_batch(args) -> int:
             step = decoding(engine, 1, args.prompt_length, seed=-1)
             for _ in range(args.warm_tokens):
                 step()
-        r["rows"] = [bench_batch(engine, b, args.prompt_length, args.decode_tokens) for b in sizes]
+        r["rows"] = [_row(engine, b, args.prompt_length, args.decode_tokens) for b in sizes]
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name}")
         print(routing_line(r))
         print(format_rows(r["rows"]))
