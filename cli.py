@@ -316,7 +316,7 @@ def cmd_serve(args) -> int:
     for d in args.image_dir:
         if not d.is_dir():
             raise SluiceError(f"--image-dir {d}: not a folder")
-    engine = options.open_engine(args)
+    engine = options.open_engine(args, max_batch=args.max_batch)
     warm = args.warm_up if args.warm_up is not None else 512 if engine.device.type == "cuda" else 0
     if warm > 0:
         log.info("warming up", prompt_tokens=warm)

@@ -106,7 +106,9 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed, help="seed of the sampler (default: a new one each run; greedy needs none)")
 
 
-def open_engine(args):
+def open_engine(args, max_batch: int = 1):
+    """The engine the command's flags ask for; max_batch: the sequences one step may hold (their states are planned
+    into a VRAM budget)."""
     import sluice
     from sluice.models.builtin import default_model_path
 
@@ -118,7 +120,7 @@ def open_engine(args):
         prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba, fused_ops=args.fused_ops,
         fused_linears=args.fused_linears,
         static_kv=getattr(args, "static_kv", None),
-        routing=getattr(args, "routing", "natural"),
+        routing=getattr(args, "routing", "natural"), max_batch=max_batch,
     )
 
 

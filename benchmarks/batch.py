@@ -95,7 +95,7 @@ def cmd_bench_batch(args) -> int:
     from sluice.options import counts, open_engine
 
     sizes = counts("--batches", args.batches)
-    with open_engine(args) as engine:
+    with open_engine(args, max_batch=max(sizes)) as engine:
         r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine), "warm_tokens": args.warm_tokens}
         if args.warm_tokens > 0:
             step = decoding(engine, 1, args.prompt_length, seed=-1)

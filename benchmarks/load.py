@@ -89,7 +89,7 @@ def cmd_bench_load(args) -> int:
     from sluice.options import counts, open_engine
 
     clients, batches = counts("--clients", args.clients), counts("--max-batch", args.max_batch)
-    with open_engine(args) as engine:
+    with open_engine(args, max_batch=max(batches)) as engine:
         r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine)}
         bench_load(engine, 1, 1, args.prompt_length, 4, None)  # warm: kernels compiled, graphs captured
         r["rows"] = [bench_load(engine, c, b, args.prompt_length, args.decode_tokens, args.step_tokens)

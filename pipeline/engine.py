@@ -25,7 +25,7 @@ from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import ResidentModel
 from sluice.pipeline.batch import check_batch, step_many
-from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index
+from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index, state_bytes
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
 from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.routing import RoutingControl, check_guess_extra, controlled_routing
@@ -108,7 +108,8 @@ class Engine:
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK
         if config.vram_budget is not None and device.type == "cuda":
-            vram_blocks, piece = budget_slots(config.vram_budget, store, device, scratch, config.mixer_chunk)
+            vram_blocks, piece = budget_slots(config.vram_budget, store, device, scratch, config.mixer_chunk,
+                                              config.max_batch * state_bytes(arch, hf_config, model.dtype, config.static_kv))
         else:
             if config.vram_budget is not None:
                 get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))

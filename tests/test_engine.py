@@ -299,6 +299,28 @@ def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
     assert plan_budget(8 * GiB, 4_300_000_000, 6144, block, none)[1] == 512
 
 
+def test_a_budget_keeps_room_for_the_states_of_a_batch():
+    """A Nemotron-3-Nano sequence holds 53 MiB of state as a step first holds it (47 of Mamba-2 states, 6 of attention
+    slots): 16 sequences fit the 2 GiB reserve at 8 GiB beside a 512-token prefill run, 32 do not (measured: out of
+    VRAM on an H100), so their states grow the reserve and the expert slots give way."""
+    import torch
+
+    from sluice.models import get_architecture
+    from sluice.pipeline.budget import VRAM_RESERVE, plan_budget, state_bytes
+    from sluice.storage.synth import _config
+
+    GiB, MiB, block = 1 << 30, 1 << 20, 5615616
+    _, nano = _config("nemotron-3-nano-30b-a3b", None)
+    arch = get_architecture("nemotron_h")
+    one = state_bytes(arch, nano, torch.bfloat16, 4096)
+    assert one == 53 * MiB + 80 * 1024 and state_bytes(arch, nano, torch.bfloat16, 256) < one
+    scratch = lambda n: arch.prefill_scratch_bytes(nano, n, broadcast=False)  # noqa: E731
+    alone = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch, states=one)
+    assert alone[2] == VRAM_RESERVE and plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch, states=16 * one) == alone
+    many = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch, states=32 * one)
+    assert many[2] == 2 * (48 * MiB) + 512 * MiB + 32 * one > VRAM_RESERVE and many[0] < alone[0] and many[1] == 512
+
+
 def test_attention_runs_without_cudnn_plans(stores, monkeypatch):
     """Every step runs SDPA with cuDNN off (it builds a plan per new key length: a new one every decode step),
     and the setting is the process's own again afterwards."""
