@@ -117,7 +117,7 @@ class TokenPlan:
         layer's whole host cost), or None where the host must act first (`layer`). `first`: the token's host work
         of its first MoE layer is due here (a whole step does it before its replay: `begin_token`)."""
         block, table = layer.moe, self.table
-        if table.backend != "triton" or not block.graph_safe or table.stream_ram or table.cpu_share:
+        if table.backend != "triton" or not block.graph_safe or table.stream_ram or table.cpu_now:
             return None
         with self.rt.tracer.span(table.name, layer=block.layer, stream=table.stream):
             return self.step(block, nxt, layer, (h,), first=first)
@@ -135,6 +135,11 @@ class TokenPlan:
         first MoE layer (the tier's turn is due)."""
         with self.rt.tracer.span(self.table.name, layer=block.layer, stream=self.table.stream):
             return self.step(block, nxt, None, (x, residual), first=first, rows=x.shape[0])
+
+    def variant(self) -> bool:
+        """Before a token replayed whole: which of its captured steps it runs (the table's choice, `cpu_choose`: in
+        segments with the CPU's share of the blocks, or whole without it)."""
+        return self.table.cpu_choose()
 
     def begin_token(self) -> None:
         """The host work due once a token before its first MoE layer (fetch: the VRAM tier's turn)."""

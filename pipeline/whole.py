@@ -89,7 +89,8 @@ class WholeStep:
             return None
         cache, past = seq.cache, len(seq.tokens)
         # the walk over its state costs as much host time as the rest of a replay: kept while only replays ran on it
-        key = seq.state_key = seq.state_key or _state_key(cache)
+        seq.state_key = seq.state_key or _state_key(cache)
+        key = (seq.state_key, self.coordinator.plan.variant())
         if key not in self._seen:
             self._keep(key, None)  # its first one-token step warms up eagerly
             return None

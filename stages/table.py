@@ -84,6 +84,8 @@ class Table(StreamedSteps, CpuSteps):
         if knobs.cpu_share and not knobs.hold:
             raise ScheduleError("stage 'compute': 'cpu_share' needs every block held in RAM (fetch's hold: true)")
         self.cpu_share = knobs.cpu_share if knobs.routed and backend == "triton" else 0.0  # stages/table_cpu.py
+        self.cpu_now = bool(self.cpu_share)  # cpu_share: this token's steps share blocks with the CPU (`cpu_choose`)
+        self._cpu_plain = 0  # ... tokens since the last that did
         self._cpu: dict = {}  # cpu_share: (kind, act) -> the CPU's expert kernels
         self._cpu_credit = 0.0  # cpu_share: the CPU's share of blocks carried across layers
         self._zero: tuple | None = None  # cpu_share: (a zero block on the device, its aligned start in it)
@@ -149,7 +151,7 @@ class Table(StreamedSteps, CpuSteps):
         if li.x.shape[0] != 1 or self.backend != "triton":
             return None
         if not self.stream_ram:
-            if self.cpu_share:
+            if self.cpu_now:
                 return await self._token_cpu(li, i)
             return self.step(block, li.next_block, None, (li.x, li.residual))
         if i == 0:
@@ -184,7 +186,7 @@ class Table(StreamedSteps, CpuSteps):
         """At a one-token step's first MoE layer: the tier's turn (storage/vram_tier.py VramTier.between_tokens)."""
         self.settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
         self.tier.between_tokens()
-        if self.cpu_share:
+        if self.cpu_now:
             self.cpu_token_begins()
 
     def _flush_counts(self) -> None:

@@ -19,6 +19,10 @@ in four), or with `cpu_balance` the count that finishes both soonest from the me
 block (its own timings, a moving average) and a block's bytes over the host-to-device rate. In segments, each layer's
 count for a token comes from the blocks its step had outside VRAM the token before.
 
+Which tokens (`cpu_choose`, balanced): a token replayed whole runs in segments only while the split saves more than
+the segments' turns cost, else the step captured without the CPU's share replays (one capture each per sequence
+state); under skewed routing a layer has a block or two outside VRAM, which the 23 turns outweigh.
+
 `CpuSteps` is a part of `Table` (a mixin): it uses the table's rt, knobs, stream, tier, blocks, base, graphs, its `split` (the plan's) and
 StreamedSteps' offsets and landing set.
 """
@@ -37,6 +41,8 @@ from sluice.stages.h2d import balance_cpu_blocks
 from sluice.stages.types import LayerInput
 
 ALIGN = 4096  # a block's alignment in its bank (the kernels' offsets assume it)
+TURN_S = 63e-6  # a segment's end at a MoE layer: the host's wait and the next replay (H100: BENCHMARKS.md, sixth set)
+PROBE = 32  # tokens run whole without the CPU's share before a segmented one refreshes the layers' counts
 
 
 @dataclass(frozen=True)
@@ -130,15 +136,41 @@ class CpuSteps:
             best = min(best, time.perf_counter() - t)
         self.rt.cpu_s_per_block = best / len(bufs)
 
+    def cpu_choose(self) -> bool:
+        """Before a token replayed whole: whether it runs in segments with the CPU's share (`cpu_now`) or whole without
+        it. With `cpu_balance`, in segments only while the blocks each layer had outside VRAM at its last segmented
+        step, split by the measured rates, save more than the segments' turns cost (skewed routing leaves a layer a
+        block or two: the turns outweigh them); the share is tried again every PROBE tokens, which refreshes those
+        counts. A fixed share, or rates or counts not yet measured: in segments."""
+        k, rt = self.knobs, self.rt
+        if not self.cpu_share or not k.cpu_balance or rt.cpu_s_per_block is None or rt.device.type != "cuda" \
+                or not self._cpu_outside:
+            self.cpu_now = bool(self.cpu_share)
+            return self.cpu_now
+        tg, tc = self._cpu_copy_s(), rt.cpu_s_per_block
+        saved = 0.0
+        for n in self._cpu_outside.values():
+            c = balance_cpu_blocks(n, tg, tc)
+            saved += n * tg - max(c * tc, (n - c) * tg)
+        pays = saved > TURN_S * len(self.layers)
+        self._cpu_plain = 0 if pays or self._cpu_plain >= PROBE else self._cpu_plain + 1
+        self.cpu_now = self._cpu_plain == 0
+        return self.cpu_now
+
+    def _cpu_copy_s(self) -> float:
+        """A block's seconds over PCIe at the measured host-to-device rate."""
+        rt = self.rt
+        if rt.h2d_bps is None:
+            from sluice.kernels.rates import h2d_bandwidth
+
+            rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
+        return self.block_bytes / rt.h2d_bps
+
     def _cpu_count(self, outside: int) -> int:
         """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
         k, rt = self.knobs, self.rt
         if k.cpu_balance and rt.cpu_s_per_block is not None and rt.device.type == "cuda":
-            if rt.h2d_bps is None:
-                from sluice.kernels.rates import h2d_bandwidth
-
-                rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
-            return balance_cpu_blocks(outside, self.block_bytes / rt.h2d_bps, rt.cpu_s_per_block)
+            return balance_cpu_blocks(outside, self._cpu_copy_s(), rt.cpu_s_per_block)
         self._cpu_credit += k.cpu_share * outside
         n = min(outside, int(self._cpu_credit + 1e-9))
         self._cpu_credit -= n

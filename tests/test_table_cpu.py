@@ -4,6 +4,7 @@ combine's fixed-order sum."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import sluice
 from sluice.errors import ScheduleError
@@ -76,3 +77,66 @@ def test_cpu_share_in_a_whole_step_of_segments(stores, refs, tmp_path, monkeypat
     assert replays > 0 and cpu > 0 and after > before and len(set(turns)) >= replays
     assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, STEPS)
     assert_logits_close(variant, got, want, "the CPU's share, whole step in segments")
+
+
+class _Rule:
+    """The table's choice of a token's step (`CpuSteps.cpu_choose`) on measured rates and counts alone."""
+
+    def __init__(self, outside: dict[int, int], cpu_s: float = 0.18e-3, copy_s: float = 0.10e-3):
+        from types import SimpleNamespace
+
+        from sluice.stages.table_cpu import CpuSteps
+
+        self.cpu = type("T", (CpuSteps,), {"_cpu_copy_s": lambda self: copy_s})()
+        self.cpu.__dict__.update(cpu_share=0.3, cpu_now=True, _cpu_plain=0, _cpu_outside=outside, layers=list(range(23)),
+                                 knobs=SimpleNamespace(cpu_balance=True),
+                                 rt=SimpleNamespace(cpu_s_per_block=cpu_s, device=torch.device("cuda")))
+
+    def tokens(self, n: int) -> list[bool]:
+        return [self.cpu.cpu_choose() for _ in range(n)]
+
+
+def test_the_cpus_share_runs_where_it_pays(monkeypatch):
+    """Balanced, a token runs in segments while the blocks its layers had outside VRAM, split by the rates, save more
+    than the segments' turns cost: ~5 a layer (uniform routing at 8 GiB) do, 1-2 (skewed) do not, and then the share is
+    tried again every PROBE tokens (which refreshes the counts); with no counts yet, or a fixed share, in segments.
+    The must-fail side: had the rule ignored the turns' cost, skewed counts would keep the segments on."""
+    from sluice.stages import table_cpu
+    from sluice.stages.table_cpu import PROBE
+
+    assert all(_Rule({i: 5 for i in range(23)}).tokens(40))
+    skewed = _Rule({i: 1 + i % 2 for i in range(23)}).tokens(PROBE + 2)
+    assert skewed[:PROBE] == [False] * PROBE and skewed[PROBE] and not skewed[PROBE + 1]
+    assert all(_Rule({}).tokens(3))
+    fixed = _Rule({i: 1 for i in range(23)})
+    fixed.cpu.knobs.cpu_balance = False
+    assert all(fixed.tokens(3))
+    monkeypatch.setattr(table_cpu, "TURN_S", 0.0)
+    assert all(_Rule({i: 1 + i % 2 for i in range(23)}).tokens(4))
+
+
+def test_a_token_run_whole_without_the_cpus_share_between_segmented_ones(stores, refs, tmp_path, monkeypatch):
+    """Tokens whose table chose no CPU share replay the step captured without it, beside the segmented one (one
+    capture each, both keyed by the sequence's state): greedy tokens the reference's, logits direct's within the
+    golden tolerance, the CPU's blocks counted only in segmented tokens."""
+    from sluice.stages.table_cpu import CpuSteps
+    from test_whole import _open
+
+    variant, steps = "nemotron_h_latent", 6
+    plain = direct_schedule(tmp_path, "plain", backend="triton", refresh=2)
+    hybrid = direct_schedule(tmp_path, "hybrid", backend="triton", refresh=2, cpu_share=0.5, cpu_compile=False)
+    with _open(stores[variant], plain, True, vram_slots=4) as engine:
+        want = greedy_logits(engine, PROMPT, steps)
+    chosen = []
+
+    def alternate(self):
+        self.cpu_now = len(chosen) % 3 != 2  # every third token whole without the CPU's share
+        chosen.append(self.cpu_now)
+        return self.cpu_now
+    monkeypatch.setattr(CpuSteps, "cpu_choose", alternate)
+    with _open(stores[variant], hybrid, True, vram_slots=4) as engine:
+        got = greedy_logits(engine, PROMPT, steps)
+        keys = {key[1] for key in engine.whole._seen}
+    assert False in chosen and True in chosen and keys == {True, False}
+    assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, steps)
+    assert_logits_close(variant, got, want, "the CPU's share in some tokens, whole without it in others")
