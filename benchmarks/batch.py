@@ -3,8 +3,9 @@ aggregate and per-sequence tokens per second and routed expert bytes per generat
 setting given (a figure that depends on routing says which).
 
 First one sequence decodes `--warm-tokens` untimed (the VRAM tier settles on the routing, as a conversation's first
-turns leave it). Each batch size gets fresh sequences of random prompts, two untimed steps (the first runs layer by layer and compiles
-kernels, the second captures the step whole where it can be), then `--decode-tokens` timed steps of greedy decode; batch size 1 runs the ordinary one-token step (`extend`), the baseline the others are compared with.
+turns leave it). Each batch size gets fresh sequences of random prompts, two untimed steps (the first runs layer by
+layer and compiles kernels, the second captures the step whole where it can be), then `--decode-tokens` timed steps
+of greedy decode; batch size 1 runs the ordinary one-token step (`extend`), the baseline the others are compared with.
 """
 
 from __future__ import annotations

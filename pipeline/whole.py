@@ -56,7 +56,9 @@ class WholeStep:
         self.model, self.coordinator, self.rt, self.routing = model, coordinator, rt, routing
         self.graphs = graphs  # False: no capture, the body runs eagerly (the same composition, checked on a CPU)
         self.pool = rt.streams.capture_pool(rt.pools) if graphs else None
-        self._seen: OrderedDict[tuple, _Whole | None] = OrderedDict()  # state key -> its step (None: warmed up only)
+        # (a sequence's state key, the plan's variant) or ("rows", every sequence's state key) -> its step (None: warmed
+        # up only)
+        self._seen: OrderedDict[tuple, _Whole | None] = OrderedDict()
         self.off: str | None = None  # why whole steps stopped (a failed capture)
         self.rows_off: str | None = None  # why batched steps stopped replaying whole (one-token steps go on)
         self.captures = self.replays = 0
