@@ -10,6 +10,7 @@ of greedy decode; batch size 1 runs the ordinary one-token step (`extend`), the 
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ def decoding(engine, batch: int, prompt_length: int, seed: int = 0):
     def step():
         rows = [engine.extend(seqs[0], last)] if batch == 1 else engine.extend_many(seqs, last)
         last[:] = [int(row[-1].argmax()) for row in rows]
+    step.seqs = seqs  # to be released after the row (their states hold VRAM)
     step()
     step()
     return step
@@ -61,6 +63,7 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
         step()
     seconds = time.perf_counter() - t
     io = engine.rt.stats.since(before)
+    release(engine, step)
     generated = batch * tokens
     blocks = sum(io["blocks"].values())
     return {"batch": batch, "aggregate_tok_s": generated / seconds, "per_sequence_tok_s": tokens / seconds,
@@ -68,14 +71,22 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
             "disk_blocks_per_token": io["blocks"]["disk"] / generated, "vram_share": io["blocks"]["vram"] / max(blocks, 1)}
 
 
+def release(engine, step) -> None:
+    """The sequences of a `decoding` step given back to the engine."""
+    for s in step.seqs:
+        engine.release(s)
+
+
 def _row(engine, batch: int, prompt_length: int, tokens: int) -> dict:
     """bench_batch's row, or where the batch's states and steps do not fit the VRAM budget, a row saying so (the
-    smaller batches' rows stand)."""
+    other rows stand)."""
     try:
         return bench_batch(engine, batch, prompt_length, tokens)
     except torch.OutOfMemoryError as e:
-        torch.cuda.empty_cache()
-        return {"batch": batch, "error": f"out of VRAM: {str(e).splitlines()[0][:120]}"}
+        error = f"out of VRAM: {str(e).splitlines()[0][:120]}"
+    gc.collect()  # the failed step's tensors, held by the exception until now
+    torch.cuda.empty_cache()
+    return {"batch": batch, "error": error}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -102,13 +113,15 @@ def cmd_bench_batch(args) -> int:
             step = decoding(engine, 1, args.prompt_length, seed=-1)
             for _ in range(args.warm_tokens):
                 step()
+            release(engine, step)
         r["rows"] = [_row(engine, b, args.prompt_length, args.decode_tokens) for b in sizes]
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name}")
         print(routing_line(r))
         print(format_rows(r["rows"]))
-        if args.profile:
-            print(f"profile of {max(sizes)} sequences a step, per generated token:")
-            print(profile_steps(engine, decoding(engine, max(sizes), args.prompt_length, seed=1), max(sizes), 4))
+        ran = [row["batch"] for row in r["rows"] if "error" not in row]
+        if args.profile and ran:
+            print(f"profile of {max(ran)} sequences a step, per generated token:")
+            print(profile_steps(engine, decoding(engine, max(ran), args.prompt_length, seed=1), max(ran), 4))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     return 0

@@ -23,6 +23,8 @@ import torch
 
 from sluice.log import get_logger
 
+OUT_OF_VRAM = "out of VRAM"  # a step kept under its key in place of its capture: it runs layer by layer
+
 
 @dataclass
 class _Whole:
@@ -50,7 +52,8 @@ def default_static_kv(config, model, device) -> int | None:
 
 
 class WholeStep:
-    KEEP = 4  # sequence states whose step is kept (a server's turns between requests switch among a few)
+    KEEP = 8  # steps kept: a server's turns switch among a few sequence states (two steps each with the CPU's share) and
+    # batched steps' compositions
 
     def __init__(self, model, coordinator, rt, routing, graphs: bool = True):
         self.model, self.coordinator, self.rt, self.routing = model, coordinator, rt, routing
@@ -92,17 +95,9 @@ class WholeStep:
         cache, past = seq.cache, len(seq.tokens)
         # the walk over its state costs as much host time as the rest of a replay: kept while only replays ran on it
         seq.state_key = seq.state_key or _state_key(cache)
-        key = (seq.state_key, self.coordinator.plan.variant())
-        if key not in self._seen:
-            self._keep(key, None)  # its first one-token step warms up eagerly
-            return None
-        w = self._seen[key]
-        self._seen.move_to_end(key)
+        w = self._step_for((seq.state_key, self.coordinator.plan.variant()), lambda: self._capture(self._body, cache, (1, 1), ()))
         if w is None:
-            w = self._capture(self._body, cache, (1, 1), ())
-            if w is None:
-                return None
-            self._keep(key, w)
+            return None
         w.ids.fill_(token)
         w.past.fill_(past)
         self._replay(w, self._body, cache)
@@ -117,21 +112,29 @@ class WholeStep:
         caches = [s.cache for s in seqs]
         for s in seqs:
             s.state_key = s.state_key or _state_key(s.cache)
-        key = ("rows", *(s.state_key for s in seqs))
+        w = self._step_for(("rows", *(s.state_key for s in seqs)),
+                           lambda: self._capture(self._body_rows, caches, (len(seqs), 1), (len(seqs),), rows=True))
+        if w is None:
+            return None
+        w.ids.copy_(torch.tensor(tokens).view(-1, 1))
+        w.past.copy_(torch.tensor([len(s.tokens) for s in seqs]))
+        self._replay(w, self._body_rows, caches)
+        return list(w.logits.clone().split(1))
+
+    def _step_for(self, key: tuple, capture) -> _Whole | None:
+        """The step kept under `key`: None at its first sight (that step warms up eagerly), captured at its second
+        (`capture`); None for good where its capture ran out of VRAM (other keys still capture)."""
         if key not in self._seen:
             self._keep(key, None)
             return None
         w = self._seen[key]
         self._seen.move_to_end(key)
         if w is None:
-            w = self._capture(self._body_rows, caches, (len(seqs), 1), (len(seqs),), rows=True)
+            w = capture()
             if w is None:
                 return None
             self._keep(key, w)
-        w.ids.copy_(torch.tensor(tokens).view(-1, 1))
-        w.past.copy_(torch.tensor([len(s.tokens) for s in seqs]))
-        self._replay(w, self._body_rows, caches)
-        return list(w.logits.clone().split(1))
+        return w if isinstance(w, _Whole) else None
 
     def _replay(self, w: _Whole, body, state) -> None:
         """The step's host work before it (`begin_token`), its segments replayed with the host's turns between them (or,
@@ -155,9 +158,10 @@ class WholeStep:
         while len(self._seen) > self.KEEP:
             self._seen.popitem(last=False)
 
-    def _capture(self, make, state, ids: tuple, past: tuple, rows: bool = False) -> _Whole | None:
-        """The step make(w, state) captured in segments (shapes of its token ids and positions), or None where it
-        cannot be: whole steps off from now on (`rows`: batched ones only), with a warning."""
+    def _capture(self, make, state, ids: tuple, past: tuple, rows: bool = False) -> _Whole | str | None:
+        """The step make(w, state) captured in segments (shapes of its token ids and positions); OUT_OF_VRAM where it
+        does not fit now; None where it cannot be: whole steps off from now on (`rows`: batched ones only), with a
+        warning."""
         dev = self.model.device
         w = _Whole(torch.zeros(ids, dtype=torch.int64, device=dev), torch.zeros(past, dtype=torch.int64, device=dev))
         if not self.graphs:
@@ -172,6 +176,10 @@ class WholeStep:
                 if turn is None:
                     break
                 w.turns.append(turn)
+        except torch.OutOfMemoryError as e:  # this step's states and pool do not fit now: it runs layer by layer
+            body.close()
+            get_logger().warning("a step runs layer by layer: out of VRAM while capturing it", error=str(e)[:120])
+            return OUT_OF_VRAM
         except Exception as e:
             body.close()  # its plan.whole() ends
             why = str(e)[:200]
@@ -179,6 +187,8 @@ class WholeStep:
                 self.rows_off = why
             else:
                 self.off = why
+                table = self.coordinator.plan.table  # layer by layer from now on: the CPU's share as its knobs say
+                table.cpu_now = bool(table.cpu_share)
             get_logger().warning(f"{'batched' if rows else 'one-token'} steps run layer by layer: the whole step cannot be "
                                  "captured", error=why)
             return None

@@ -86,6 +86,7 @@ class CpuSteps:
         tier, landing, bb = self.tier, self._landing(), self.block_bytes
         slots = [tier.slot_of.get((i, e)) if (i, e) not in landing else None for e in routed]
         in_ram = [k for k, slot in enumerate(slots) if slot is None]
+        self._cpu_outside[i] = len(in_ram)  # for the choice of the next tokens' steps (`cpu_choose`)
         cpu = in_ram[len(in_ram) - self._cpu_count(len(in_ram)) :]  # the lowest-ranked
         zero, ram = self._zero_offset(), self.blocks.off[i]
         offs_host, offs = self._offsets(i, K)

@@ -58,3 +58,27 @@ def test_rows_mixed_inside_the_whole_step_are_caught(stores, tmp_path, monkeypat
     monkeypatch.setattr(whole_mod, "resident_rows", mixed)
     got = _run(stores["nemotron_h"], schedule, True)[0]
     assert calls and not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_step_out_of_vram_while_capturing_runs_layer_by_layer(stores, tmp_path, monkeypatch):
+    """A batched step whose capture runs out of VRAM runs layer by layer (the same logits) and no other step does:
+    whole steps stay on, and a one-token step over the same states still replays."""
+    schedule = direct_schedule(tmp_path, backend="triton", batch_rows="device")
+    want = _run(stores["nemotron_h"], schedule, False)[0]
+    capture = WholeStep._capture
+
+    def short(self, make, state, ids, past, rows=False):
+        return whole_mod.OUT_OF_VRAM if rows else capture(self, make, state, ids, past, rows)
+    monkeypatch.setattr(WholeStep, "_capture", short)
+    with sluice.load(stores["nemotron_h"], device=DEVICE, schedule=schedule, static_kv=max(map(len, PROMPTS)) + STEPS + 8,
+                     whole_step=True, vram_slots=10) as engine:
+        if DEVICE == "cpu":
+            engine.whole = WholeStep(engine.model, engine.coordinator, engine.rt, engine.routing, graphs=False)
+        got = together(engine, PROMPTS)
+        assert engine.whole.replays == 0 and engine.whole.off is None and engine.whole.rows_off is None
+        seq = engine.new_sequence()
+        engine.extend(seq, PROMPTS[0])
+        for t in (3, 4, 5):
+            engine.extend(seq, [t])
+        assert engine.whole.replays == 2  # the first one-token step warms up, the next two replay
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
