@@ -90,11 +90,9 @@ class EngineWorker:
 
     def _run(self) -> None:
         jobs: deque[Job] = deque()
-        served = False
         while not self._stop.is_set():
-            if not jobs and served:  # going idle: what the requests freed goes back to the system (bounds the RSS)
+            if not jobs:  # going idle: what the requests freed goes back to the system (bounds the RSS)
                 trim()
-                served = False
             try:
                 while True:  # take everything that arrived; block only when idle
                     job = self._inbox.get(block=not jobs)
@@ -103,7 +101,7 @@ class EngineWorker:
                     jobs.append(job)
             except queue.Empty:
                 pass
-            self.active, served = len(jobs), True
+            self.active = len(jobs)
             self.metrics.queued.set(len(jobs) - 1)
             job = jobs.popleft()
             if job.cancelled.is_set():
