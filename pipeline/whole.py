@@ -152,7 +152,7 @@ class WholeStep:
         self.replays += 1
         plan.replayed(w.ran, w.marks)
 
-    def _keep(self, key: tuple, w: _Whole | None) -> None:
+    def _keep(self, key: tuple, w: _Whole | str | None) -> None:
         self._seen[key] = w
         self._seen.move_to_end(key)
         while len(self._seen) > self.KEEP:
@@ -237,7 +237,7 @@ class WholeStep:
             if self.routing is not None:
                 self.routing.advance(len(caches))
         w.ran, w.marks = ran, marks
-        yield from ()
+        yield from ()  # a generator as `_body` is, with no host turn: one segment
 
 
 def resident_rows(layer, hs: list, ctxs: list) -> list:
