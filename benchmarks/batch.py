@@ -56,6 +56,9 @@ def decoding(engine, batch: int, prompt_length: int, seed: int = 0):
 
 def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int = 0) -> dict:
     """One batch size: decode `tokens` steps of `batch` sequences; the rates and the expert bytes per token."""
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
     step = decoding(engine, batch, prompt_length, seed)
     before = engine.rt.stats.snapshot()
     t = time.perf_counter()
@@ -64,11 +67,27 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
     seconds = time.perf_counter() - t
     io = engine.rt.stats.since(before)
     release(engine, step)
-    generated = batch * tokens
+    generated, block = batch * tokens, engine.store.block_bytes
     blocks = sum(io["blocks"].values())
-    return {"batch": batch, "aggregate_tok_s": generated / seconds, "per_sequence_tok_s": tokens / seconds,
-            "step_ms": 1000 * seconds / tokens, "expert_bytes_per_token": blocks * engine.store.block_bytes / generated,
-            "disk_blocks_per_token": io["blocks"]["disk"] / generated, "vram_share": io["blocks"]["vram"] / max(blocks, 1)}
+    # blocks that crossed PCIe: those read outside VRAM less the CPU's share, and the hot set's refreshes
+    moved = (io["blocks"]["ram"] + io["blocks"]["disk"] - io["cpu_blocks"] + io["vram_fills"] + io["vram_prefetches"]) * block
+    row = {"batch": batch, "aggregate_tok_s": generated / seconds, "per_sequence_tok_s": tokens / seconds,
+           "step_ms": 1000 * seconds / tokens, "expert_bytes_per_token": blocks * block / generated,
+           "pcie_bytes_per_token": moved / generated,
+           "disk_blocks_per_token": io["blocks"]["disk"] / generated, "vram_share": io["blocks"]["vram"] / max(blocks, 1)}
+    if cuda:  # the step's PCIe floor, and the most VRAM the row's allocator held (the budget's reserve must cover it)
+        row["roofline_step_ms"] = 1000 * moved / tokens / h2d_rate(engine)
+        row["vram_peak_bytes"] = torch.cuda.max_memory_reserved(engine.device)
+    return row
+
+
+def h2d_rate(engine) -> float:
+    """Pinned host-to-device bytes a second, measured once an engine."""
+    if not hasattr(engine, "_bench_h2d"):
+        from sluice.kernels.rates import h2d_bandwidth
+
+        engine._bench_h2d = h2d_bandwidth(engine.device)
+    return engine._bench_h2d
 
 
 def release(engine, step) -> None:
@@ -91,14 +110,18 @@ def _row(engine, batch: int, prompt_length: int, tokens: int) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     base = rows[0].get("aggregate_tok_s") if rows and rows[0]["batch"] == 1 else None
-    lines = ["batch | aggregate tok/s | per sequence tok/s | step ms | expert MB / token | from VRAM | disk blocks / token | x batch 1"]
+    lines = ["batch | aggregate tok/s | per sequence tok/s | step ms | PCIe floor ms | expert MB / token | PCIe MB / token | "
+             "from VRAM | disk blocks / token | VRAM peak GiB | x batch 1"]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['batch']:5d} | {r['error']}")
             continue
         ratio = f"{r['aggregate_tok_s'] / base:.2f}" if base else "-"
+        floor = f"{r['roofline_step_ms']:13.2f}" if "roofline_step_ms" in r else f"{'-':>13}"
+        peak = f"{r['vram_peak_bytes'] / 2**30:13.2f}" if "vram_peak_bytes" in r else f"{'-':>13}"
         lines.append(f"{r['batch']:5d} | {r['aggregate_tok_s']:15.1f} | {r['per_sequence_tok_s']:18.1f} | {r['step_ms']:7.2f} | "
-                     f"{r['expert_bytes_per_token'] / 1e6:17.2f} | {r.get('vram_share', 0):9.0%} | {r['disk_blocks_per_token']:19.2f} | {ratio}")
+                     f"{floor} | {r['expert_bytes_per_token'] / 1e6:17.2f} | {r['pcie_bytes_per_token'] / 1e6:15.2f} | "
+                     f"{r.get('vram_share', 0):9.0%} | {r['disk_blocks_per_token']:19.2f} | {peak} | {ratio}")
     return "\n".join(lines)
 
 

@@ -123,6 +123,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         # the guesses copied ahead that no step read: PCIe bytes, but ones a perfect guess would not move
         d["unread_guesses_ms_per_token"] = 1000 * max(0, io["vram_prefetches"] - io["vram_prefetch_hits"]) / n * block / bw
         d["vram_peak_bytes"] = torch.cuda.max_memory_allocated(engine.device)
+        d["vram_held_peak_bytes"] = torch.cuda.max_memory_reserved(engine.device)  # what the budget's cap counts
     reads = (io["blocks"]["disk"] + io["prefetch_reads"]) / n  # every block read from disk, for demand or on a guess
     d["disk_reads_per_token"] = reads
     if reads:
@@ -180,7 +181,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
                 f"of expert bytes)") if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
     lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"
-                 + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB" if "vram_peak_bytes" in d else ""))
+                 + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB (the allocator held {d['vram_held_peak_bytes'] / 2**30:.2f})"
+                    if "vram_peak_bytes" in d else ""))
     if "disk_roofline_ms_per_token" in d:
         lines.append(f"  disk reads {d['disk_reads_per_token']:.2f} blocks/token (demand and prefetch); a read on the drive "
                      f"{d['disk_busy_ms_per_token']:.2f} ms/token, {d['disk_busy_share']:.0%} of the decode time")
