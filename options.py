@@ -57,7 +57,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-cache", help="host RAM for expert blocks, e.g. 8GiB (default: a quarter of free RAM)")
     p.add_argument("--vram-slots", type=int, help="expert slots on the GPU (default: 4 x top-k)")
     p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
-                                         "gets what the resident part and a reserve leave")
+                                         "gets what the resident part, the CUDA context and a reserve leave")
+    p.add_argument("--vram-reserve", help="with --vram-budget: GPU memory kept free of expert slots, e.g. 1GiB (default: "
+                                          "from the need: a prompt chunk's activations, --max-batch sequences' states, workspaces)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")
     p.add_argument("--whole-step", action=argparse.BooleanOptionalAction, default=None,
                    help="replay a one-token step whole, embed to logits, as one CUDA graph where nothing in it needs the "
@@ -72,8 +74,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
-    p.add_argument("--schedule", default="overlap", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
-                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:fetch.depth=2 (default: %(default)s)")
+    p.add_argument("--schedule", default="auto", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
+                   "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:fetch.depth=2 (default: %(default)s: "
+                   "direct where every expert block fits in 75%% of the free RAM or in --ram-cache, else direct-stream)")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM "
                         "(default: %(default)s: resident when it fits twice over in the VRAM left)")
@@ -115,6 +118,7 @@ def open_engine(args, max_batch: int = 1):
     model = args.model or default_model_path()
     return sluice.load(
         model, device=args.device, ram_cache=args.ram_cache, vram_slots=args.vram_slots, vram_budget=args.vram_budget,
+        vram_reserve=args.vram_reserve,
         resident_graphs=not args.eager, whole_step=args.whole_step, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
         prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba, fused_ops=args.fused_ops,

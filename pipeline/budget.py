@@ -1,6 +1,6 @@
-"""A VRAM budget (`--vram-budget`): what it leaves for expert slots after the resident part and a reserve for
-activations, the KV cache and a Mamba-2 prefill run's scratch, so that a run on a large GPU behaves as on a card of
-that size."""
+"""A VRAM budget (`--vram-budget`): what it leaves for expert slots after the resident part, the CUDA context and a
+reserve sized from the need (a prompt chunk's activations, a Mamba-2 prefill run's scratch, the states of a step's
+sequences, the workspaces), so that a run on a large GPU behaves as on a card of that size."""
 
 from __future__ import annotations
 
@@ -11,58 +11,77 @@ from sluice.log import get_logger
 from sluice.pipeline.config import format_bytes
 from sluice.storage.store import ExpertStore
 
-VRAM_RESERVE = 2 << 30  # at least this much of a VRAM budget stays free for activations and the KV cache
-SCRATCH_MARGIN = 512 << 20  # beside twice a prefill chunk's largest temporary (the allocator's fragmentation)
+RESERVE_SHARE = 8  # at least 1/8 of a VRAM budget stays free of expert slots (architectures whose prompts' temporaries
+# the estimate below misses: an attention that materialises its scores)
+WORKSPACE = 256 << 20  # beside the estimates: cuBLAS's and Triton's workspaces, CUDA graphs' pools, the allocator's slack
 MAX_MIXER_CHUNK = 512  # the default (and the automatic piece's largest) run of a Mamba-2 prefill
 
 
-def reserve_bytes(budget: int, scratch: int, states: int = 0) -> int:
-    """What a VRAM budget keeps free of expert slots: 2 GiB, a quarter of the budget, or twice the largest
-    temporary of a prefill chunk, a margin and the states of the sequences one step holds, whichever is most (a
-    reserve of exactly one chunk's temporaries fails once the allocator has fragmented it; 32 Nemotron-3-Nano
-    sequences, 53 MiB of state each, ran out of VRAM in a 2 GiB reserve where 16 ran)."""
-    return max(VRAM_RESERVE, budget // 4, 2 * scratch + SCRATCH_MARGIN + states)
+def prompt_bytes(hf_config, top_k: int, tokens: int) -> int:
+    """A generous estimate of what one layer holds for a `tokens`-token prompt chunk beyond its scratch: the
+    residual stream's fp32 rows and a MoE layer's routed rows (input, up, activation and output in 16 bits). Measured
+    on Nemotron-3-Nano at 8 GiB (BENCHMARKS.md, 2026-12-06): a 2048-token chunk held 0.55 GiB above the resident part
+    and the slots, state and staging included, where this gives 0.33 GiB alone."""
+    c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    h = c.hidden_size
+    i = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    return tokens * (16 * h + 2 * top_k * (2 * h + 3 * i))
+
+
+def reserve_bytes(budget: int, scratch: int, states: int = 0, prompt: int = 0, staging: int = 0) -> int:
+    """What a VRAM budget keeps free of expert slots, from the need: twice a Mamba-2 run's largest temporary (one
+    chunk's exactly fails once the allocator has fragmented it), a prompt chunk's activations, the states of the
+    sequences one step holds (53 MiB a Nemotron-3-Nano sequence), a prompt's staging bank and the workspaces; at least
+    1/8 of the budget."""
+    return max(budget // RESERVE_SHARE, 2 * scratch + prompt + states + staging + WORKSPACE)
 
 
 def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scratch, chunk: int | None = None,
-                states: int = 0) -> tuple[int, int, int]:
+                states: int = 0, prompt: int = 0, staging: int = 0) -> tuple[int, int, int]:
     """(expert slots, Mamba-2 prefill run in tokens, reserve in bytes) for a VRAM budget with `used` bytes already
-    resident; scratch(tokens) is the largest temporary of a mixer's run of that many tokens. An automatic run
-    (chunk None) is the largest power of two <= 512 whose scratch fits what the slots leave: the base reserve
-    (2 GiB or a quarter), or more where every block fits with room to spare. A Nemotron-3-Nano layer's
-    PyTorch Mamba-2 prefill needs 0.5 GiB per 128 tokens: 128 tokens for the full model at 8 GiB. A run asked
-    for grows the reserve, and the slots give way; so do `states` (bytes of the sequences one step holds)."""
+    resident (or otherwise out of reach); scratch(tokens) is the largest temporary of a mixer's run of that many
+    tokens. An automatic run (chunk None) is the largest power of two <= 512 whose scratch (twice over) fits an eighth
+    of the budget, or what the slots leave where every block fits: transformers' broadcast Mamba-2 prefill (0.5 GiB per
+    128 tokens of a Nemotron-3-Nano layer) runs 128 tokens at 8 GiB, its einsum scan 512. A run asked for grows the
+    reserve, and the slots give way; so do `states` (bytes of the sequences one step holds)."""
     fit = lambda reserve: min(total_blocks, (budget - used - reserve) // block_bytes)  # noqa: E731
     if chunk is None:
-        spare = budget - used - max(fit(max(VRAM_RESERVE, budget // 4)), 0) * block_bytes
+        base = reserve_bytes(budget, 0, states, prompt, staging)
+        room = max(budget // RESERVE_SHARE, budget - used - base - max(fit(base), 0) * block_bytes)
         chunk = MAX_MIXER_CHUNK
-        while chunk > 16 and 2 * scratch(chunk) + SCRATCH_MARGIN > spare:
+        while chunk > 16 and 2 * scratch(chunk) > room:
             chunk //= 2
-    reserve = reserve_bytes(budget, scratch(chunk), states)
+    reserve = reserve_bytes(budget, scratch(chunk), states, prompt, staging)
     return int(fit(reserve)), chunk, reserve
 
 
 def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=lambda tokens: 0,
-                 chunk: int | None = None, states: int = 0) -> tuple[int, int]:
-    """(expert slots, Mamba-2 prefill run) a VRAM budget leaves after the resident part (already on the device) and
-    a reserve for activations, KV and a Mamba-2 prefill run's scratch (`plan_budget`); caps the process at the
-    budget so the run behaves as on a card of that size. (transformers' PyTorch Mamba-2 prefill alone
-    needs ~1.5 GiB for a 32-token prompt of a Nemotron-3-Nano layer: a 1 GiB reserve ran out.)"""
+                 chunk: int | None = None, states: int = 0, prompt: int = 0, staging: int = 0,
+                 reserve: int | None = None) -> tuple[int, int]:
+    """(expert slots, Mamba-2 prefill run) a VRAM budget leaves after the resident part (already on the device), the
+    device memory outside the allocator (this process's CUDA context and modules: on a card of that size they count)
+    and a reserve for activations, states and scratch (`plan_budget`; `reserve` given: that instead); caps the
+    allocator at what the budget leaves it, so the run behaves as on a card of that size."""
+    index = cuda_index(device)
+    free, total = torch.cuda.mem_get_info(index)
+    outside = max(0, total - free - torch.cuda.memory_reserved(index))
     used = torch.cuda.memory_allocated(device)
-    slots, chunk, reserve = plan_budget(budget, used, store.total_blocks, store.block_bytes, scratch, chunk, states)
+    slots, chunk, planned = plan_budget(budget - outside, used, store.total_blocks, store.block_bytes, scratch, chunk,
+                                        states, prompt, staging)
+    if reserve is not None:
+        slots = min(store.total_blocks, (budget - outside - used - reserve) // store.block_bytes)
+    reserve = planned if reserve is None else reserve
     need = store.manifest.top_k
     if slots < need:
-        raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)} and {format_bytes(reserve)} "
-                          f"stays free for activations, a {chunk}-token Mamba-2 prefill run and {format_bytes(states)} of sequence "
-                          f"states (--max-batch), leaving room for {max(slots, 0)} expert "
-                          f"slots; a MoE layer needs {need}")
-    index = cuda_index(device)
-    total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
-    get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), reserve=format_bytes(reserve),
-                      states=format_bytes(states),
+        raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)}, the CUDA context "
+                          f"{format_bytes(outside)}, and {format_bytes(reserve)} stays free for activations, a {chunk}-token "
+                          f"Mamba-2 prefill run and {format_bytes(states)} of sequence states (--max-batch), leaving room for "
+                          f"{max(slots, 0)} expert slots; a MoE layer needs {need}")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(budget - outside, 0) / total), index)
+    get_logger().info("VRAM budget", budget=format_bytes(budget), resident=format_bytes(used), outside=format_bytes(outside),
+                      reserve=format_bytes(reserve), states=format_bytes(states),
                       expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes), mixer_chunk=chunk)
-    return slots, chunk
+    return int(slots), chunk
 
 
 def cuda_index(device: torch.device) -> int:

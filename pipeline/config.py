@@ -51,8 +51,10 @@ class EngineConfig:
     ram_cache: int | None = None  # bytes of host RAM for expert blocks; None = a quarter of free RAM, at most all blocks
     vram_slots: int | None = None  # expert slots on the GPU; None = 4 x top-k, or what vram_budget leaves
     vram_budget: int | None = None  # bytes of GPU memory the engine may use (emulates a smaller card)
+    vram_reserve: int | None = None  # bytes of the VRAM budget kept free of expert slots; None: from the need (budget.py)
     max_batch: int = 1  # sequences one step may hold (serve --max-batch): the budget keeps room for their states
-    schedule: str = "overlap"  # schedule name (schedules/NAME.yaml) or path
+    schedule: str = "auto"  # schedule name (schedules/NAME.yaml) or path; auto: direct where every block fits in RAM,
+    # else direct-stream (pipeline/schedule.py `auto_schedule`)
     readers: int | None = None  # reader threads; None = the schedule's (fetch's or direct's `readers`)
     verify_checksums: bool = True
     direct_io: bool = True
@@ -92,7 +94,9 @@ class EngineConfig:
         from sluice.storage.routing import parse_routing
 
         parse_routing(self.routing)  # a bad setting is named before anything is opened
-        for name in ("ram_cache", "vram_slots", "vram_budget", "readers", "prefill_chunk", "mixer_chunk", "static_kv", "max_batch"):
+        if self.vram_reserve is not None and self.vram_budget is None:
+            raise ConfigError("vram_reserve: it sizes a VRAM budget's reserve; give vram_budget (--vram-budget) too")
+        for name in ("ram_cache", "vram_slots", "vram_budget", "vram_reserve", "readers", "prefill_chunk", "mixer_chunk", "static_kv", "max_batch"):
             v, least = getattr(self, name), 0 if name == "static_kv" else 1
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
                 raise ConfigError(f"{name}: must be a {'positive integer' if least else 'count of tokens (0: off)'}, got {v!r}")

@@ -25,14 +25,15 @@ from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import ResidentModel
 from sluice.pipeline.batch import check_batch, step_many
-from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index, state_bytes
+from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index, prompt_bytes, state_bytes
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
 from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.routing import RoutingControl, check_guess_extra, controlled_routing
 from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.sequence import Sequence
-from sluice.pipeline.schedule import load_schedule
+from sluice.pipeline.schedule import auto_schedule, load_schedule
+from sluice.stages.h2d_table import H2DTableKnobs
 from sluice.pipeline.snapshot import Snapshot, take
 from sluice.pipeline.states import StatePool
 from sluice.pipeline.whole import WholeStep, default_static_kv
@@ -69,7 +70,7 @@ class Engine:
     def open(cls, path: str | Path, progress: bool = True, **settings) -> "Engine":
         """Open a store, or a checkpoint (repacked once into SLUICE_HOME/stores). Settings: EngineConfig fields;
         sizes may be strings ('8GiB')."""
-        for size in ("ram_cache", "vram_budget"):
+        for size in ("ram_cache", "vram_budget", "vram_reserve"):
             if size in settings:
                 settings[size] = parse_size(settings[size], size)
         config = EngineConfig(**{k: v for k, v in settings.items() if v is not None})
@@ -89,11 +90,15 @@ class Engine:
         if config.fused_linears if config.fused_linears is not None else device.type == "cuda":
             model.fuse_linears()
         routing = controlled_routing(config.routing, model, device)
-        schedule = load_schedule(config.schedule)
-        needs = schedule.needs
-        readers = config.readers or needs.readers
         # every block held in RAM (by default as much RAM as that takes), or one slot where routed experts are skipped
         whole = store.total_blocks * store.block_bytes
+        chosen, why = auto_schedule(config.schedule, whole, store.manifest.num_experts * store.block_bytes, config.ram_cache,
+                                    available_ram(), recording=config.record_routing is not None)
+        schedule = load_schedule(chosen)
+        if why:
+            get_logger().info("schedule auto", schedule=schedule.name, why=why)
+        needs = schedule.needs
+        readers = config.readers or needs.readers
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
             whole if needs.ram == "all" else store.block_bytes if needs.ram == "one" else available_ram() // 4
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
@@ -108,8 +113,11 @@ class Engine:
         scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK
         if config.vram_budget is not None and device.type == "cuda":
-            vram_blocks, piece = budget_slots(config.vram_budget, store, device, scratch, config.mixer_chunk,
-                                              config.max_batch * state_bytes(arch, hf_config, model.dtype, config.static_kv))
+            states = config.max_batch * state_bytes(arch, hf_config, model.dtype, config.static_kv)
+            prompt = prompt_bytes(hf_config, store.manifest.top_k, config.prefill_chunk or MAX_PREFILL_CHUNK)
+            staging = 2 * H2DTableKnobs().prompt_group * store.block_bytes  # a prompt's staging bank, double-buffered
+            vram_blocks, piece = budget_slots(config.vram_budget, store, device, scratch, config.mixer_chunk, states, prompt,
+                                              staging, config.vram_reserve)
         else:
             if config.vram_budget is not None:
                 get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))

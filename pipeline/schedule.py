@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from sluice.errors import ScheduleError
+from sluice.pipeline.config import format_bytes
 from sluice.pipeline.streams import STREAM_NAMES
 from sluice.stages import REQUIRED, SHARED, STAGES, VARIANTS
 from sluice.stages.base import Needs
@@ -66,6 +67,32 @@ class Schedule:
         for spec in self.stages:
             fields.update(spec.cls.needs(spec.knobs))
         return Needs(**fields)
+
+
+AUTO = "auto"
+RAM_SHARE = 0.75  # `auto` holds every block in RAM (direct) only where the store takes at most this share of free RAM
+
+
+def auto_schedule(ref: str | Path, store_bytes: int, layer_bytes: int, ram_cache: int | None, available: int,
+                  recording: bool = False) -> tuple[str, str | None]:
+    """(the schedule to load, why it was chosen, or None where `ref` named one). `auto` (the default): `direct`, the fast
+    path, where every expert block fits in RAM (in --ram-cache if given, else in RAM_SHARE of the RAM free now) and no
+    routing trace is recorded (its routed ids stay on the GPU), else `direct-stream`, which reads from disk what its RAM
+    cache lacks, else (a RAM cache smaller than one MoE layer's experts) `overlap`; knob edits after `auto:` apply to
+    the one chosen."""
+    name, sep, edits = str(ref).partition(":")
+    if name != AUTO:
+        return str(ref), None
+    room = ram_cache if ram_cache is not None else int(RAM_SHARE * available)
+    where = "--ram-cache" if ram_cache is not None else f"{RAM_SHARE:.0%} of the free RAM"
+    if store_bytes <= room and not recording:
+        return "direct" + sep + edits, f"the store's expert blocks ({format_bytes(store_bytes)}) fit in {where} ({format_bytes(room)})"
+    why = "--record-routing" if recording else \
+        f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in {where} ({format_bytes(room)})"
+    cache = ram_cache if ram_cache is not None else available // 4  # the engine's default RAM cache
+    if cache >= layer_bytes:
+        return "direct-stream" + sep + edits, why
+    return "overlap" + sep + edits, f"{why}, and the RAM cache ({format_bytes(cache)}) holds less than a MoE layer's experts"
 
 
 def load_schedule(ref: str | Path) -> Schedule:

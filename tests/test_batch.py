@@ -214,7 +214,7 @@ def test_a_batch_reads_each_routed_block_once(stores):
 
 def test_batched_decode_steps_guess_the_next_layers(stores):
     """The predict stage guesses for a batch of decode tokens (their guesses' union) as for one; not for prompts."""
-    with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE, schedule="overlap") as engine:
         seqs = [engine.new_sequence() for _ in PROMPTS]
         for s, p in zip(seqs, PROMPTS):
             engine.extend(s, p)

@@ -121,7 +121,7 @@ def test_help_shows_the_defaults(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "--device DEVICE auto | cpu | cuda | cuda:N (default: auto" in text and "(default: overlap)" in text
+    assert "--device DEVICE auto | cpu | cuda | cuda:N (default: auto" in text and "(default: auto: direct where" in text
     if command == "serve":
         assert "(default: 127.0.0.1" in text and "(default: 8000)" in text and "LRU (default: 2GiB)" in text
         return

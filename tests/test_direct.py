@@ -10,7 +10,7 @@ import torch
 import sluice
 from sluice.pipeline.schedule import SCHEDULES_DIR
 from common import DEVICE, MUST_DIFFER, PROMPT, VARIANTS, assert_logits_close, greedy_logits
-from test_golden import check_golden, ram_sizes, triton_schedule
+from test_golden import check_golden, least_blocks, ram_sizes, triton_schedule
 
 
 def direct_schedule(tmp_path, name: str = "direct-edited", base: str = "direct", **knobs) -> str:
@@ -532,3 +532,29 @@ def test_a_tier_with_a_slot_for_every_block_holds_them_all(stores, tmp_path):
         got = greedy_logits(engine, PROMPT, 8)
         assert engine.rt.stats.blocks["ram"] == 0 and engine.rt.stats.blocks["vram"] > 0
     assert torch.equal(got, want)
+
+
+def test_auto_holds_every_block_where_ram_allows_else_streams(stores, monkeypatch):
+    from sluice.pipeline import engine
+    from sluice.pipeline import schedule
+    from sluice.pipeline.schedule import auto_schedule
+
+    store = stores["qwen3_moe"]
+    G, L = 1 << 30, 1 << 20  # the store's blocks, a layer's experts
+    assert auto_schedule("auto", 3 * G, L, None, 4 * G)[0] == "direct"
+    assert auto_schedule("auto:fetch.refresh=8", 4 * G, L, None, 4 * G)[0] == "direct-stream:fetch.refresh=8"  # 75% of 4
+    assert auto_schedule("auto", 3 * G, L, 2 * G, 64 * G)[0] == "direct-stream"  # --ram-cache decides where given
+    assert auto_schedule("auto", 1 * G, L, None, 64 * G, recording=True)[0] == "direct-stream"  # it records routing
+    assert auto_schedule("auto", 3 * G, L, L - 1, 64 * G)[0] == "overlap"  # a RAM cache below one layer's experts
+    assert auto_schedule("overlap", 1, 1, None, 1 << 40) == ("overlap", None)  # a schedule named is run as named
+    with sluice.load(store, device=DEVICE) as e:  # the default
+        assert e.coordinator.schedule.name == "direct"
+        tokens = e.generate(PROMPT, 4)
+    small = ram_sizes(store, least_blocks(store, "direct-stream"))[1]  # a RAM cache too small for every block
+    with sluice.load(store, device=DEVICE, ram_cache=small) as e:
+        assert e.coordinator.schedule.name == "direct-stream" and e.generate(PROMPT, 4) == tokens
+    whole = ram_sizes(store)[2]
+    monkeypatch.setattr(engine, "available_ram", lambda: 2 * whole)  # free RAM whose share the store's blocks pass
+    monkeypatch.setattr(schedule, "RAM_SHARE", 0.4)
+    with sluice.load(store, device=DEVICE) as e:
+        assert e.coordinator.schedule.name == "direct-stream"
