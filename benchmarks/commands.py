@@ -79,6 +79,9 @@ def add_bench_parser(sub) -> None:
     bk.add_argument("--mixed", metavar="R", type=int, nargs="*",
                     help="time a direct decode step's ReLU^2 expert kernels with R of the experts read from host memory "
                          "(e.g. --mixed 0 1 2 4), with and without the host alignment hint, against the PCIe floor")
+    bk.add_argument("--rows", metavar="T", type=int, nargs="*",
+                    help="time a batched step's grouped expert kernels over T decode rows (e.g. --rows 2 8 16), every block "
+                         "read from host memory, per tile configuration (compute's rows_tile), against the PCIe floor")
     bk.add_argument("--launch-timing", action="store_true",
                     help="time single launches (do_bench) instead of calls captured in a CUDA graph, as decode runs them")
     bk.set_defaults(func=cmd_bench_kernels)
@@ -248,8 +251,8 @@ def cmd_bench_kernels(args) -> int:
 
     import torch
 
-    from sluice.kernels import bench as kbench
-    from sluice.benchmarks.kernels import FORMATS, SHAPES, bench, format_table, sweep
+    from sluice.benchmarks import kernels as kbench
+    from sluice.benchmarks.kernels import FORMATS, SHAPES, bench, bench_rows, format_table, sweep
 
     if not torch.cuda.is_available():
         raise SluiceError("bench kernels needs a CUDA GPU")
@@ -258,6 +261,11 @@ def cmd_bench_kernels(args) -> int:
         for line in sweep(tuple(args.shape or SHAPES), tuple(args.format or FORMATS), only=tuple(args.only or ()),
                           prefill_rows=args.prefill_rows, prefill_experts=args.prefill_experts):
             print(line, flush=True)
+        return 0
+    if args.rows is not None:
+        ceil, lines = bench_rows((args.shape or ["nano"])[0], (args.format or ["nvfp4"])[0], tuple(args.rows or (2, 8, 16)))
+        print(f"{torch.cuda.get_device_name()} | pinned H2D {ceil['h2d']:.1f} GB/s | timing: {kbench.TIMING}")
+        print("\n".join(lines))
         return 0
     if args.mixed is not None:
         ceil, lines = kbench.bench_mixed(tuple(args.shape or ("super", "nano")), (args.format or ["nvfp4"])[0], tuple(args.mixed or (0, 1, 2, 4)))

@@ -66,7 +66,7 @@ class TritonExperts:
         self._grouped(bank, offs, down_bank, down_offs, items, bm, flat_rows, K, xe, wts, y)
 
     def run_rows(self, bank, offs: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, xe: torch.Tensor, w: torch.Tensor,
-                 y: torch.Tensor) -> None:
+                 y: torch.Tensor, tile: tuple[int, int, int] = (0, 0, 0)) -> None:
         """T rows' experts in one pass with no host wait: ids [T, K] and w [T, K] on the device, counts [E] the rows
         of each expert, offs [E] every expert's block offset from bank (a layer's device table row), so each block is
         read once, where it lies, for all the rows that chose it. The (row, k) pairs are grouped by expert on the
@@ -80,22 +80,24 @@ class TritonExperts:
         size = (counts[:, None] + first[:, :1] - first).clamp(0, 16)
         expert = torch.arange(E, device=dev)[:, None].expand_as(first)
         items = torch.stack((expert, first, size), dim=-1).reshape(-1, 3).to(torch.int32)
-        self._grouped(bank, offs, bank, offs, items, 16, rows, K, xe, w.reshape(-1)[rows], y)
+        self._grouped(bank, offs, bank, offs, items, 16, rows, K, xe, w.reshape(-1)[rows], y, tile)
 
     def _grouped(self, bank, offs, down_bank, down_offs, items: torch.Tensor, bm: int, flat_rows: torch.Tensor, K: int,
-                 xe: torch.Tensor, wts: torch.Tensor, y: torch.Tensor) -> None:
+                 xe: torch.Tensor, wts: torch.Tensor, y: torch.Tensor, tile: tuple[int, int, int] = (0, 0, 0)) -> None:
         """The grouped GEMMs (kernels/prefill.py) up and down over `items` (expert, first row, rows) of the rows
         flat_rows [R] grouped by expert; wts [R] their weights in that order."""
         L, x_dtype, R = self.layouts, xe.dtype, flat_rows.numel()
         h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
         xrows = flat_rows // K
+        bn, bk, nw = tile
         if self.kind == "relu2":
-            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "relu2", x_dtype, h, act=self.act, bm=bm)
+            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "relu2", x_dtype, h, act=self.act, bm=bm, bn=bn, bk=bk, num_warps=nw)
         else:
             grouped_gemm(bank, offs, xe, xrows, items, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act,
-                         act_args=self.act_args, bm=bm)
+                         act_args=self.act_args, bm=bm, bn=bn, bk=bk, num_warps=nw)
         hrows = torch.arange(R, device=xe.device)
-        grouped_gemm(down_bank, down_offs, h, hrows, items, L["down"], "weighted", x_dtype, y, orows=flat_rows, wts=wts, bm=bm)
+        grouped_gemm(down_bank, down_offs, h, hrows, items, L["down"], "weighted", x_dtype, y, orows=flat_rows, wts=wts, bm=bm,
+                     bn=bn, bk=bk, num_warps=nw)
 
     def run_token(self, bank, offs: list[int], down_bank, down_offs: list[int], positions: list[int], x: torch.Tensor,
                   w: torch.Tensor, y: torch.Tensor, zero_skip: bool) -> None:

@@ -12,6 +12,7 @@ of a one-token step's blocks outside VRAM (stages/table_cpu.py): the GPU's rows 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class ComputeTableKnobs:
 
     batch_rows: str = "device"  # a batched step's decode rows (pipeline/batch.py): device (one pass a layer over the
     # union of their experts, grouped on the GPU: no host wait) | host (routed on the host, as a prompt's rows)
+    rows_tile: str = "auto"  # a batched step's grouped GEMMs' tiles over its decode rows: BNxBKxWARPS (e.g. 64x128x4) |
+    # auto (the format's prompt tiles: FP4 128x128x8); `sluice bench kernels --rows` times them from pinned RAM
     cpu_share: float = 0.0  # fraction of a one-token step's blocks outside VRAM that the CPU computes from their RAM
     # slots while the GPU reads the rest (the ids come to the host: one wait a MoE layer; stages/table_cpu.py)
     cpu_balance: bool = False  # the CPU's count follows the measured CPU and PCIe rates (cpu_share until measured)
@@ -47,6 +50,8 @@ class ComputeTableKnobs:
         check_fp4_matvec("compute", self.fp4_matvec)
         if self.batch_rows not in ("device", "host"):
             raise ScheduleError(f"stage 'compute': 'batch_rows' must be device or host, got {self.batch_rows!r}")
+        if self.rows_tile != "auto" and not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", self.rows_tile):
+            raise ScheduleError(f"stage 'compute': 'rows_tile' must be auto or BNxBKxWARPS (e.g. 64x128x4), got {self.rows_tile!r}")
         if not 0.0 <= self.cpu_share <= 1.0:
             raise ScheduleError(f"stage 'compute': 'cpu_share' must be between 0 and 1, got {self.cpu_share!r}")
 
@@ -71,11 +76,13 @@ class ComputeTable(Stage):
         kern, base, zero_skip = table.kernel(block), table.base, self.knobs.zero_skip
         host = True if self.knobs.host_hint and table.tier.vram is not None else None  # blocks outside VRAM: pinned RAM
         if t.rows > 1:
+            tile = (0, 0, 0) if self.knobs.rows_tile == "auto" else tuple(int(n) for n in self.knobs.rows_tile.split("x"))
+
             def rows(v):
                 with part("compute"):  # y in the order the host path's combine sums it: each row's K in rank order
                     T, K = v["ids"].shape
                     y = torch.empty(T * K, v["xe"].shape[1], dtype=block.combine_dtype, device=v["xe"].device)
-                    kern.run_rows(base, v["offs"], v["ids"], v["per_expert"], v["xe"], v["weights"], y)
+                    kern.run_rows(base, v["offs"], v["ids"], v["per_expert"], v["xe"], v["weights"], y, tile)
                     v["routed"] = ordered_sum(y.view(T, K, -1), v["x"].dtype)
             return rows
 

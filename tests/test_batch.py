@@ -182,8 +182,25 @@ def test_batch_rows_grouped_on_the_device_equal_the_host_routed_rows(variant, ro
     assert sum(read.values()) == sum(host_read.values()) and read["vram"] > 0
     rows = TritonExperts.run_rows
     monkeypatch.setattr(TritonExperts, "run_rows",
-                        lambda self, bank, offs, ids, counts, xe, w, y: rows(self, bank, offs, ids, counts, xe, w.flip(0), y))
+                        lambda self, bank, offs, ids, counts, xe, w, y, tile: rows(self, bank, offs, ids, counts, xe, w.flip(0), y, tile))
     assert not all(torch.equal(a, b) for a, b in zip(run("device")[0], host))
+
+
+def test_rows_tile_changes_only_the_order_of_sums(stores, tmp_path):
+    """compute's `rows_tile` (the grouped GEMMs' tiles over a batched step's decode rows) gives the same logits within
+    the golden tolerance (its K tiles add in another order); a malformed one is named."""
+    from sluice.errors import ScheduleError
+    from test_direct import direct_schedule
+
+    def run(tile):
+        schedule = direct_schedule(tmp_path, f"tile-{tile}", backend="triton", rows_tile=tile)
+        with sluice.load(stores["nemotron_h"], device=DEVICE, schedule=schedule, vram_slots=8) as engine:
+            return together(engine, PROMPTS)
+
+    for a, b in zip(run("auto"), run("32x64x4")):
+        assert_logits_close("nemotron_h", a, b, "rows_tile 32x64x4")
+    with pytest.raises(ScheduleError, match="'rows_tile' must be auto or BNxBKxWARPS"):
+        sluice.load(stores["nemotron_h"], device=DEVICE, schedule=direct_schedule(tmp_path, "bad", rows_tile="64x128"))
 
 
 def test_rows_that_trade_places_are_caught(stores):
