@@ -91,8 +91,8 @@ class EngineWorker:
     def _run(self) -> None:
         jobs: deque[Job] = deque()
         while not self._stop.is_set():
-            if not jobs:  # going idle: what the requests freed goes back to the system (bounds the RSS)
-                trim()
+            if not jobs and self._inbox.empty():  # going idle: what the requests freed goes back to the system (bounds
+                trim()  # the RSS), never while a request waits for its first token
             try:
                 while True:  # take everything that arrived; block only when idle
                     job = self._inbox.get(block=not jobs)

@@ -67,3 +67,17 @@ def test_bench_load_reports_each_setting(stores, tmp_path, capsys):
     assert "routing: natural" in capsys.readouterr().out
     assert main(["bench", "load", "--model", str(stores["nemotron_h_latent"]), "--device", DEVICE, "--clients", "0,x"]) != 0
     assert "--clients '0,x': comma-separated counts >= 1" in capsys.readouterr().err
+
+
+def test_the_worker_trims_only_when_no_request_waits(stores, monkeypatch):
+    """Going idle, the worker gives freed memory back (api/memory.py `trim`), but not while requests wait in its inbox:
+    requests that arrive together get their first step without that pause first (it trimmed first before)."""
+    from sluice.api import worker as W
+
+    log = []
+    monkeypatch.setattr(W, "trim", lambda: log.append("trim"))
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
+        real = engine.extend
+        monkeypatch.setattr(engine, "extend", lambda *a, **k: (log.append("step"), real(*a, **k))[1])
+        serve(engine, max_batch=1, tokens=2)
+    assert log[0] == "step" and log.count("step") > len(PROMPTS)
