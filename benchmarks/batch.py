@@ -75,9 +75,9 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
            "step_ms": 1000 * seconds / tokens, "expert_bytes_per_token": blocks * block / generated,
            "pcie_bytes_per_token": moved / generated,
            "disk_blocks_per_token": io["blocks"]["disk"] / generated, "vram_share": io["blocks"]["vram"] / max(blocks, 1)}
-    if cuda:  # the step's PCIe floor, and the most VRAM the row's allocator held (the budget's reserve must cover it)
-        row["roofline_step_ms"] = 1000 * moved / tokens / h2d_rate(engine)
+    if cuda:  # the most VRAM the row's allocator held (read before the PCIe rate's buffer), and the step's PCIe floor
         row["vram_peak_bytes"] = torch.cuda.max_memory_reserved(engine.device)
+        row["roofline_step_ms"] = 1000 * moved / tokens / h2d_rate(engine)
     return row
 
 

@@ -97,6 +97,9 @@ def cmd_bench_model(args) -> int:
     if args.compare:
         return _bench_compare(args, lengths)
     with open_engine(args) as engine:
+        if args.cold and engine.coordinator.schedule.needs.ram == "all":
+            raise SluiceError(f"--cold: schedule {engine.coordinator.schedule.name!r} holds every expert block in RAM, so no "
+                              f"block would come from disk; name a streaming one (--schedule direct-stream or overlap)")
         r = bench_model(engine, lengths, args.decode_tokens, warm=not args.cold)
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name} | "
               f"RAM {engine.rt.ram.capacity} blocks | block {engine.store.block_bytes:,} bytes")

@@ -115,6 +115,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     d["vram_slots"] = engine.rt.vram.capacity if engine.rt.vram is not None else 0
     d["ram_slots"] = engine.rt.ram.capacity
     if engine.device.type == "cuda":
+        d["vram_peak_bytes"] = torch.cuda.max_memory_allocated(engine.device)  # before the PCIe rate's test buffer
+        d["vram_held_peak_bytes"] = torch.cuda.max_memory_reserved(engine.device)  # what the budget's cap counts
         bw = h2d_bandwidth(engine.device)
         # blocks that crossed PCIe: demand copies (not the hybrid path's CPU blocks) and guesses copied ahead
         moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n + (io["vram_prefetches"] + io["vram_fills"]) / n) * block
@@ -122,8 +124,6 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         d["roofline_ms_per_token"] = 1000 * moved / bw
         # the guesses copied ahead that no step read: PCIe bytes, but ones a perfect guess would not move
         d["unread_guesses_ms_per_token"] = 1000 * max(0, io["vram_prefetches"] - io["vram_prefetch_hits"]) / n * block / bw
-        d["vram_peak_bytes"] = torch.cuda.max_memory_allocated(engine.device)
-        d["vram_held_peak_bytes"] = torch.cuda.max_memory_reserved(engine.device)  # what the budget's cap counts
     reads = (io["blocks"]["disk"] + io["prefetch_reads"]) / n  # every block read from disk, for demand or on a guess
     d["disk_reads_per_token"] = reads
     if reads:

@@ -4,6 +4,8 @@ sequences, the workspaces), so that a run on a large GPU behaves as on a card of
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from sluice.errors import ConfigError
@@ -37,21 +39,25 @@ def reserve_bytes(budget: int, scratch: int, states: int = 0, prompt: int = 0, s
 
 
 def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scratch, chunk: int | None = None,
-                states: int = 0, prompt: int = 0, staging: int = 0) -> tuple[int, int, int]:
+                states: int = 0, prompt: int = 0, staging: int = 0, reserve: int | None = None) -> tuple[int, int, int]:
     """(expert slots, Mamba-2 prefill run in tokens, reserve in bytes) for a VRAM budget with `used` bytes already
     resident (or otherwise out of reach); scratch(tokens) is the largest temporary of a mixer's run of that many
     tokens. An automatic run (chunk None) is the largest power of two <= 512 whose scratch (twice over) fits an eighth
     of the budget, or what the slots leave where every block fits: transformers' broadcast Mamba-2 prefill (0.5 GiB per
     128 tokens of a Nemotron-3-Nano layer) runs 128 tokens at 8 GiB, its einsum scan 512. A run asked for grows the
-    reserve, and the slots give way; so do `states` (bytes of the sequences one step holds)."""
+    reserve, and the slots give way; so do `states` (bytes of the sequences one step holds). A `reserve` given
+    (--vram-reserve) is kept as it is: an automatic run's scratch must fit what the rest of the need leaves of it."""
     fit = lambda reserve: min(total_blocks, (budget - used - reserve) // block_bytes)  # noqa: E731
     if chunk is None:
         base = reserve_bytes(budget, 0, states, prompt, staging)
         room = max(budget // RESERVE_SHARE, budget - used - base - max(fit(base), 0) * block_bytes)
+        if reserve is not None:
+            room = reserve - (prompt + states + staging + WORKSPACE)
         chunk = MAX_MIXER_CHUNK
         while chunk > 16 and 2 * scratch(chunk) > room:
             chunk //= 2
-    reserve = reserve_bytes(budget, scratch(chunk), states, prompt, staging)
+    if reserve is None:
+        reserve = reserve_bytes(budget, scratch(chunk), states, prompt, staging)
     return int(fit(reserve)), chunk, reserve
 
 
@@ -63,18 +69,15 @@ def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=
     and a reserve for activations, states and scratch (`plan_budget`; `reserve` given: that instead); caps the
     allocator at what the budget leaves it, so the run behaves as on a card of that size."""
     index = cuda_index(device)
-    free, total = torch.cuda.mem_get_info(index)
-    outside = max(0, total - free - torch.cuda.memory_reserved(index))
+    outside = outside_allocator(index)
     used = torch.cuda.memory_allocated(device)
-    slots, chunk, planned = plan_budget(budget - outside, used, store.total_blocks, store.block_bytes, scratch, chunk,
-                                        states, prompt, staging)
-    if reserve is not None:
-        slots = min(store.total_blocks, (budget - outside - used - reserve) // store.block_bytes)
-    reserve = planned if reserve is None else reserve
+    slots, chunk, reserve = plan_budget(budget - outside, used, store.total_blocks, store.block_bytes, scratch, chunk,
+                                        states, prompt, staging, reserve)
+    total = torch.cuda.get_device_properties(index).total_memory
     need = store.manifest.top_k
     if slots < need:
         raise ConfigError(f"vram_budget {format_bytes(budget)}: the resident part takes {format_bytes(used)}, the CUDA context "
-                          f"{format_bytes(outside)}, and {format_bytes(reserve)} stays free for activations, a {chunk}-token "
+                          f"and what else lies outside the allocator {format_bytes(outside)}, and {format_bytes(reserve)} stays free for activations, a {chunk}-token "
                           f"Mamba-2 prefill run and {format_bytes(states)} of sequence states (--max-batch), leaving room for "
                           f"{max(slots, 0)} expert slots; a MoE layer needs {need}")
     torch.cuda.set_per_process_memory_fraction(min(1.0, max(budget - outside, 0) / total), index)
@@ -82,6 +85,28 @@ def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=
                       reserve=format_bytes(reserve), states=format_bytes(states),
                       expert_slots=int(slots), slot_bytes=format_bytes(slots * store.block_bytes), mixer_chunk=chunk)
     return int(slots), chunk
+
+
+def outside_allocator(index: int) -> int:
+    """Device memory this process holds outside PyTorch's allocator (its CUDA context, modules, cuBLAS handles): from
+    NVML's count for this process where NVML is there, else all that is in use but the allocator's (other processes'
+    memory too, then)."""
+    reserved = torch.cuda.memory_reserved(index)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
+        finally:
+            pynvml.nvmlShutdown()
+        if mine and mine[0]:
+            return max(0, mine[0] - reserved)
+    except Exception:  # no NVML (or it cannot tell processes apart here): what the driver says is in use
+        pass
+    free, total = torch.cuda.mem_get_info(index)
+    return max(0, total - free - reserved)
 
 
 def cuda_index(device: torch.device) -> int:

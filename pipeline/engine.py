@@ -33,7 +33,6 @@ from sluice.pipeline.runtime import Runtime
 from sluice.pipeline.sampling import Sampler
 from sluice.pipeline.sequence import Sequence
 from sluice.pipeline.schedule import auto_schedule, load_schedule
-from sluice.stages.h2d_table import H2DTableKnobs
 from sluice.pipeline.snapshot import Snapshot, take
 from sluice.pipeline.states import StatePool
 from sluice.pipeline.whole import WholeStep, default_static_kv
@@ -94,9 +93,9 @@ class Engine:
         whole = store.total_blocks * store.block_bytes
         chosen, why = auto_schedule(config.schedule, whole, store.manifest.num_experts * store.block_bytes, config.ram_cache,
                                     available_ram(), recording=config.record_routing is not None)
+        if why:  # said before the file is read, so an error in auto's edits names the schedule it chose
+            get_logger().info("schedule auto", schedule=chosen, why=why)
         schedule = load_schedule(chosen)
-        if why:
-            get_logger().info("schedule auto", schedule=schedule.name, why=why)
         needs = schedule.needs
         readers = config.readers or needs.readers
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
@@ -115,7 +114,9 @@ class Engine:
         if config.vram_budget is not None and device.type == "cuda":
             states = config.max_batch * state_bytes(arch, hf_config, model.dtype, config.static_kv)
             prompt = prompt_bytes(hf_config, store.manifest.top_k, config.prefill_chunk or MAX_PREFILL_CHUNK)
-            staging = 2 * H2DTableKnobs().prompt_group * store.block_bytes  # a prompt's staging bank, double-buffered
+            h2d = schedule.stage("h2d")
+            group = getattr(h2d.knobs, "prompt_group", 0) if h2d is not None else 0
+            staging = 2 * group * store.block_bytes  # a prompt's staging bank (h2d's prompt_group), double-buffered
             vram_blocks, piece = budget_slots(config.vram_budget, store, device, scratch, config.mixer_chunk, states, prompt,
                                               staging, config.vram_reserve)
         else:

@@ -85,10 +85,12 @@ def auto_schedule(ref: str | Path, store_bytes: int, layer_bytes: int, ram_cache
         return str(ref), None
     room = ram_cache if ram_cache is not None else int(RAM_SHARE * available)
     where = "--ram-cache" if ram_cache is not None else f"{RAM_SHARE:.0%} of the free RAM"
-    if store_bytes <= room and not recording:
+    if store_bytes <= min(room, available) and not recording:
         return "direct" + sep + edits, f"the store's expert blocks ({format_bytes(store_bytes)}) fit in {where} ({format_bytes(room)})"
     why = "--record-routing" if recording else \
-        f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in {where} ({format_bytes(room)})"
+        f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in {where} ({format_bytes(room)})" \
+        if store_bytes > room else f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in the free RAM " \
+        f"({format_bytes(available)})"
     cache = ram_cache if ram_cache is not None else available // 4  # the engine's default RAM cache
     if cache >= layer_bytes:
         return "direct-stream" + sep + edits, why

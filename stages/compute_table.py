@@ -50,10 +50,19 @@ class ComputeTableKnobs:
         check_fp4_matvec("compute", self.fp4_matvec)
         if self.batch_rows not in ("device", "host"):
             raise ScheduleError(f"stage 'compute': 'batch_rows' must be device or host, got {self.batch_rows!r}")
-        if self.rows_tile != "auto" and not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", self.rows_tile):
-            raise ScheduleError(f"stage 'compute': 'rows_tile' must be auto or BNxBKxWARPS (e.g. 64x128x4), got {self.rows_tile!r}")
+        if self.rows_tile != "auto" and not _tile_ok(self.rows_tile):
+            raise ScheduleError(f"stage 'compute': 'rows_tile' must be auto or BNxBKxWARPS, BN and BK powers of two from 32 "
+                                f"to 512, WARPS 1, 2, 4, 8 or 16 (e.g. 64x128x4), got {self.rows_tile!r}")
         if not 0.0 <= self.cpu_share <= 1.0:
             raise ScheduleError(f"stage 'compute': 'cpu_share' must be between 0 and 1, got {self.cpu_share!r}")
+
+
+def _tile_ok(tile: str) -> bool:
+    """BNxBKxWARPS that the grouped GEMMs compile: BN and BK powers of two in [32, 512] (an FP4 K tile decodes 32-value
+    words), warps a power of two up to 16."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", tile)
+    pow2 = lambda n, lo, hi: lo <= n <= hi and n & (n - 1) == 0  # noqa: E731
+    return m is not None and pow2(int(m[1]), 32, 512) and pow2(int(m[2]), 32, 512) and pow2(int(m[3]), 1, 16)
 
 
 class ComputeTable(Stage):

@@ -199,8 +199,9 @@ def test_rows_tile_changes_only_the_order_of_sums(stores, tmp_path):
 
     for a, b in zip(run("auto"), run("32x64x4")):
         assert_logits_close("nemotron_h", a, b, "rows_tile 32x64x4")
-    with pytest.raises(ScheduleError, match="'rows_tile' must be auto or BNxBKxWARPS"):
-        sluice.load(stores["nemotron_h"], device=DEVICE, schedule=direct_schedule(tmp_path, "bad", rows_tile="64x128"))
+    for bad in ("64x128", "48x128x4", "64x16x4", "64x128x3"):  # a part missing, not a power of two, too small a K tile
+        with pytest.raises(ScheduleError, match="'rows_tile' must be auto or BNxBKxWARPS"):
+            sluice.load(stores["nemotron_h"], device=DEVICE, schedule=direct_schedule(tmp_path, "bad", rows_tile=bad))
 
 
 def test_rows_that_trade_places_are_caught(stores):

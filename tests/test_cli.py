@@ -129,3 +129,11 @@ def test_help_shows_the_defaults(command, capsys):
         assert default in text, default
     args = _parser().parse_args([command, "--max-tokens", "5"] + (["--prompt", "x"] if command == "generate" else []))
     assert args.max_new_tokens == 5
+
+
+def test_cold_bench_refuses_a_schedule_that_holds_every_block(stores, capsys):
+    """`bench model --cold` times reads from disk: a schedule holding every block in RAM (direct; auto where they
+    fit) would read none, so it is refused by name."""
+    assert main(["bench", "model", "--model", str(stores["nemotron_h"]), "--device", "cpu", "--cold", "--prompt-lengths", "4",
+                 "--decode-tokens", "2"]) == 1
+    assert "--cold: schedule 'direct' holds every expert block in RAM" in capsys.readouterr().err

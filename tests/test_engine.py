@@ -190,8 +190,10 @@ def test_vram_budget_sizes_the_slot_bank(stores):
     for one MoE layer's experts is refused, naming the sizes."""
     import torch
 
-    free, total = torch.cuda.mem_get_info()
-    base = total - free  # what earlier tests in this process still hold, and the CUDA context
+    from sluice.pipeline.budget import outside_allocator
+
+    # what earlier tests in this process still hold, and the CUDA context (as the budget counts them)
+    base = torch.cuda.memory_allocated() + outside_allocator(torch.cuda.current_device())
     reserve = 1 << 30
     try:
         with sluice.load(stores["qwen3_moe"], device=DEVICE, vram_budget=base + reserve + (64 << 20), vram_reserve=reserve) as engine:
@@ -301,6 +303,8 @@ def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
     assert plan_budget(32 * GiB, 4_300_000_000, 2944, block, scratch)[1] == 512
     asked = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch, chunk=512)
     assert asked[1:] == (512, 4 * GiB + WORKSPACE) and asked[0] < slots
+    given = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch, reserve=GiB)  # --vram-reserve: kept, the run fits it
+    assert given[1:] == (16, GiB) and plan_budget(8 * GiB, 4_300_000_000, 2944, block, einsum, reserve=GiB)[1] == 512
     _, qwen = _config("qwen3-30b-a3b", None)
     none = lambda n: get_architecture("qwen3_moe").prefill_scratch_bytes(qwen, n)  # noqa: E731
     assert plan_budget(8 * GiB, 4_300_000_000, 6144, block, none)[1:] == (512, GiB)  # an eighth of the budget
