@@ -255,7 +255,8 @@ def cmd_bench_kernels(args) -> int:
     import torch
 
     from sluice.benchmarks import kernels as kbench
-    from sluice.benchmarks.kernels import FORMATS, SHAPES, bench, bench_rows, format_table, sweep
+    from sluice.benchmarks.kernels import FORMATS, SHAPES, bench, format_table, sweep
+    from sluice.benchmarks.rows import bench_rows
 
     if not torch.cuda.is_available():
         raise SluiceError("bench kernels needs a CUDA GPU")

@@ -136,7 +136,7 @@ def read_bytes(bank: torch.Tensor, offs: torch.Tensor, nbytes: int, bw: int = 10
 GRAPH_CALLS = 20  # calls per captured graph
 
 
-def _time(fns) -> float:
+def time_calls(fns) -> float:
     """Median microseconds of one call, rotating through fns (one per bank).
 
     As decode runs them: GRAPH_CALLS calls captured in one CUDA graph and replayed, so the time is
@@ -197,45 +197,45 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
             su = _decode_setup(kind, fmt, Dx, I, A, device)
             banks, L, offs, x, h, up_bytes = su.banks, su.L, su.offs, su.x, su.h, su.up_bytes
             per_expert = up_bytes // A // 8 * 8
-            us = min(_time([lambda b=b: read_bytes(b, offs, per_expert, bw, nw) for b in banks]) for bw, nw in READ_CONFIGS)
+            us = min(time_calls([lambda b=b: read_bytes(b, offs, per_expert, bw, nw) for b in banks]) for bw, nw in READ_CONFIGS)
             add("bytes alone (up's, read only)", shape, fmt, A * per_expert, us, "hbm")
             if kind == "relu2":
-                us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
+                us = time_calls([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h) for b in banks])
                 add("decode up (relu2)", shape, fmt, up_bytes, us, "hbm")
                 f16x2, fp8 = fmt in ("nvfp4", "fp8"), fmt == "fp8"
                 if f16x2:  # the e4m3 / f16x2 formulation as decode runs it: x packed first, h's pairs written
                     pairs = (torch.empty(A, I // 2, dtype=torch.int32, device=device), torch.empty(A, I // 16, device=device))
-                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs,
+                    us = time_calls([lambda b=b: matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs,
                                                    pairs_fp8=fp8) for b in banks])
                     add("decode up (relu2, f16x2)", shape, fmt, up_bytes, us, "hbm")
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
-                us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
+                us = time_calls([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False) for b in banks])
                 add("decode down (re-laid)", shape, fmt, A * L["down"].nbytes, us, "hbm")
                 if f16x2:  # f16x2 products from the pairs the up projection wrote
                     hp = h_pairs(hl, fp8)
-                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, f16x2=True, pairs=hp) for b in banks])
+                    us = time_calls([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, f16x2=True, pairs=hp) for b in banks])
                     add("decode down (re-laid, f16x2)", shape, fmt, A * L["down"].nbytes, us, "hbm")
 
                     def expert(b):  # both projections as TritonExperts._decode runs them (the down reads every group)
                         matvec(b, offs, x, L["up"], "relu2", torch.bfloat16, h, fp4_words=3, pairs=pairs, pairs_fp8=fp8)
                         down_relaid(b, offs, h, L["down"], skip=False, f16x2=True, pairs=pairs)
 
-                    us = _time([lambda b=b: expert(b) for b in banks])
+                    us = time_calls([lambda b=b: expert(b) for b in banks])
                     add("decode up + down (f16x2)", shape, fmt, up_bytes + A * L["down"].nbytes, us, "hbm")
             else:
-                us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1) for b in banks])
+                us = time_calls([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1) for b in banks])
                 add("decode gate+up (swiglu)", shape, fmt, up_bytes, us, "hbm")
                 if fmt in ("nvfp4", "fp8"):
-                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1, fp4_words=3)
+                    us = time_calls([lambda b=b: matvec(b, offs, x, L["up"], "swiglu", torch.bfloat16, h, gate=L["gate"], act=1, fp4_words=3)
                                 for b in banks])
                     add("decode gate+up (swiglu, f16x2)", shape, fmt, up_bytes, us, "hbm")
                 y = torch.empty(A, Dx, device=device, dtype=torch.float32)
                 rws = torch.arange(A, device=device)
                 wts = torch.rand(A, device=device)
-                us = _time([lambda b=b: matvec(b, offs, h, L["down"], "weighted", torch.bfloat16, y, rows=rws, wts=wts) for b in banks])
+                us = time_calls([lambda b=b: matvec(b, offs, h, L["down"], "weighted", torch.bfloat16, y, rows=rws, wts=wts) for b in banks])
                 add("decode down (swiglu)", shape, fmt, A * L["down"].nbytes, us, "hbm")
                 if fmt == "fp8":
-                    us = _time([lambda b=b: matvec(b, offs, h, L["down"], "weighted", torch.bfloat16, y, rows=rws, wts=wts, fp4_words=3)
+                    us = time_calls([lambda b=b: matvec(b, offs, h, L["down"], "weighted", torch.bfloat16, y, rows=rws, wts=wts, fp4_words=3)
                                 for b in banks])
                     add("decode down (swiglu, f16x2)", shape, fmt, A * L["down"].nbytes, us, "hbm")
             del banks
@@ -247,11 +247,11 @@ def bench(shapes=tuple(SHAPES), formats=FORMATS, live_fraction=0.25, device="cud
                 hz = hz.reshape(A, I).to(torch.bfloat16)
                 n_live = int(live.sum())
                 group_bytes = L["down"].nbytes / groups
-                us = _time([lambda b=b: down_relaid(b, offs, hz, L["down"], skip=True) for b in hbanks])
+                us = time_calls([lambda b=b: down_relaid(b, offs, hz, L["down"], skip=True) for b in hbanks])
                 add(f"zero-copy down, {live_fraction:.0%} live", shape, fmt, n_live * group_bytes, us, "h2d")
                 if fmt in ("nvfp4", "fp8"):  # as one-token steps run it (f16x2): on the pairs the up projection wrote
                     hp = h_pairs(hz, fmt == "fp8")
-                    us = _time([lambda b=b: down_relaid(b, offs, hz, L["down"], skip=True, f16x2=True, pairs=hp) for b in hbanks])
+                    us = time_calls([lambda b=b: down_relaid(b, offs, hz, L["down"], skip=True, f16x2=True, pairs=hp) for b in hbanks])
                     add(f"zero-copy down (f16x2), {live_fraction:.0%} live", shape, fmt, n_live * group_bytes, us, "h2d")
                 del hbanks
     return ceil, rows
@@ -293,53 +293,10 @@ def bench_mixed(shapes=("super", "nano"), fmt="nvfp4", from_ram=(0, 1, 2, 4), de
                 if R:
                     variants.setdefault("host hint", []).append(lambda step=step: step(host=True))
             for name, fns in variants.items():
-                us = _time(fns)
+                us = time_calls(fns)
                 ratio = f"{us / floor:8.2f}" if floor else "       -"
                 lines.append(f"{shape:6} {R:2d} {name:14} {us:8.1f} {floor:13.1f} {ratio}")
         del vbanks, hbanks
-    return ceil, lines
-
-
-ROWS_TILES = [(0, 0, 0), (64, 128, 4), (64, 128, 8), (64, 64, 4), (32, 128, 4), (32, 256, 4), (128, 64, 4), (64, 256, 8),
-              (32, 64, 4)]  # (bn, bk, warps) of a batched step's grouped GEMMs; 0s: their defaults
-
-
-def bench_rows(shape="nano", fmt="nvfp4", batches=(2, 8, 16), experts=128, device="cuda") -> tuple[dict, list[str]]:
-    """A batched decode step's routed experts for one MoE layer (TritonExperts.run_rows: up, then the weighted down,
-    grouped by expert on the device) over T rows routed uniformly at random, every block read zero-copy from pinned
-    host memory, per tile configuration; against the PCIe floor (the distinct blocks' bytes over the pinned
-    host-to-device rate). Lines of a table."""
-    from sluice.kernels.experts import TritonExperts
-
-    device = torch.device(device)
-    ceil = ceilings(device)
-    kind, Dx, I, K = SHAPES[shape]
-    hbanks, L, block_bytes = make_banks(kind, fmt, Dx, I, experts, device, pin=True)
-    kern = TritonExperts.__new__(TritonExperts)  # only what run_rows reads: the layouts, the kind, the activation
-    kern.layouts, kern.kind, kern.act, kern.act_args = L, kind, 0 if kind == "relu2" else 1, (0.0, 0.0)
-    base = torch.empty(1, dtype=torch.uint8, device=device)
-    nbytes = L["up"].nbytes + L["down"].nbytes + (L["gate"].nbytes if "gate" in L else 0)
-    lines = [f"{'shape':6} {'T':>3} {'distinct':>8} {'tile':>12} {'us':>9} {'PCIe floor us':>13} {'x floor':>8}"]
-    g = torch.Generator().manual_seed(0)
-    for T in batches:
-        ids = torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(T)]).to(device)
-        counts = torch.bincount(ids.reshape(-1), minlength=experts)
-        distinct = int((counts > 0).sum())
-        floor = distinct * nbytes / (ceil["h2d"] * 1e3)
-        xe = torch.randn(T, Dx, device=device, dtype=torch.bfloat16)
-        w = torch.rand(T, K, device=device)
-        y = torch.empty(T * K, Dx, device=device, dtype=torch.float32)
-        for tile in ROWS_TILES:
-            fns = [lambda hb=hb, tile=tile: kern.run_rows(base, (torch.arange(experts, device=device) * block_bytes
-                                                                 + (hb.data_ptr() - base.data_ptr())), ids, counts, xe, w, y, tile)
-                   for hb in hbanks]
-            name = "auto" if tile == (0, 0, 0) else "x".join(map(str, tile))
-            try:
-                us = _time(fns)
-                lines.append(f"{shape:6} {T:3d} {distinct:8d} {name:>12} {us:9.1f} {floor:13.1f} {us / floor:8.2f}")
-            except Exception as e:  # a config the compiler rejects (registers, shared memory) is skipped
-                lines.append(f"{shape:6} {T:3d} {distinct:8d} {name:>12} failed: {type(e).__name__}")
-    del hbanks
     return ceil, lines
 
 
@@ -373,7 +330,7 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
                 + ([("matvec-up-f16x2", 3)] if fmt in ("nvfp4", "fp8") else [])  # f16x2: NVFP4 and FP8 (F16X2_DOWN)
             for (bn, bk, nw), (name, words) in [(c, v) for c in MATVEC_CONFIGS for v in variants if want(v[0])]:
                 try:
-                    us = _time([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,
+                    us = time_calls([lambda b=b: matvec(b, offs, x, L["up"], epi, torch.bfloat16, h, gate=gate, act=act, bn=bn, bk=bk,
                                                    num_warps=nw, fp4_words=words) for b in banks])
                     lines.append(f"{name} {shape} {fmt} bn={bn} bk={bk} w={nw} {us:.1f}us {up_bytes / us / 1e3:.0f}GB/s")
                 except Exception as e:  # a config the compiler rejects (registers, shared memory) is skipped
@@ -382,7 +339,7 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
                 hl = torch.relu(torch.randn(A, I, device=device)).to(torch.bfloat16)
                 for (bd, sp, nw), (name, f16x2) in [(c, v) for c in DOWN_CONFIGS for v in [("down-relaid", False)]
                                                     + ([("down-relaid-f16x2", True)] if fmt in ("nvfp4", "fp8") else []) if want(v[0])]:
-                    us = _time([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, splits=sp, bd=bd, num_warps=nw, f16x2=f16x2)
+                    us = time_calls([lambda b=b: down_relaid(b, offs, hl, L["down"], skip=False, splits=sp, bd=bd, num_warps=nw, f16x2=f16x2)
                                 for b in banks])
                     lines.append(f"{name} {shape} {fmt} bd={bd} splits={sp} w={nw} {us:.1f}us {A * L['down'].nbytes / us / 1e3:.0f}GB/s")
             del banks
@@ -398,7 +355,7 @@ def sweep(shapes=tuple(SHAPES), formats=FORMATS, device="cuda", prefill_rows=32,
             for bm, bn, bk, nw in PREFILL_CONFIGS:
                 items = torch.tensor(tile_items([prefill_rows] * E, bm), dtype=torch.int32, device=device)
                 try:
-                    us = _time([lambda b=b: grouped_gemm(b, offs, xs, rows, items, L["up"], epi, torch.bfloat16, hs, gate=gate, act=act, bm=bm, bn=bn, bk=bk, num_warps=nw) for b in banks])
+                    us = time_calls([lambda b=b: grouped_gemm(b, offs, xs, rows, items, L["up"], epi, torch.bfloat16, hs, gate=gate, act=act, bm=bm, bn=bn, bk=bk, num_warps=nw) for b in banks])
                     flops = 2 * T * Dx * I * (2 if gate is not None else 1)
                     wb = E * (L["up"].nbytes + (L["gate"].nbytes if gate is not None else 0))
                     lines.append(f"prefill-up {shape} {fmt} rows/expert={prefill_rows} bm={bm} bn={bn} bk={bk} w={nw} {us:.1f}us {wb / us / 1e3:.0f}GB/s {flops / us / 1e6:.1f}TFLOP/s")

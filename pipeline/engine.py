@@ -25,7 +25,7 @@ from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import ResidentModel
 from sluice.pipeline.batch import check_batch, step_many
-from sluice.pipeline.budget import MAX_MIXER_CHUNK, budget_slots, cuda_index, prompt_bytes, state_bytes
+from sluice.pipeline.budget import MAX_MIXER_CHUNK, cuda_index, engine_slots
 from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
 from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.routing import RoutingControl, check_guess_extra, controlled_routing
@@ -91,11 +91,8 @@ class Engine:
         routing = controlled_routing(config.routing, model, device)
         # every block held in RAM (by default as much RAM as that takes), or one slot where routed experts are skipped
         whole = store.total_blocks * store.block_bytes
-        chosen, why = auto_schedule(config.schedule, whole, store.manifest.num_experts * store.block_bytes, config.ram_cache,
-                                    available_ram(), recording=config.record_routing is not None)
-        if why:  # said before the file is read, so an error in auto's edits names the schedule it chose
-            get_logger().info("schedule auto", schedule=chosen, why=why)
-        schedule = load_schedule(chosen)
+        schedule = load_schedule(auto_schedule(config.schedule, whole, store.manifest.num_experts * store.block_bytes,
+                                               config.ram_cache, available_ram(), config.record_routing is not None))
         needs = schedule.needs
         readers = config.readers or needs.readers
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
@@ -109,16 +106,10 @@ class Engine:
         # by default on CUDA (faster decode: docs/benchmarks/); a CPU keeps transformers' step (the kernels would run
         # in Triton's interpreter there)
         fused_mamba = config.fused_mamba if config.fused_mamba is not None else device.type == "cuda"
-        scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens)  # noqa: E731
         piece = config.mixer_chunk or MAX_MIXER_CHUNK
         if config.vram_budget is not None and device.type == "cuda":
-            states = config.max_batch * state_bytes(arch, hf_config, model.dtype, config.static_kv)
-            prompt = prompt_bytes(hf_config, store.manifest.top_k, config.prefill_chunk or MAX_PREFILL_CHUNK)
-            h2d = schedule.stage("h2d")
-            group = getattr(h2d.knobs, "prompt_group", 0) if h2d is not None else 0
-            staging = 2 * group * store.block_bytes  # a prompt's staging bank (h2d's prompt_group), double-buffered
-            vram_blocks, piece = budget_slots(config.vram_budget, store, device, scratch, config.mixer_chunk, states, prompt,
-                                              staging, config.vram_reserve)
+            vram_blocks, piece = engine_slots(config, store, device, arch, hf_config, schedule, model.dtype,
+                                              config.prefill_chunk or MAX_PREFILL_CHUNK)
         else:
             if config.vram_budget is not None:
                 get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from sluice.errors import ScheduleError
+from sluice.log import get_logger
 from sluice.pipeline.config import format_bytes
 from sluice.pipeline.streams import STREAM_NAMES
 from sluice.stages import REQUIRED, SHARED, STAGES, VARIANTS
@@ -74,27 +75,30 @@ RAM_SHARE = 0.75  # `auto` holds every block in RAM (direct) only where the stor
 
 
 def auto_schedule(ref: str | Path, store_bytes: int, layer_bytes: int, ram_cache: int | None, available: int,
-                  recording: bool = False) -> tuple[str, str | None]:
-    """(the schedule to load, why it was chosen, or None where `ref` named one). `auto` (the default): `direct`, the fast
-    path, where every expert block fits in RAM (in --ram-cache if given, else in RAM_SHARE of the RAM free now) and no
+                  recording: bool = False) -> str:
+    """The schedule to load: `ref` as named, or for `auto` (the default) `direct`, the fast path, where every expert
+    block fits in RAM (in --ram-cache if given, else in RAM_SHARE of the RAM free now, and in the RAM there is) and no
     routing trace is recorded (its routed ids stay on the GPU), else `direct-stream`, which reads from disk what its RAM
     cache lacks, else (a RAM cache smaller than one MoE layer's experts) `overlap`; knob edits after `auto:` apply to
-    the one chosen."""
+    the one chosen. The choice and why are logged before the file is read (an error in the edits names it)."""
     name, sep, edits = str(ref).partition(":")
     if name != AUTO:
-        return str(ref), None
+        return str(ref)
     room = ram_cache if ram_cache is not None else int(RAM_SHARE * available)
     where = "--ram-cache" if ram_cache is not None else f"{RAM_SHARE:.0%} of the free RAM"
-    if store_bytes <= min(room, available) and not recording:
-        return "direct" + sep + edits, f"the store's expert blocks ({format_bytes(store_bytes)}) fit in {where} ({format_bytes(room)})"
-    why = "--record-routing" if recording else \
-        f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in {where} ({format_bytes(room)})" \
-        if store_bytes > room else f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in the free RAM " \
-        f"({format_bytes(available)})"
     cache = ram_cache if ram_cache is not None else available // 4  # the engine's default RAM cache
-    if cache >= layer_bytes:
-        return "direct-stream" + sep + edits, why
-    return "overlap" + sep + edits, f"{why}, and the RAM cache ({format_bytes(cache)}) holds less than a MoE layer's experts"
+    if store_bytes <= min(room, available) and not recording:
+        chosen, why = "direct", f"the store's expert blocks ({format_bytes(store_bytes)}) fit in {where} ({format_bytes(room)})"
+    else:
+        why = "--record-routing" if recording else \
+            f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in {where} ({format_bytes(room)})" \
+            if store_bytes > room else f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in the free RAM " \
+            f"({format_bytes(available)})"
+        chosen = "direct-stream" if cache >= layer_bytes else "overlap"
+        if chosen == "overlap":
+            why += f", and the RAM cache ({format_bytes(cache)}) holds less than a MoE layer's experts"
+    get_logger().info("schedule auto", schedule=chosen + sep + edits, why=why)
+    return chosen + sep + edits
 
 
 def load_schedule(ref: str | Path) -> Schedule:

@@ -541,13 +541,13 @@ def test_auto_holds_every_block_where_ram_allows_else_streams(stores, monkeypatc
 
     store = stores["qwen3_moe"]
     G, L = 1 << 30, 1 << 20  # the store's blocks, a layer's experts
-    assert auto_schedule("auto", 3 * G, L, None, 4 * G)[0] == "direct"
-    assert auto_schedule("auto:fetch.refresh=8", 4 * G, L, None, 4 * G)[0] == "direct-stream:fetch.refresh=8"  # 75% of 4
-    assert auto_schedule("auto", 3 * G, L, 2 * G, 64 * G)[0] == "direct-stream"  # --ram-cache decides where given
-    assert auto_schedule("auto", 3 * G, L, 4 * G, 2 * G)[0] == "direct-stream"  # ... but not past the RAM there is
-    assert auto_schedule("auto", 1 * G, L, None, 64 * G, recording=True)[0] == "direct-stream"  # it records routing
-    assert auto_schedule("auto", 3 * G, L, L - 1, 64 * G)[0] == "overlap"  # a RAM cache below one layer's experts
-    assert auto_schedule("overlap", 1, 1, None, 1 << 40) == ("overlap", None)  # a schedule named is run as named
+    assert auto_schedule("auto", 3 * G, L, None, 4 * G) == "direct"
+    assert auto_schedule("auto:fetch.refresh=8", 4 * G, L, None, 4 * G) == "direct-stream:fetch.refresh=8"  # 75% of 4
+    assert auto_schedule("auto", 3 * G, L, 2 * G, 64 * G) == "direct-stream"  # --ram-cache decides where given
+    assert auto_schedule("auto", 3 * G, L, 4 * G, 2 * G) == "direct-stream"  # ... but not past the RAM there is
+    assert auto_schedule("auto", 1 * G, L, None, 64 * G, recording=True) == "direct-stream"  # it records routing
+    assert auto_schedule("auto", 3 * G, L, L - 1, 64 * G) == "overlap"  # a RAM cache below one layer's experts
+    assert auto_schedule("overlap", 1, 1, None, 1 << 40) == "overlap"  # a schedule named is run as named
     with sluice.load(store, device=DEVICE) as e:  # the default
         assert e.coordinator.schedule.name == "direct"
         tokens = e.generate(PROMPT, 4)
