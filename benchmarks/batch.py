@@ -77,17 +77,8 @@ def bench_batch(engine, batch: int, prompt_length: int, tokens: int, seed: int =
            "disk_blocks_per_token": io["blocks"]["disk"] / generated, "vram_share": io["blocks"]["vram"] / max(blocks, 1)}
     if cuda:  # the most VRAM the row's allocator held (read before the PCIe rate's buffer), and the step's PCIe floor
         row["vram_peak_bytes"] = torch.cuda.max_memory_reserved(engine.device)
-        row["roofline_step_ms"] = 1000 * moved / tokens / h2d_rate(engine)
+        row["roofline_step_ms"] = 1000 * moved / tokens / engine.rt.h2d_rate()
     return row
-
-
-def h2d_rate(engine) -> float:
-    """Pinned host-to-device bytes a second, measured once an engine."""
-    if not hasattr(engine, "_bench_h2d"):
-        from sluice.kernels.rates import h2d_bandwidth
-
-        engine._bench_h2d = h2d_bandwidth(engine.device)
-    return engine._bench_h2d
 
 
 def release(engine, step) -> None:

@@ -35,7 +35,12 @@ def reserve_bytes(budget: int, scratch: int, states: int = 0, prompt: int = 0, s
     chunk's exactly fails once the allocator has fragmented it), a prompt chunk's activations, the states of the
     sequences one step holds (53 MiB a Nemotron-3-Nano sequence), a prompt's staging bank and the workspaces; at least
     1/8 of the budget."""
-    return max(budget // RESERVE_SHARE, 2 * scratch + prompt + states + staging + WORKSPACE)
+    return max(budget // RESERVE_SHARE, 2 * scratch + _beside(states, prompt, staging))
+
+
+def _beside(states: int, prompt: int, staging: int) -> int:
+    """The reserve's need beside the Mamba-2 scratch."""
+    return prompt + states + staging + WORKSPACE
 
 
 def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scratch, chunk: int | None = None,
@@ -49,10 +54,11 @@ def plan_budget(budget: int, used: int, total_blocks: int, block_bytes: int, scr
     (--vram-reserve) is kept as it is: an automatic run's scratch must fit what the rest of the need leaves of it."""
     fit = lambda reserve: min(total_blocks, (budget - used - reserve) // block_bytes)  # noqa: E731
     if chunk is None:
-        base = reserve_bytes(budget, 0, states, prompt, staging)
-        room = max(budget // RESERVE_SHARE, budget - used - base - max(fit(base), 0) * block_bytes)
         if reserve is not None:
-            room = reserve - (prompt + states + staging + WORKSPACE)
+            room = reserve - _beside(states, prompt, staging)
+        else:
+            base = reserve_bytes(budget, 0, states, prompt, staging)
+            room = max(budget // RESERVE_SHARE, budget - used - base - max(fit(base), 0) * block_bytes)
         chunk = MAX_MIXER_CHUNK
         while chunk > 16 and 2 * scratch(chunk) > room:
             chunk //= 2

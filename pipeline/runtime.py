@@ -158,9 +158,17 @@ class Runtime:
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
         # hybrid miss path: the CPU's measured seconds per expert block (moving average), the pinned H2D rate
         self.cpu_s_per_block: float | None = None
-        self.h2d_bps: float | None = None
+        self.h2d_bps: float | None = None  # `h2d_rate`
         # zero-copy down: h2d copies only up, compute reads down from the pinned RAM slot
         self.down_in_ram = down_in_ram and "down" in self.layouts
+
+    def h2d_rate(self) -> float:
+        """The pinned host-to-device rate in bytes a second, measured at first use (64 MiB copies)."""
+        if self.h2d_bps is None:
+            from sluice.kernels.rates import h2d_bandwidth
+
+            self.h2d_bps = h2d_bandwidth(self.device, 64 << 20)
+        return self.h2d_bps
 
     def logical(self, buf: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         return self.store.logical(buf)

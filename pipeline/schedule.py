@@ -87,16 +87,17 @@ def auto_schedule(ref: str | Path, store_bytes: int, layer_bytes: int, ram_cache
     room = ram_cache if ram_cache is not None else int(RAM_SHARE * available)
     where = "--ram-cache" if ram_cache is not None else f"{RAM_SHARE:.0%} of the free RAM"
     cache = ram_cache if ram_cache is not None else available // 4  # the engine's default RAM cache
-    if store_bytes <= min(room, available) and not recording:
-        chosen, why = "direct", f"the store's expert blocks ({format_bytes(store_bytes)}) fit in {where} ({format_bytes(room)})"
+    blocks = f"the store's expert blocks ({format_bytes(store_bytes)})"
+    if recording:
+        chosen, why = "direct-stream", "--record-routing"
+    elif store_bytes > room:
+        chosen, why = "direct-stream", f"{blocks} do not fit in {where} ({format_bytes(room)})"
+    elif store_bytes > available:
+        chosen, why = "direct-stream", f"{blocks} do not fit in the free RAM ({format_bytes(available)})"
     else:
-        why = "--record-routing" if recording else \
-            f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in {where} ({format_bytes(room)})" \
-            if store_bytes > room else f"the store's expert blocks ({format_bytes(store_bytes)}) do not fit in the free RAM " \
-            f"({format_bytes(available)})"
-        chosen = "direct-stream" if cache >= layer_bytes else "overlap"
-        if chosen == "overlap":
-            why += f", and the RAM cache ({format_bytes(cache)}) holds less than a MoE layer's experts"
+        chosen, why = "direct", f"{blocks} fit in {where} ({format_bytes(room)})"
+    if chosen == "direct-stream" and cache < layer_bytes:
+        chosen, why = "overlap", f"{why}, and the RAM cache ({format_bytes(cache)}) holds less than a MoE layer's experts"
     get_logger().info("schedule auto", schedule=chosen + sep + edits, why=why)
     return chosen + sep + edits
 

@@ -213,12 +213,7 @@ class H2D(Stage):
         return int(self._copy_seconds() / rt.cpu_s_per_block)
 
     def _copy_seconds(self) -> float:
-        rt = self.rt
-        if rt.h2d_bps is None:
-            from sluice.kernels.rates import h2d_bandwidth
-
-            rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
-        return rt.store.block_bytes / rt.h2d_bps  # with `copy: up` the GPU still reads `down` over PCIe
+        return self.rt.store.block_bytes / self.rt.h2d_rate()  # with `copy: up` the GPU still reads `down` over PCIe
 
     def _on_cpu(self, hb: HostBlock) -> DeviceBlock:
         """The block where it sits in RAM, for compute's CPU path; its pin is held until the CPU is done."""

@@ -160,12 +160,7 @@ class CpuSteps:
 
     def _cpu_copy_s(self) -> float:
         """A block's seconds over PCIe at the measured host-to-device rate."""
-        rt = self.rt
-        if rt.h2d_bps is None:
-            from sluice.kernels.rates import h2d_bandwidth
-
-            rt.h2d_bps = h2d_bandwidth(rt.device, 64 << 20)
-        return self.block_bytes / rt.h2d_bps
+        return self.block_bytes / self.rt.h2d_rate()
 
     def _cpu_count(self, outside: int) -> int:
         """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
