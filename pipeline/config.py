@@ -44,6 +44,12 @@ def available_ram() -> int:
     return 8 * 1024**3
 
 
+def default_ram_cache(available: int) -> int:
+    """A streaming schedule's RAM cache when --ram-cache is not given: a quarter of the RAM free now (the rest is the
+    page cache's, the prompts' and the system's)."""
+    return available // 4
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N

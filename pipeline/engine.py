@@ -26,7 +26,7 @@ from sluice.models import get_architecture
 from sluice.models.base import ResidentModel
 from sluice.pipeline.batch import check_batch, step_many
 from sluice.pipeline.budget import MAX_MIXER_CHUNK, cuda_index, engine_slots
-from sluice.pipeline.config import EngineConfig, available_ram, format_bytes, parse_size
+from sluice.pipeline.config import EngineConfig, available_ram, default_ram_cache, format_bytes, parse_size
 from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.routing import RoutingControl, check_guess_extra, controlled_routing
 from sluice.pipeline.runtime import Runtime
@@ -96,7 +96,7 @@ class Engine:
         needs = schedule.needs
         readers = config.readers or needs.readers
         ram_bytes = config.ram_cache if config.ram_cache is not None else \
-            whole if needs.ram == "all" else store.block_bytes if needs.ram == "one" else available_ram() // 4
+            whole if needs.ram == "all" else store.block_bytes if needs.ram == "one" else default_ram_cache(available_ram())
         ram_blocks = max(1, min(store.total_blocks, ram_bytes // store.block_bytes))
         if needs.ram == "all" and whole > available_ram():
             raise ConfigError(f"schedule {schedule.name!r} holds every expert block in RAM: {format_bytes(whole)}, more "

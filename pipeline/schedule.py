@@ -31,7 +31,7 @@ import yaml
 
 from sluice.errors import ScheduleError
 from sluice.log import get_logger
-from sluice.pipeline.config import format_bytes
+from sluice.pipeline.config import default_ram_cache, format_bytes
 from sluice.pipeline.streams import STREAM_NAMES
 from sluice.stages import REQUIRED, SHARED, STAGES, VARIANTS
 from sluice.stages.base import Needs
@@ -86,7 +86,7 @@ def auto_schedule(ref: str | Path, store_bytes: int, layer_bytes: int, ram_cache
         return str(ref)
     room = ram_cache if ram_cache is not None else int(RAM_SHARE * available)
     where = "--ram-cache" if ram_cache is not None else f"{RAM_SHARE:.0%} of the free RAM"
-    cache = ram_cache if ram_cache is not None else available // 4  # the engine's default RAM cache
+    cache = ram_cache if ram_cache is not None else default_ram_cache(available)
     blocks = f"the store's expert blocks ({format_bytes(store_bytes)})"
     if recording:
         chosen, why = "direct-stream", "--record-routing"
