@@ -56,13 +56,14 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
 
     def prefill(n: int) -> dict:
         ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-        before = engine.rt.stats.snapshot()
+        before, flushes = engine.rt.stats.snapshot(), allocator_flushes(engine.device)
         t = time.perf_counter()
         engine.extend(engine.new_sequence(), ids, last=True)  # as generation prefills: the head on the last row
         sync()
         dt = time.perf_counter() - t
         io = engine.rt.stats.since(before)
-        return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"]}
+        return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"],
+                "allocator_flushes": allocator_flushes(engine.device) - flushes}
 
     for n in prompt_lengths:
         prefill(n)  # a first prompt of this length compiles its kernels (grouped GEMM tiles, Mamba runs): untimed
@@ -75,7 +76,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         engine.drop_caches()
     seq = engine.new_sequence()
     logits = engine.extend(seq, prompt)
-    before = engine.rt.stats.snapshot()
+    before, flushes = engine.rt.stats.snapshot(), allocator_flushes(engine.device)
     times = []
     token = int(logits[-1].argmax())
     for _ in range(decode_tokens):
@@ -111,6 +112,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "vram_fills_per_token": io["vram_fills"] / n,  # the direct schedule's hot-set refreshes: PCIe bytes too
         "cpu_ms_per_block": 1000 * engine.rt.cpu_s_per_block if engine.rt.cpu_s_per_block else None,
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
+        "allocator_flushes": allocator_flushes(engine.device) - flushes,
     }
     d["vram_slots"] = engine.rt.vram.capacity if engine.rt.vram is not None else 0
     d["ram_slots"] = engine.rt.ram.capacity
@@ -140,6 +142,12 @@ def routing_name(engine) -> str:
     return str(engine.routing.setting) if engine.routing is not None else "natural"
 
 
+def allocator_flushes(device: torch.device) -> int:
+    """How often the CUDA allocator, at the budget's cap, synchronized and gave its cached blocks back to allocate
+    again (each costs a device sync and cudaMalloc calls): a reserve that is too small shows here; 0 off CUDA."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
 def synthetic_weights(engine) -> bool:
     return bool(getattr(engine.model.config, "sluice_synthetic", False))
 
@@ -159,7 +167,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
         nxt = p["next"]
         lines.append(f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}   next: {nxt['s']:.3f} s, {nxt['tok_s']:.1f} tok/s, "
                      f"blocks VRAM / RAM {nxt['blocks']['vram']} / {nxt['blocks']['ram'] + nxt['blocks']['disk']} "
-                     f"(first: {p['blocks']['vram']} / {p['blocks']['ram'] + p['blocks']['disk']})")
+                     f"(first: {p['blocks']['vram']} / {p['blocks']['ram'] + p['blocks']['disk']})"
+                     + _flushes(p.get("allocator_flushes", 0) + nxt.get("allocator_flushes", 0)))
     d = r["decode"]
     lines.append(f"decode: {d['tok_s']:.2f} tok/s (mean {d['ms_per_token_mean']:.2f} ms/token), median {d['ms_per_token_median']:.2f} "
                  f"ms/token over {d['tokens']} tokens; first token {d['ms_first_token']:.1f} ms, mean of the rest "
@@ -182,7 +191,7 @@ def format_bench(r: dict, block_bytes: int) -> str:
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
     lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"
                  + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB (the allocator held {d['vram_held_peak_bytes'] / 2**30:.2f})"
-                    if "vram_peak_bytes" in d else ""))
+                    if "vram_peak_bytes" in d else "") + _flushes(d.get("allocator_flushes", 0)))
     if "disk_roofline_ms_per_token" in d:
         lines.append(f"  disk reads {d['disk_reads_per_token']:.2f} blocks/token (demand and prefetch); a read on the drive "
                      f"{d['disk_busy_ms_per_token']:.2f} ms/token, {d['disk_busy_share']:.0%} of the decode time")
@@ -194,6 +203,10 @@ def format_bench(r: dict, block_bytes: int) -> str:
         lines.append(f"  roofline {d['roofline_ms_per_token']:.2f} ms/token (PCIe bytes / {d['h2d_gbps']:.1f} GB/s measured now): "
                      f"{d['ms_per_token_median'] / max(d['roofline_ms_per_token'], 1e-9):.2f} x roofline")
     return "\n".join(lines)
+
+
+def _flushes(n: int) -> str:
+    return f"; the allocator flushed its cache {n} times at the budget's cap" if n else ""
 
 
 def resident_roofline(d: dict, resident_ms: float | None, how: str = "GPU time") -> str:
