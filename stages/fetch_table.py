@@ -25,6 +25,8 @@ class FetchTableKnobs:
     refresh: int = 16  # one-token steps between VRAM tier updates
     decay: float = 0.5  # weight of older counts at each update (0: only the last `refresh` steps count)
     margin: float = 1.0  # a block replaces a VRAM one only when its decayed count beats that one's by more than this
+    noise: float = 1.5  # ... and by this many times the counts' noise, sqrt of the two counts (Poisson): under uniform
+    # routing counts differ by chance alone, and swaps on them copied ~8% of a token's PCIe bytes (BENCHMARKS.md)
     hold: bool = True  # every block read into pinned RAM at open and held; false: RAM is an LRU cache filled from disk
     prefetch: bool = True  # hold: false: one-token steps also read the next MoE layer's guessed blocks (its router on
     # this layer's input) that neither tier holds from disk, as guesses (only while no demand read is queued or running)
@@ -44,8 +46,9 @@ class FetchTableKnobs:
                 raise ScheduleError(f"stage 'fetch': {knob!r} must be >= 1, got {getattr(self, knob)!r}")
         if not 0.0 <= self.decay <= 1.0:
             raise ScheduleError(f"stage 'fetch': 'decay' must be in [0, 1], got {self.decay!r}")
-        if self.margin < 0:
-            raise ScheduleError(f"stage 'fetch': 'margin' must be >= 0, got {self.margin!r}")
+        for knob in ("margin", "noise"):
+            if getattr(self, knob) < 0:
+                raise ScheduleError(f"stage 'fetch': {knob!r} must be >= 0, got {getattr(self, knob)!r}")
         for knob, default, what in (("depth", 1, "guesses layers ahead"), ("guess_extra", 0, "guesses past the top-k")):
             if getattr(self, knob) > default and (self.hold or not self.prefetch):
                 raise ScheduleError(f"stage 'fetch': {knob!r} {getattr(self, knob)} {what} for reads from disk: it needs "

@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -178,8 +179,8 @@ class VramTier:
     def refresh(self) -> None:
         """Choose the hot set anew from the decayed use counts: free slots take the most used blocks outside it, and a
         block outside replaces the least used inside only while it beats it by `margin` routed uses (the cost of its
-        copy; scores from a few tokens tie often, and a plain top-k swapped tied blocks back and forth at every
-        refresh, each swap a block over PCIe)."""
+        copy) plus `noise` times the square root of both counts (their chance spread: scores from a few tokens differ
+        by chance, and a swap on chance is a block over PCIe that saves nothing)."""
         uses = self.uses.to("cpu", copy=True)  # the one host wait in `refresh` steps (a copy on a CPU too: kept as the last counts)
         self._score = self._score * self.knobs.decay + (uses - self._last_uses).double()
         self._last_uses = uses
@@ -197,7 +198,7 @@ class VramTier:
         incumbents = order[inside[order]].flip(0).tolist()  # least used first
         leave = []
         for j, k in zip(outside[len(come):], incumbents):
-            if score[j] - score[k] <= self.knobs.margin:
+            if score[j] - score[k] <= self.knobs.margin + self.knobs.noise * math.sqrt(score[j] + score[k]):
                 break
             come.append(divmod(j, E))
             leave.append(divmod(k, E))

@@ -296,8 +296,9 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
 
 def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
     """Free slots take the most used blocks; a block outside then replaces the least used inside only when its
-    decayed count beats that one's by more than `margin` (ties and near-ties cost no copies)."""
-    schedule = direct_schedule(tmp_path, backend="triton", margin=1.0, decay=0.5)
+    decayed count beats that one's by more than `margin` (ties and near-ties cost no copies) plus `noise` times the
+    square root of both counts (a gain within chance costs no copy)."""
+    schedule = direct_schedule(tmp_path, backend="triton", margin=1.0, decay=0.5, noise=0.0)
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, vram_slots=2) as engine:
         tier = table_of(engine).tier
         tier.uses.zero_()
@@ -318,6 +319,10 @@ def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
         assert refresh({2: 2}) == [0, 2]  # 1.25 + 2 = 3.25 against 0.75: swapped in
         assert engine.rt.stats.vram_fills - fills == 3
         assert int(tier.in_vram[0].sum()) == 2 and int(tier.in_vram[0, 1]) == 0
+        tier.knobs = type(tier.knobs)({**tier.knobs.values, "noise": 1.5})
+        assert refresh({1: 4}) == [0, 2]  # 4.375 against 0.375: more than the margin, not than 1 + 1.5 sqrt(4.75)
+        assert refresh({1: 8}) == [1, 2]  # 10.1875 against 0.1875: more than 1 + 1.5 sqrt(10.375)
+        assert engine.rt.stats.vram_fills - fills == 4
 
 
 def test_guesses_past_the_top_k_are_read_last(stores, tmp_path, monkeypatch):
@@ -380,6 +385,8 @@ def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, refresh=0))
     with pytest.raises(ScheduleError, match="stage 'fetch': 'margin' must be >= 0, got -1.0"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, margin=-1))
+    with pytest.raises(ScheduleError, match="stage 'fetch': 'noise' must be >= 0, got -0.5"):
+        sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, noise=-0.5))
     with pytest.raises(ScheduleError, match="stage 'compute': 'fp4_matvec' must be one of auto, f16x2, words, got 'fp16'"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, fp4_matvec="fp16"))
     monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
