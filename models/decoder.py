@@ -144,6 +144,13 @@ def swap_moe(layer: nn.Module, attr: str, capture_cls: type[MoECapture] = MoECap
     return moe, capture
 
 
+# transformers' RMSNorm classes of these models whose formula kernels/norm.py computes -> its `round_first` (Llama's
+# form: the normalised row rounded to the input's dtype before the weight; else the product rounded once); the
+# (1 + weight) form of Qwen3-Next and Qwen3.5 stays transformers'
+NORM_FORMS = {"Qwen3MoeRMSNorm": True, "MixtralRMSNorm": True, "DeepseekV3RMSNorm": True, "GptOssRMSNorm": False,
+              "DeepseekV4RMSNorm": False}
+
+
 class DecoderResident(ResidentModel):
     """Resident part of a model.embed_tokens / model.layers / model.norm / lm_head decoder.
 
@@ -165,6 +172,16 @@ class DecoderResident(ResidentModel):
                 moe_index += 1
             else:
                 self.layers.append(DecoderLayer(layer, types[i]))
+
+    def fuse(self) -> None:
+        """Its RMSNorms of a form kernels/norm.py has (`NORM_FORMS`) in one launch each, and a one-token step's attention
+        in one where the layer's shapes fit it (models/one_query.py; else SDPA as before)."""
+        from sluice.kernels.norm import RMSNorm
+        from sluice.models.build import swap_modules
+        from sluice.models.one_query import use_one_query_attention
+
+        swap_modules(self.hf, lambda m: type(m).__name__ in NORM_FORMS, lambda m: RMSNorm(m, NORM_FORMS[type(m).__name__]))
+        use_one_query_attention(self.hf)
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
         h = self.hf.model.embed_tokens(ids)

@@ -18,18 +18,27 @@ from common import DEVICE
 from test_golden import check_golden
 
 
-@pytest.mark.parametrize("rows,D,dtype", [(1, 2688, torch.bfloat16), (3, 37, torch.float32), (2, 300, torch.float16),
-                                          (4, 64, torch.float32)])
-def test_rms_norm_matches_its_reference(rows, D, dtype):
-    """Shapes and dtype kept; fp32 outputs within a few ulps, 16-bit ones within one rounding of the output type."""
+@pytest.mark.parametrize("rows,D,dtype,w_dtype", [(1, 2688, torch.bfloat16, None), (3, 37, torch.float32, None),
+                                                  (2, 300, torch.float16, None), (4, 64, torch.float32, None),
+                                                  (2, 128, torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("round_first", [False, True])
+def test_rms_norm_matches_its_reference(rows, D, dtype, w_dtype, round_first):
+    """Shapes kept, the dtype the formula gives (Llama's form, `round_first`: the promotion of x's and the weight's);
+    fp32 outputs within a few ulps, 16-bit ones within one rounding of the output type. The two forms differ in
+    16 bits (the must-fail side)."""
     g = torch.Generator().manual_seed(D)
     x = (torch.randn(rows, D, generator=g) * 3).to(dtype).to(DEVICE)
-    w = torch.randn(D, generator=g).to(dtype).to(DEVICE)
-    got, want = rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)
-    assert got.shape == want.shape == (rows, D) and got.dtype == dtype
-    ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1)
+    w = torch.randn(D, generator=g).to(w_dtype or dtype).to(DEVICE)
+    got, want = rms_norm(x, w, 1e-5, round_first), rms_norm_ref(x, w, 1e-5, round_first)
+    assert got.shape == want.shape == (rows, D) and got.dtype == want.dtype
+    assert got.dtype == (torch.promote_types(dtype, w.dtype) if round_first else dtype)
+    eps = max(torch.finfo(got.dtype).eps, torch.finfo(dtype).eps if round_first else 0)  # the row rounded to x's dtype first
+    ulp = eps * want.float().abs().clamp(min=1)
     assert bool(((got.float() - want.float()).abs() <= 2 * ulp).all())
-    assert not torch.allclose(rms_norm(x, w.flip(0), 1e-5).float(), want.float(), atol=1e-2)  # a wrong weight shows
+    assert not torch.allclose(rms_norm(x, w.flip(0), 1e-5, round_first).float(), want.float(), atol=1e-2)  # a wrong weight shows
+    if dtype != torch.float32 and w_dtype is None:
+        other = rms_norm(x, w, 1e-5, not round_first)
+        assert not torch.equal(other, want)
 
 
 @pytest.mark.parametrize("shape,dtype", [((1, 1, 2688), torch.bfloat16), ((1, 3, 70), torch.float16), ((1, 2, 1500), torch.float32)])
@@ -203,3 +212,26 @@ def test_fused_linears_reach_the_moe_blocks_linears(stores, monkeypatch):
         assert len(calls) == 1
         block.shared(x)
         assert len(calls) == 3  # the shared expert's up and down
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss_unquantized", "deepseek_v4",
+                                     pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def test_fused_decoder_models_match_transformers(variant, stores, refs, monkeypatch):
+    """`fused_ops` on the attention-and-MoE decoders: each RMSNorm of a form the kernel has (models/decoder.py
+    `NORM_FORMS`) through kernels/norm.py, each one-token attention whose shapes fit through kernels/attention.py (here
+    interpreted), a static cache's window masked (DeepSeek-V4: a growing cache); the prompt's and every decode step's logits within the golden
+    tolerance, the greedy tokens the reference's."""
+    from sluice.models import one_query
+    from sluice.models.decoder import NORM_FORMS
+
+    ran, kernel = [], one_query.one_query_attention
+    monkeypatch.setattr(one_query, "_runs_here", lambda q: True)
+    monkeypatch.setattr(one_query, "one_query_attention", lambda q, k, v, m, s: ran.append(1) or kernel(q, k, v, m, s))
+    static_kv = None if variant == "deepseek_v4" else 64  # its compressed attention has no static layer
+    with sluice.load(stores[variant], device=DEVICE, fused_ops=True, schedule="direct", static_kv=static_kv) as engine:
+        names = {type(m).__name__ for m in engine.model.hf.modules()}
+        assert not names & set(NORM_FORMS)
+        swapped = "RMSNorm" in names
+        check_golden(engine, variant, refs, f"{variant} fused ops", n=8)
+    assert swapped or variant == "qwen3_next"  # its (1 + weight) norms stay transformers'
+    assert ran or variant in ("deepseek_v3", "gpt_oss_unquantized", "deepseek_v4")  # MLA's widths, attention sinks
