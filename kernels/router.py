@@ -1,4 +1,5 @@
-"""A sigmoid top-k router (DeepSeek-V3's, as Nemotron-H runs it with one expert group) in two Triton launches.
+"""A sigmoid top-k router (DeepSeek-V3's, as Nemotron-H runs it with one expert group) and a softmax one (Qwen3-MoE's,
+Mixtral's) in two Triton launches each.
 
 transformers' router is about a dozen kernels a call on a GPU (the input to fp32, the linear, sigmoid, the bias,
 top-k, gather, sum, add, divide, scale); a one-token step of Nemotron-3-Nano routes 23 times (and guesses the next
@@ -9,6 +10,10 @@ time. Here:
       router weights, sigmoid.
   `_select_kernel`, one program per row: the top-k of the scores plus the correction bias, best first (the first
       index among equal ones), their scores normalised to sum 1 (with transformers' 1e-20) and scaled.
+
+The softmax router (`softmax_router`): the logits rounded to the router weight's dtype (transformers' linear in that
+dtype), their softmax in fp32, the top-k of the probabilities best first, optionally normalised to sum 1 (no 1e-20),
+the weights in the dtype the model returns them in. `softmax_router_ref` is its plain-torch reference.
 
 Up to FEW rows (one-token steps, small batches); a prompt's rows go through the reference, one GEMM that reads the
 weights once. The same arithmetic in fp32; the dot products add in another order than cuBLAS's, so scores agree
@@ -26,7 +31,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr):
+def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr, SIGMOID: tl.constexpr = True):
     t, eb = tl.program_id(0), tl.program_id(1)
     e = eb * BE + tl.arange(0, BE)
     em = e < E
@@ -37,7 +42,31 @@ def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr):
         xv = tl.load(x + t * X_T + d, mask=dm, other=0.0).to(tl.float32)
         wv = tl.load(w + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(wv * xv[None, :], axis=1)
-    tl.store(s + t * E + e, 1.0 / (1.0 + tl.exp(-acc)), mask=em)
+    out = 1.0 / (1.0 + tl.exp(-acc)) if SIGMOID else acc  # else the logits, rounded to s's dtype as stored
+    tl.store(s + t * E + e, out.to(s.dtype.element_ty), mask=em)
+
+
+@triton.jit
+def _softmax_select_kernel(s, weights, ids, E, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BE)
+    em = e < E
+    logit = tl.load(s + t * E + e, mask=em, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, axis=0))
+    p = tl.where(em, p / tl.sum(p, axis=0), float("-inf"))
+    choice, rank, total = p, tl.full([BE], -1, tl.int32), 0.0
+    for k in tl.static_range(K):
+        best = tl.max(choice, axis=0)
+        at = tl.min(tl.where(choice == best, e, BE), axis=0)  # the first index among equal ones
+        tl.store(ids + t * K + k, at.to(tl.int64))
+        rank = tl.where(e == at, k, rank)
+        total += best
+        choice = tl.where(e == at, float("-inf"), choice)
+    for k in tl.static_range(K):
+        got = tl.sum(tl.where(rank == k, p, 0.0), axis=0)
+        if NORM:
+            got = got / total
+        tl.store(weights + t * K + k, got.to(weights.dtype.element_ty))
 
 
 @triton.jit
@@ -95,3 +124,30 @@ def router_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def softmax_router(x: torch.Tensor, weight: torch.Tensor, k: int, norm: bool,
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, K] out_dtype, ids [T, K] int64 best first); weight [E, D] in the router's dtype."""
+    T, D = x.shape
+    if T > FEW:
+        return softmax_router_ref(x, weight, k, norm, out_dtype)
+    E = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    s = torch.empty(T, E, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    BD = min(4096, triton.next_power_of_2(D))
+    _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, SIGMOID=False, num_warps=8 if BD >= 2048 else 4)
+    weights = torch.empty(T, k, dtype=out_dtype, device=x.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    _softmax_select_kernel[(T,)](s, weights, ids, E, K=k, NORM=norm, BE=triton.next_power_of_2(E), num_warps=1)
+    return weights, ids
+
+
+def softmax_router_ref(x: torch.Tensor, weight: torch.Tensor, k: int, norm: bool,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(torch.nn.functional.linear(x, weight).float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1, sorted=True)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(out_dtype), ids

@@ -151,6 +151,24 @@ NORM_FORMS = {"Qwen3MoeRMSNorm": True, "MixtralRMSNorm": True, "DeepseekV3RMSNor
               "DeepseekV4RMSNorm": False}
 
 
+# transformers' softmax top-k routers that kernels/router.py `softmax_router` computes: the logits in the router
+# weight's dtype, softmax in fp32, top-k, normalised (Qwen3-MoE: as `norm_topk_prob` says); the weights returned in the
+# logits' dtype (Qwen3-MoE) or fp32 (Mixtral)
+SOFTMAX_ROUTERS = {"Qwen3MoeTopKRouter": True, "MixtralTopKRouter": False}
+
+
+def _softmax_router(gate: nn.Module) -> Callable:
+    from sluice.kernels.router import softmax_router
+
+    in_logits_dtype = SOFTMAX_ROUTERS[type(gate).__name__]
+    norm = getattr(gate, "norm_topk_prob", True)
+
+    def route(x):
+        out = torch.promote_types(x.dtype, gate.weight.dtype) if in_logits_dtype else torch.float32
+        return softmax_router(x.reshape(-1, gate.hidden_dim), gate.weight, gate.top_k, norm, out)
+    return route
+
+
 class DecoderResident(ResidentModel):
     """Resident part of a model.embed_tokens / model.layers / model.norm / lm_head decoder.
 
@@ -164,24 +182,33 @@ class DecoderResident(ResidentModel):
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
         self.layer_types = list(types)
         self.layers: list[Layer] = []
+        self._gates: dict[int, nn.Module] = {}  # MoE layer -> its router module, for `fuse`
         moe_index = 0
         for i, layer in enumerate(hf_model.model.layers):
             if sparse(i):
                 moe, cap = swap_moe(layer, moe_attr, capture)
+                self._gates[i] = getattr(moe, "gate", None)
                 self.layers.append(DecoderLayer(layer, types[i], make_block(moe, i, moe_index), cap))
                 moe_index += 1
             else:
                 self.layers.append(DecoderLayer(layer, types[i]))
 
     def fuse(self) -> None:
-        """Its RMSNorms of a form kernels/norm.py has (`NORM_FORMS`) in one launch each, and a one-token step's attention
-        in one where the layer's shapes fit it (models/one_query.py; else SDPA as before)."""
+        """Its RMSNorms of a form kernels/norm.py has (`NORM_FORMS`) in one launch each, a one-token step's attention
+        in one where the layer's shapes fit it (models/one_query.py; else SDPA as before), and its softmax routers
+        (`SOFTMAX_ROUTERS`) in two (kernels/router.py)."""
+        from dataclasses import replace
+
         from sluice.kernels.norm import RMSNorm
         from sluice.models.build import swap_modules
         from sluice.models.one_query import use_one_query_attention
 
         swap_modules(self.hf, lambda m: type(m).__name__ in NORM_FORMS, lambda m: RMSNorm(m, NORM_FORMS[type(m).__name__]))
         use_one_query_attention(self.hf)
+        for layer in self.layers:
+            gate = self._gates.get(layer.moe.layer) if layer.moe is not None else None
+            if type(gate).__name__ in SOFTMAX_ROUTERS:
+                layer.moe = replace(layer.moe, router=_softmax_router(gate))
 
     def begin(self, ids, cache, past) -> tuple[torch.Tensor, Any]:
         h = self.hf.model.embed_tokens(ids)

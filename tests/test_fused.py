@@ -219,14 +219,17 @@ def test_fused_linears_reach_the_moe_blocks_linears(stores, monkeypatch):
 def test_fused_decoder_models_match_transformers(variant, stores, refs, monkeypatch):
     """`fused_ops` on the attention-and-MoE decoders: each RMSNorm of a form the kernel has (models/decoder.py
     `NORM_FORMS`) through kernels/norm.py, each one-token attention whose shapes fit through kernels/attention.py (here
-    interpreted), a static cache's window masked (DeepSeek-V4: a growing cache); the prompt's and every decode step's logits within the golden
+    interpreted), Qwen3-MoE's and Mixtral's softmax routers through kernels/router.py, a static cache's window masked (DeepSeek-V4: a growing cache); the prompt's and every decode step's logits within the golden
     tolerance, the greedy tokens the reference's."""
     from sluice.models import one_query
     from sluice.models.decoder import NORM_FORMS
 
-    ran, kernel = [], one_query.one_query_attention
+    from sluice.kernels import router
+
+    ran, kernel, routed, route = [], one_query.one_query_attention, [], router.softmax_router
     monkeypatch.setattr(one_query, "_runs_here", lambda q: True)
     monkeypatch.setattr(one_query, "one_query_attention", lambda q, k, v, m, s: ran.append(1) or kernel(q, k, v, m, s))
+    monkeypatch.setattr(router, "softmax_router", lambda *a: routed.append(1) or route(*a))
     static_kv = None if variant == "deepseek_v4" else 64  # its compressed attention has no static layer
     with sluice.load(stores[variant], device=DEVICE, fused_ops=True, schedule="direct", static_kv=static_kv) as engine:
         names = {type(m).__name__ for m in engine.model.hf.modules()}
@@ -235,3 +238,25 @@ def test_fused_decoder_models_match_transformers(variant, stores, refs, monkeypa
         check_golden(engine, variant, refs, f"{variant} fused ops", n=8)
     assert swapped or variant == "qwen3_next"  # its (1 + weight) norms stay transformers'
     assert ran or variant in ("deepseek_v3", "gpt_oss_unquantized", "deepseek_v4")  # MLA's widths, attention sinks
+    assert bool(routed) == (variant in ("qwen3_moe", "mixtral"))  # their softmax routers in kernels/router.py
+
+
+@pytest.mark.parametrize("T,D,E,K,dtype,norm,out", [(1, 2048, 128, 8, torch.bfloat16, True, torch.bfloat16),
+                                                    (3, 40, 8, 2, torch.float32, True, torch.float32),
+                                                    (2, 64, 60, 4, torch.bfloat16, False, torch.float32)])
+def test_softmax_router_matches_its_reference(T, D, E, K, dtype, norm, out):
+    """The same experts best first and their weights within rounding of the output dtype (the logits rounded to the
+    router's dtype, the softmax in fp32); a row of other weights routes elsewhere (the must-fail side)."""
+    from sluice.kernels.router import softmax_router, softmax_router_ref
+
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(T, D, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(E, D, generator=g) / D ** 0.5 * 4).to(dtype).to(DEVICE)
+    (got_w, got_i), (want_w, want_i) = softmax_router(x, w, K, norm, out), softmax_router_ref(x, w, K, norm, out)
+    assert got_w.dtype == want_w.dtype == out and got_i.dtype == torch.int64 and got_i.shape == (T, K)
+    assert torch.equal(got_i, want_i)
+    tol = 2 * torch.finfo(out).eps + (4 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6)
+    assert torch.allclose(got_w.float(), want_w.float(), atol=tol, rtol=tol)
+    if norm:
+        assert torch.allclose(got_w.float().sum(-1), torch.ones(T), atol=K * torch.finfo(out).eps)
+    assert not torch.equal(softmax_router(x, w.flip(0), K, norm, out)[1], want_i)
