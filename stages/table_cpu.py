@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from sluice.errors import SluiceError
@@ -215,14 +216,16 @@ class CpuSteps:
         """The host's part of MoE index i's device split this token, and the mix: mix(cpu_y on the device) -> h."""
         b, K = self._cpu_bufs[i], block.top_k
 
-        def host() -> None:  # at every replay: this token's number
+        def host() -> None:  # at every replay: this token's number; read through numpy (a torch op on a small CPU
+            # tensor costs microseconds of dispatch, and this runs at every MoE layer of the token)
             self._await_seq(b.seq, self._cpu_seq)
-            pack = b.pack
-            ids, w, xe = pack[:K].long(), pack[K : 2 * K], pack[2 * K : -2 * K].clone()
-            rows = (pack[-2 * K : -K] > 0.5).nonzero()[:, 0].tolist()
-            self._cpu_outside[i] = int((pack[-K:] > 0.5).sum())  # for the next token's count
-            if rows:
-                self._cpu_rows(block, ids[rows].tolist(), xe, w[rows], b.x_dtype, b.y, rows)
+            pack = b.pack.numpy()
+            rows = np.flatnonzero(pack[-2 * K : -K] > 0.5).tolist()
+            self._cpu_outside[i] = int(np.count_nonzero(pack[-K:] > 0.5))  # for the next token's count
+            if rows:  # xe is read in place: the next token's copy into the pack comes after the next replay
+                w = torch.from_numpy(pack[K : 2 * K][rows])
+                self._cpu_rows(block, pack[:K][rows].astype(np.int64).tolist(), torch.from_numpy(pack[2 * K : -2 * K]), w,
+                               b.x_dtype, b.y, rows)
 
         def finish() -> torch.Tensor:
             b.y_dev.copy_(b.y, non_blocking=True)
