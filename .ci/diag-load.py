@@ -13,7 +13,7 @@ from sluice.api import worker as W
 from sluice.benchmarks.load import bench_load
 
 with sluice.load(sys.argv[1], vram_budget="8GiB", routing="skewed", schedule="direct", max_batch=16) as e:
-    bench_load(e, 1, 1, 64, 4, None)  # warm: kernels compiled, graphs captured
+    bench_load(e, 1, 1, 64, 64, None)  # warm: kernels compiled, graphs captured, the VRAM tier settled
     seq = e.new_sequence()
     ids = torch.randint(3, 1000, (64,), generator=torch.Generator().manual_seed(5)).tolist()
     t = time.perf_counter()

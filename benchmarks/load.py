@@ -3,7 +3,9 @@ token, per-client and aggregate decode tok/s, per number of clients and `--max-b
 given (a figure that depends on routing says which).
 
 Every client's request (a random prompt of `--prompt-length` tokens, `--decode-tokens` greedy tokens) is submitted
-before the worker's first turn, as N clients arriving together; the worker is warmed by one request first.
+before the worker's first turn, as N clients arriving together. One request of `--warm-tokens` decoded tokens runs
+first, untimed: kernels compiled, steps captured, and the VRAM tier settled on the routing, as a server's earlier
+requests leave it (it refreshes every 16 one-token steps: a 4-token warm-up left it as the prompts had filled it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 
 def add_load_parser(bsub) -> None:
-    from sluice.options import engine_args
+    from sluice.options import at_least, engine_args
 
     bl = bsub.add_parser("load", help="N clients at once through the server's worker: time to first token, per-client "
                                       "and aggregate tok/s, per --max-batch")
@@ -28,6 +30,8 @@ def add_load_parser(bsub) -> None:
     bl.add_argument("--step-tokens", type=int, help="the rows a shared step holds (default: the prefill chunk)")
     bl.add_argument("--prompt-length", type=int, default=64)
     bl.add_argument("--decode-tokens", type=int, default=32)
+    bl.add_argument("--warm-tokens", type=at_least(2), default=64, help="a first request's tokens, untimed, so that the clients meet a "
+                                                                "VRAM tier settled on the routing (default: %(default)s)")
     bl.add_argument("--json", type=Path, help="also write the rows as JSON")
     bl.set_defaults(func=cmd_bench_load)
 
@@ -91,7 +95,7 @@ def cmd_bench_load(args) -> int:
     clients, batches = counts("--clients", args.clients), counts("--max-batch", args.max_batch)
     with open_engine(args, max_batch=max(batches)) as engine:
         r = {"routing": routing_name(engine), "synthetic_weights": synthetic_weights(engine)}
-        bench_load(engine, 1, 1, args.prompt_length, 4, None)  # warm: kernels compiled, graphs captured
+        bench_load(engine, 1, 1, args.prompt_length, args.warm_tokens, None)  # warm (module docstring)
         r["rows"] = [bench_load(engine, c, b, args.prompt_length, args.decode_tokens, args.step_tokens)
                      for b in batches for c in clients]
         print(f"{engine.store.path} on {engine.device} | schedule {engine.coordinator.schedule.name} | prompt "

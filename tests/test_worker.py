@@ -60,13 +60,18 @@ def test_bench_load_reports_each_setting(stores, tmp_path, capsys):
 
     out = tmp_path / "load.json"
     assert main(["bench", "load", "--model", str(stores["nemotron_h_latent"]), "--device", DEVICE, "--clients", "1,3",
-                 "--max-batch", "1,4", "--decode-tokens", "3", "--prompt-length", "6", "--json", str(out)]) == 0
+                 "--max-batch", "1,4", "--decode-tokens", "3", "--prompt-length", "6", "--warm-tokens", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert [(row["clients"], row["max_batch"]) for row in r["rows"]] == [(1, 1), (3, 1), (1, 4), (3, 4)]
     assert all(row["aggregate_tok_s"] > 0 and 0 < row["ttft_median_s"] <= row["ttft_max_s"] for row in r["rows"])
     assert "routing: natural" in capsys.readouterr().out
     assert main(["bench", "load", "--model", str(stores["nemotron_h_latent"]), "--device", DEVICE, "--clients", "0,x"]) != 0
     assert "--clients '0,x': comma-separated counts >= 1" in capsys.readouterr().err
+    try:
+        assert main(["bench", "load", "--model", str(stores["nemotron_h_latent"]), "--warm-tokens", "1"]) != 0
+    except SystemExit as e:  # argparse's exit on a bad value
+        assert e.code != 0
+    assert "--warm-tokens" in capsys.readouterr().err
 
 
 def test_the_worker_trims_only_when_no_request_waits(stores, monkeypatch):
