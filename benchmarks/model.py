@@ -14,6 +14,8 @@ same run (the time a perfect pipeline would need for the expert I/O alone).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 
 import torch
@@ -79,10 +81,11 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     before, flushes = engine.rt.stats.snapshot(), allocator_flushes(engine.device)
     times = []
     token = int(logits[-1].argmax())
-    for _ in range(decode_tokens):
-        t = time.perf_counter()
-        token = int(engine.extend(seq, [token])[-1].argmax())
-        times.append(time.perf_counter() - t)
+    with gc_pauses() as pauses:
+        for _ in range(decode_tokens):
+            t = time.perf_counter()
+            token = int(engine.extend(seq, [token])[-1].argmax())
+            times.append(time.perf_counter() - t)
     io = engine.rt.stats.since(before)
     n, block = decode_tokens, engine.store.block_bytes
     per_tier = {t: io["blocks"][t] / n for t in TIERS}
@@ -113,6 +116,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "cpu_ms_per_block": 1000 * engine.rt.cpu_s_per_block if engine.rt.cpu_s_per_block else None,
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
         "allocator_flushes": allocator_flushes(engine.device) - flushes,
+        "refreshes": io["refreshes"], "refresh_host_ms": 1000 * io["refresh_s"] / max(io["refreshes"], 1),
+        "gc_pauses_ms": [round(ms, 2) for ms in pauses],
     }
     d["vram_slots"] = engine.rt.vram.capacity if engine.rt.vram is not None else 0
     d["ram_slots"] = engine.rt.ram.capacity
@@ -140,6 +145,24 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
 def routing_name(engine) -> str:
     """The routing a run's figures were measured under (storage/routing.py), as every bench table names it."""
     return str(engine.routing.setting) if engine.routing is not None else "natural"
+
+
+@contextlib.contextmanager
+def gc_pauses():
+    """The Python garbage collector's pauses (ms each) while the block runs: a collection over every object the
+    process holds can take tens of ms, paid by the step that happens to trigger it."""
+    pauses, start = [], [0.0]
+
+    def timed(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            pauses.append(1000 * (time.perf_counter() - start[0]))
+    gc.callbacks.append(timed)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(timed)
 
 
 def allocator_flushes(device: torch.device) -> int:
@@ -189,6 +212,12 @@ def format_bench(r: dict, block_bytes: int) -> str:
         each = (f", {d['cpu_ms_per_block']:.2f} ms each (moving average; {block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s "
                 f"of expert bytes)") if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
+    slow = sorted(range(len(d["step_ms"])), key=lambda k: -d["step_ms"][k])[:3]
+    gcs = d.get("gc_pauses_ms", [])
+    lines.append(f"  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" for k in slow)
+                 + (f"; VRAM tier refreshes {d['refreshes']}, the host's part {d['refresh_host_ms']:.2f} ms each"
+                    if d.get("refreshes") else "")
+                 + f"; Python GC pauses {len(gcs)}" + (f", {sum(gcs):.1f} ms in all, the longest {max(gcs):.1f} ms" if gcs else ""))
     lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"
                  + (f", VRAM peak {d['vram_peak_bytes'] / 2**30:.2f} GiB (the allocator held {d['vram_held_peak_bytes'] / 2**30:.2f})"
                     if "vram_peak_bytes" in d else "") + _flushes(d.get("allocator_flushes", 0)))

@@ -38,6 +38,8 @@ class IOStats:
     vram_prefetches: int = 0  # blocks copied RAM -> VRAM ahead on a guess (h2d prefetch)
     vram_prefetch_hits: int = 0  # demand VRAM hits on a block that a guess copied
     vram_fills: int = 0  # blocks copied RAM -> VRAM when the direct schedule refreshes its hot set
+    refreshes: int = 0  # the direct schedule's hot-set refreshes
+    refresh_s: float = 0.0  # the host's time in them (the counts read back, the choice, the copies queued)
     guesses_skipped: int = 0  # guessed blocks not read or copied ahead: the recent recall was below `min_recall`
     predicted: int = 0  # guesses made for layers that then ran
     predicted_right: int = 0  # guesses the layer then routed to

@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -174,7 +175,10 @@ class VramTier:
         self.land()
         self._steps += 1
         if self.vram is not None and self.landing is None and self._steps % self.knobs.refresh == 0:
+            t = time.perf_counter()
             self.refresh()
+            self.rt.stats.refreshes += 1
+            self.rt.stats.refresh_s += time.perf_counter() - t
 
     def refresh(self) -> None:
         """Choose the hot set anew from the decayed use counts: free slots take the most used blocks outside it, and a
