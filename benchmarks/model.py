@@ -59,10 +59,12 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     def prefill(n: int) -> dict:
         ids = torch.randint(3, vocab, (n,), generator=g).tolist()
         before, flushes = engine.rt.stats.snapshot(), allocator_flushes(engine.device)
+        seq = engine.new_sequence()
         t = time.perf_counter()
-        engine.extend(engine.new_sequence(), ids, last=True)  # as generation prefills: the head on the last row
+        engine.extend(seq, ids, last=True)  # as generation prefills: the head on the last row
         sync()
         dt = time.perf_counter() - t
+        engine.release(seq)  # as a finished request's: its state goes to the next sequence (not left to the GC)
         io = engine.rt.stats.since(before)
         return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"],
                 "allocator_flushes": allocator_flushes(engine.device) - flushes}
@@ -87,10 +89,11 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
             token = int(engine.extend(seq, [token])[-1].argmax())
             times.append(time.perf_counter() - t)
     io = engine.rt.stats.since(before)
+    engine.release(seq)
     n, block = decode_tokens, engine.store.block_bytes
     per_tier = {t: io["blocks"][t] / n for t in TIERS}
     total = sum(io["blocks"].values())
-    first = times[0]  # a new sequence's first step: its Mamba states are new tensors, so their graphs are captured anew
+    first = times[0]  # a sequence's first step: over state tensors no step has run on (none spare), its graphs are captured anew
     steps = [round(1000 * t, 3) for t in times]  # in order: a step that slows down for good shows where it began
     times = sorted(times)
     d = out["decode"] = {
