@@ -93,7 +93,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     n, block = decode_tokens, engine.store.block_bytes
     per_tier = {t: io["blocks"][t] / n for t in TIERS}
     total = sum(io["blocks"].values())
-    first = times[0]  # a sequence's first step: over state tensors no step has run on (none spare), its graphs are captured anew
+    first = times[0]  # a sequence's first step: its state is a released one (generate's), so no capture unless none was spare
     steps = [round(1000 * t, 3) for t in times]  # in order: a step that slows down for good shows where it began
     times = sorted(times)
     d = out["decode"] = {
@@ -120,6 +120,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
         "allocator_flushes": allocator_flushes(engine.device) - flushes,
         "refreshes": io["refreshes"], "refresh_host_ms": 1000 * io["refresh_s"] / max(io["refreshes"], 1),
+        "refresh_wait_ms": 1000 * io["refresh_wait_s"] / max(io["refreshes"], 1),
         "gc_pauses_ms": [round(ms, 2) for ms in pauses],
     }
     d["vram_slots"] = engine.rt.vram.capacity if engine.rt.vram is not None else 0
@@ -218,7 +219,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
     slow = sorted(range(len(d["step_ms"])), key=lambda k: -d["step_ms"][k])[:3]
     gcs = d.get("gc_pauses_ms", [])
     lines.append(f"  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" for k in slow)
-                 + (f"; VRAM tier refreshes {d['refreshes']}, the host's part {d['refresh_host_ms']:.2f} ms each"
+                 + (f"; VRAM tier refreshes {d['refreshes']}, {d['refresh_host_ms']:.2f} ms each on the host (of which "
+                    f"{d['refresh_wait_ms']:.2f} waiting for the GPU's counts)"
                     if d.get("refreshes") else "")
                  + f"; Python GC pauses {len(gcs)}" + (f", {sum(gcs):.1f} ms in all, the longest {max(gcs):.1f} ms" if gcs else ""))
     lines.append(f"  VRAM slots {d['vram_slots']}, RAM slots {d['ram_slots']}"

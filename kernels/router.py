@@ -31,7 +31,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr, SIGMOID: tl.constexpr = True):
+def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr, SIGMOID: tl.constexpr):
     t, eb = tl.program_id(0), tl.program_id(1)
     e = eb * BE + tl.arange(0, BE)
     em = e < E
@@ -42,8 +42,9 @@ def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr, SIGMO
         xv = tl.load(x + t * X_T + d, mask=dm, other=0.0).to(tl.float32)
         wv = tl.load(w + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(wv * xv[None, :], axis=1)
-    out = 1.0 / (1.0 + tl.exp(-acc)) if SIGMOID else acc  # else the logits, rounded to s's dtype as stored
-    tl.store(s + t * E + e, out.to(s.dtype.element_ty), mask=em)
+    if SIGMOID:
+        acc = 1.0 / (1.0 + tl.exp(-acc))
+    tl.store(s + t * E + e, acc.to(s.dtype.element_ty), mask=em)  # the logits rounded to s's dtype, or the scores
 
 
 @triton.jit
@@ -76,17 +77,16 @@ def _select_kernel(s, bias, weights, ids, E, K: tl.constexpr, scale, NORM: tl.co
     em = e < E
     score = tl.load(s + t * E + e, mask=em, other=0.0)
     choice = tl.where(em, score + tl.load(bias + e, mask=em, other=0.0), float("-inf"))
-    total = 0.0
+    rank, total = tl.full([BE], -1, tl.int32), 0.0
     for k in tl.static_range(K):
         best = tl.max(choice, axis=0)
         at = tl.min(tl.where(choice == best, e, BE), axis=0)  # the first index among equal ones
-        got = tl.sum(tl.where(e == at, score, 0.0), axis=0)
         tl.store(ids + t * K + k, at.to(tl.int64))
-        tl.store(weights + t * K + k, got)
-        total += got
+        rank = tl.where(e == at, k, rank)
+        total += tl.sum(tl.where(e == at, score, 0.0), axis=0)
         choice = tl.where(e == at, float("-inf"), choice)
-    for k in tl.static_range(K):
-        w = tl.load(weights + t * K + k)
+    for k in tl.static_range(K):  # the weights from registers (a value stored is not read back: no barrier orders it)
+        w = tl.sum(tl.where(rank == k, score, 0.0), axis=0)
         if NORM:
             w = w / (total + 1e-20)
         tl.store(weights + t * K + k, w * scale)
@@ -108,7 +108,7 @@ def sigmoid_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k:
     # one expert a program, its whole row in one load: latency, not bytes, bounds a call (16 experts a program, then 2
     # in a loop over D, left most of the GPU idle: BENCHMARKS.md, 2026-12-06)
     BD = min(4096, triton.next_power_of_2(D))
-    _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, num_warps=8 if BD >= 2048 else 4)
+    _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, SIGMOID=True, num_warps=8 if BD >= 2048 else 4)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     # one warp: its K rounds of max, first index and sum are register shuffles, not shared-memory rounds across warps

@@ -40,6 +40,7 @@ class IOStats:
     vram_fills: int = 0  # blocks copied RAM -> VRAM when the direct schedule refreshes its hot set
     refreshes: int = 0  # the direct schedule's hot-set refreshes
     refresh_s: float = 0.0  # the host's time in them (the counts read back, the choice, the copies queued)
+    refresh_wait_s: float = 0.0  # ... of which waiting for the counts (the GPU's work queued before them)
     guesses_skipped: int = 0  # guessed blocks not read or copied ahead: the recent recall was below `min_recall`
     predicted: int = 0  # guesses made for layers that then ran
     predicted_right: int = 0  # guesses the layer then routed to

@@ -185,7 +185,9 @@ class VramTier:
         block outside replaces the least used inside only while it beats it by `margin` routed uses (the cost of its
         copy) plus `noise` times the square root of both counts (their chance spread: scores from a few tokens differ
         by chance, and a swap on chance is a block over PCIe that saves nothing)."""
+        t = time.perf_counter()
         uses = self.uses.to("cpu", copy=True)  # the one host wait in `refresh` steps (a copy on a CPU too: kept as the last counts)
+        self.rt.stats.refresh_wait_s += time.perf_counter() - t
         self._score = self._score * self.knobs.decay + (uses - self._last_uses).double()
         self._last_uses = uses
         E = self.table.shape[1]

@@ -28,7 +28,7 @@ def kernels():
     from sluice.kernels.gemv import _gemv_kernel
     from sluice.kernels.mamba import _gate_norm_kernel
     from sluice.kernels.norm import _rms_norm_kernel
-    from sluice.kernels.router import _scores_kernel, _select_kernel
+    from sluice.kernels.router import _scores_kernel, _select_kernel, _softmax_select_kernel
 
     parts = {"part": "*fp32", "w": "*fp32", "y": "*fp32", "live": "*i32", "live_total": "*i64", "Dx": "i32", "A": "i32"}
     return {
@@ -44,9 +44,15 @@ def kernels():
                                     "W_N": "i32"}, dict(HAS_B=False, RELU2=False, HAS_R=False, YDT=tl.bfloat16, BN=4, BK=512,
                                                         GDC=True)),
         "rms_norm": (_rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16", "D": "i32", "eps": "fp32", "X_R": "i32",
-                                        "Y_R": "i32"}, dict(B=4096)),
+                                        "Y_R": "i32"}, dict(B=4096, ROUND_FIRST=False)),
+        "rms_norm round first": (_rms_norm_kernel, {"x": "*bf16", "w": "*fp32", "y": "*fp32", "D": "i32", "eps": "fp32",
+                                                    "X_R": "i32", "Y_R": "i32"}, dict(B=2048, ROUND_FIRST=True)),
         "router scores": (_scores_kernel, {"x": "*bf16", "w": "*fp32", "s": "*fp32", "D": "i32", "E": "i32", "X_T": "i32"},
-                          dict(BE=1, BD=4096)),
+                          dict(BE=1, BD=4096, SIGMOID=True)),
+        "router logits": (_scores_kernel, {"x": "*bf16", "w": "*bf16", "s": "*bf16", "D": "i32", "E": "i32", "X_T": "i32"},
+                          dict(BE=1, BD=2048, SIGMOID=False)),
+        "softmax select": (_softmax_select_kernel, {"s": "*bf16", "weights": "*bf16", "ids": "*i64", "E": "i32"},
+                           dict(K=8, NORM=True, BE=128)),
         "mamba gate norm": (_gate_norm_kernel, {"zx": "*bf16", "y": "*fp32", "nw": "*bf16", "out": "*bf16", "cs": "*bf16",
                                                 **{n: "i32" for n in ("I", "CONV_DIM", "GS", "CS_C", "CS_K", "CPP")},
                                                 "eps": "fp32", "ZX_B": "i32", "CS_B": "i32"},
@@ -64,8 +70,9 @@ def kernels():
     }
 
 
-NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "gemv pdl", "rms_norm", "router scores", "mamba gate norm",
-         "router select", "add3", "kv append", "one-query attention", "must fail"]
+NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "gemv pdl", "rms_norm", "rms_norm round first",
+         "router scores", "router logits", "softmax select", "mamba gate norm", "router select", "add3", "kv append",
+         "one-query attention", "must fail"]
 
 
 def must_fail():

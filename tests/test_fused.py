@@ -35,6 +35,8 @@ def test_rms_norm_matches_its_reference(rows, D, dtype, w_dtype, round_first):
     eps = max(torch.finfo(got.dtype).eps, torch.finfo(dtype).eps if round_first else 0)  # the row rounded to x's dtype first
     ulp = eps * want.float().abs().clamp(min=1)
     assert bool(((got.float() - want.float()).abs() <= 2 * ulp).all())
+    if DEVICE == "cuda":  # rounding to nearest, as torch: equal but where the row's sum order moves a rounding
+        assert (got == want).float().mean().item() >= 0.95
     assert not torch.allclose(rms_norm(x, w.flip(0), 1e-5, round_first).float(), want.float(), atol=1e-2)  # a wrong weight shows
     if dtype != torch.float32 and w_dtype is None:
         other = rms_norm(x, w, 1e-5, not round_first)
@@ -260,3 +262,59 @@ def test_softmax_router_matches_its_reference(T, D, E, K, dtype, norm, out):
     if norm:
         assert torch.allclose(got_w.float().sum(-1), torch.ones(T), atol=K * torch.finfo(out).eps)
     assert not torch.equal(softmax_router(x, w.flip(0), K, norm, out)[1], want_i)
+
+
+NORM_MODULES = {"Qwen3MoeRMSNorm": "qwen3_moe", "MixtralRMSNorm": "mixtral", "DeepseekV3RMSNorm": "deepseek_v3",
+                "GptOssRMSNorm": "gpt_oss", "DeepseekV4RMSNorm": "deepseek_v4"}
+
+
+@pytest.mark.parametrize("name", sorted(NORM_MODULES))
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_norm_forms_are_transformers_formulas(name, w_dtype):
+    """Each transformers RMSNorm class that models/decoder.py `NORM_FORMS` swaps, on bf16 rows with a bf16 and an fp32
+    weight, against the kernel with its form: the module's dtype, values within a rounding of it (Triton's interpreter
+    rounds to bf16 by truncation: on a GPU they agree bit for bit but for the sum's order). With an fp32 weight the
+    other form returns another dtype (the must-fail side: a wrong entry in NORM_FORMS shows)."""
+    import importlib
+
+    from sluice.kernels.norm import RMSNorm
+    from sluice.models.decoder import NORM_FORMS
+
+    assert set(NORM_FORMS) == set(NORM_MODULES)
+    module = NORM_MODULES[name]
+    norm = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(96, eps=1e-6)
+    g = torch.Generator().manual_seed(96)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    norm = norm.to(w_dtype).to(DEVICE)
+    x = (torch.randn(3, 96, generator=g) * 4).to(torch.bfloat16).to(DEVICE)
+    want, got = norm(x), RMSNorm(norm, NORM_FORMS[name])(x)
+    assert got.dtype == want.dtype
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=1e-6)
+    if w_dtype == torch.float32:
+        assert RMSNorm(norm, not NORM_FORMS[name])(x).dtype != want.dtype
+
+
+@pytest.mark.parametrize("name", ["Qwen3MoeTopKRouter", "MixtralTopKRouter"])
+def test_softmax_routers_are_transformers_routers(name):
+    """Qwen3-MoE's and Mixtral's routers (models/decoder.py `SOFTMAX_ROUTERS`) on bf16 rows with bf16 weights, against
+    the kernel's: the same experts best first, the weights in the router's dtype (Qwen3: the logits'; Mixtral: fp32)
+    within a rounding of it."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from sluice.models.decoder import _softmax_router
+
+    if name == "Qwen3MoeTopKRouter":
+        gate = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True))
+    else:
+        gate = MixtralTopKRouter(MixtralConfig(hidden_size=64, num_local_experts=8, num_experts_per_tok=2))
+    g = torch.Generator().manual_seed(64)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+    gate = gate.to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    (want_w, want_i), (got_w, got_i) = gate(x)[1:], _softmax_router(gate)(x)
+    assert got_w.dtype == want_w.dtype and torch.equal(got_i, want_i)
+    assert torch.allclose(got_w.float(), want_w.float(), rtol=2 ** -6, atol=1e-3)
