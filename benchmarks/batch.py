@@ -117,7 +117,8 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def cmd_bench_batch(args) -> int:
-    from sluice.benchmarks.model import profile_steps, routing_line, routing_name, synthetic_weights
+    from sluice.benchmarks.model import routing_line, routing_name, synthetic_weights
+    from sluice.benchmarks.profile import profile_steps
     from sluice.options import counts, open_engine
 
     sizes = counts("--batches", args.batches)

@@ -91,7 +91,8 @@ def cmd_bench_model(args) -> int:
     import json
 
     from sluice.options import open_engine
-    from sluice.benchmarks.model import bench_model, format_bench, profile_decode, profile_prefill, resident_roofline
+    from sluice.benchmarks.model import bench_model, format_bench, resident_roofline
+    from sluice.benchmarks.profile import profile_decode, profile_prefill
 
     lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x)
     if args.compare:

@@ -178,7 +178,7 @@ def test_profile_table_lists_gpu_ops_by_time_per_token():
     """bench --profile's GPU table: ops by own time, per token, the ops past its rows summed in one line."""
     from types import SimpleNamespace
 
-    from sluice.benchmarks.model import device_table
+    from sluice.benchmarks.profile import device_table
 
     ops = [SimpleNamespace(key=f"op{i}", self_device_time_total=100.0 * i, count=2 * i) for i in range(1, 6)]
     lines = device_table(ops, tokens=2, rows=3).splitlines()
@@ -358,7 +358,7 @@ def test_attention_runs_without_cudnn_plans(stores, monkeypatch):
 def test_profile_names_real_expert_kernels():
     """`bench model --profile` splits GPU time by these kernel names: each must be a kernel Sluice defines."""
     from sluice.kernels import decode, down, prefill
-    from sluice.benchmarks.model import EXPERT_KERNELS
+    from sluice.benchmarks.profile import EXPERT_KERNELS
 
     assert all(any(hasattr(m, n) for m in (decode, down, prefill)) for n in EXPERT_KERNELS)
 
