@@ -95,20 +95,28 @@ def _select_kernel(s, bias, weights, ids, E, K: tl.constexpr, scale, NORM: tl.co
 FEW = 8  # rows up to which the kernels route; more (a prompt) go through `router_ref`'s GEMM, which reads the weights once
 
 
-def sigmoid_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scale: float,
-                   norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (weights [T, K] fp32, ids [T, K] int64 best first); weight [E, D] and bias [E] fp32."""
+def _scores(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, sigmoid: bool) -> torch.Tensor:
+    """x [T, D] -> [T, E] in dtype: the rows' dot products with the router weights, through a sigmoid or not."""
     T, D = x.shape
-    if T > FEW:
-        return router_ref(x, weight, bias, k, scale, norm)
     E = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    s = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    s = torch.empty(T, E, dtype=dtype, device=x.device)
     # one expert a program, its whole row in one load: latency, not bytes, bounds a call (16 experts a program, then 2
     # in a loop over D, left most of the GPU idle: BENCHMARKS.md, 2026-12-06)
     BD = min(4096, triton.next_power_of_2(D))
-    _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, SIGMOID=True, num_warps=8 if BD >= 2048 else 4)
+    _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, SIGMOID=sigmoid, num_warps=8 if BD >= 2048 else 4)
+    return s
+
+
+def sigmoid_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scale: float,
+                   norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, K] fp32, ids [T, K] int64 best first); weight [E, D] and bias [E] fp32."""
+    T = x.shape[0]
+    if T > FEW:
+        return router_ref(x, weight, bias, k, scale, norm)
+    E = weight.shape[0]
+    s = _scores(x, weight, torch.float32, sigmoid=True)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     # one warp: its K rounds of max, first index and sum are register shuffles, not shared-memory rounds across warps
@@ -129,15 +137,11 @@ def router_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int
 def softmax_router(x: torch.Tensor, weight: torch.Tensor, k: int, norm: bool,
                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (weights [T, K] out_dtype, ids [T, K] int64 best first); weight [E, D] in the router's dtype."""
-    T, D = x.shape
+    T = x.shape[0]
     if T > FEW:
         return softmax_router_ref(x, weight, k, norm, out_dtype)
     E = weight.shape[0]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    s = torch.empty(T, E, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    BD = min(4096, triton.next_power_of_2(D))
-    _scores_kernel[(T, E)](x, weight, s, D, E, x.stride(0), BE=1, BD=BD, SIGMOID=False, num_warps=8 if BD >= 2048 else 4)
+    s = _scores(x, weight, torch.promote_types(x.dtype, weight.dtype), sigmoid=False)
     weights = torch.empty(T, k, dtype=out_dtype, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     _softmax_select_kernel[(T,)](s, weights, ids, E, K=k, NORM=norm, BE=triton.next_power_of_2(E), num_warps=1)
