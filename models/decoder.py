@@ -194,16 +194,19 @@ class DecoderResident(ResidentModel):
                 self.layers.append(DecoderLayer(layer, types[i]))
 
     def fuse(self) -> None:
-        """Its RMSNorms of a form kernels/norm.py has (`NORM_FORMS`) in one launch each, a one-token step's attention
-        in one where the layer's shapes fit it (models/one_query.py; else SDPA as before), and its softmax routers
-        (`SOFTMAX_ROUTERS`) in two (kernels/router.py)."""
+        """Its RMSNorms of a form kernels/norm.py has (`NORM_FORMS`) in one launch each, an attention's per-head norms
+        and rotation in one (models/norm_rope.py), a one-token step's attention in one where the layer's shapes fit it
+        (models/one_query.py; else SDPA as before), and its softmax routers (`SOFTMAX_ROUTERS`) in two
+        (kernels/router.py)."""
         from dataclasses import replace
 
         from sluice.kernels.norm import RMSNorm
         from sluice.models.build import swap_modules
+        from sluice.models.norm_rope import use_norm_rope
         from sluice.models.one_query import use_one_query_attention
 
         swap_modules(self.hf, lambda m: type(m).__name__ in NORM_FORMS, lambda m: RMSNorm(m, NORM_FORMS[type(m).__name__]))
+        use_norm_rope(self.hf)  # after the norms: it reads theirs
         use_one_query_attention(self.hf)
         for layer in self.layers:
             gate = self._gates.get(layer.moe.layer) if layer.moe is not None else None

@@ -50,6 +50,22 @@ def test_batched_decode_equals_one_at_a_time(variant, schedule, stores):
         assert g.argmax(-1).tolist() == w.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("variant", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_fused_attention_takes_the_packed_rows(variant, stores, monkeypatch):
+    """With fused ops, the attentions' norms and rotation (models/norm_rope.py) take several sequences' rows packed into
+    one call: each sequence's logits are its own alone with the same ops."""
+    from sluice.models import norm_rope
+
+    rows, rotate = [], norm_rope.norm_rope
+    monkeypatch.setattr(norm_rope, "norm_rope", lambda q, *a: rows.append(q.shape[1]) or rotate(q, *a))
+    with sluice.load(stores[variant], device=DEVICE, schedule="direct", fused_ops=True) as engine:
+        want = [alone(engine, p) for p in PROMPTS]
+        got = together(engine, PROMPTS)
+    for b, (g, w) in enumerate(zip(got, want)):
+        assert_logits_close(variant, g, w, f"{variant} fused sequence {b}")
+    assert len(PROMPTS) in rows  # a batched step's rows in one call
+
+
 @pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", "qwen3_next", "gpt_oss"])
 def test_prompt_pieces_beside_decode_tokens(variant, stores):
     """A prompt prefilled in pieces that share steps with two other sequences' decode tokens (and with each other)

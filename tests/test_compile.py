@@ -28,6 +28,7 @@ def kernels():
     from sluice.kernels.gemv import _gemv_kernel
     from sluice.kernels.mamba import _gate_norm_kernel
     from sluice.kernels.norm import _rms_norm_kernel
+    from sluice.kernels.rope import _norm_rope_kernel
     from sluice.kernels.router import _scores_kernel, _select_kernel, _softmax_select_kernel
 
     parts = {"part": "*fp32", "w": "*fp32", "y": "*fp32", "live": "*i32", "live_total": "*i64", "Dx": "i32", "A": "i32"}
@@ -47,6 +48,12 @@ def kernels():
                                         "Y_R": "i32"}, dict(B=4096, ROUND_FIRST=False)),
         "rms_norm round first": (_rms_norm_kernel, {"x": "*bf16", "w": "*fp32", "y": "*fp32", "D": "i32", "eps": "fp32",
                                                     "X_R": "i32", "Y_R": "i32"}, dict(B=2048, ROUND_FIRST=True)),
+        "norm rope": (_norm_rope_kernel, {**{n: "*bf16" for n in ("q", "k", "qw", "kw", "cs", "sn", "qo", "ko")}, "eps": "fp32",
+                                          **{n: "i32" for n in ("Hq", "Q_T", "K_T", "C_T", "QO_T", "KO_T")}},
+                       dict(D=128, BD=128, NORM=True, ROUND_FIRST=True, XT=tl.bfloat16, DT=tl.bfloat16)),
+        "rope": (_norm_rope_kernel, {**{n: "*bf16" for n in ("q", "k", "qw", "kw", "cs", "sn", "qo", "ko")}, "eps": "fp32",
+                                     **{n: "i32" for n in ("Hq", "Q_T", "K_T", "C_T", "QO_T", "KO_T")}},
+                 dict(D=40, BD=64, NORM=False, ROUND_FIRST=False, XT=tl.bfloat16, DT=tl.bfloat16)),
         "router scores": (_scores_kernel, {"x": "*bf16", "w": "*fp32", "s": "*fp32", "D": "i32", "E": "i32", "X_T": "i32"},
                           dict(BE=1, BD=4096, SIGMOID=True)),
         "router logits": (_scores_kernel, {"x": "*bf16", "w": "*bf16", "s": "*bf16", "D": "i32", "E": "i32", "X_T": "i32"},

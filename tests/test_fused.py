@@ -221,17 +221,20 @@ def test_fused_linears_reach_the_moe_blocks_linears(stores, monkeypatch):
 def test_fused_decoder_models_match_transformers(variant, stores, refs, monkeypatch):
     """`fused_ops` on the attention-and-MoE decoders: each RMSNorm of a form the kernel has (models/decoder.py
     `NORM_FORMS`) through kernels/norm.py, each one-token attention whose shapes fit through kernels/attention.py (here
-    interpreted), Qwen3-MoE's and Mixtral's softmax routers through kernels/router.py, a static cache's window masked (DeepSeek-V4: a growing cache); the prompt's and every decode step's logits within the golden
+    interpreted), Qwen3-MoE's and Mixtral's softmax routers through kernels/router.py and their attentions' norms and
+    rotation through kernels/rope.py, a static cache's window masked (DeepSeek-V4: a growing cache); the prompt's and every decode step's logits within the golden
     tolerance, the greedy tokens the reference's."""
-    from sluice.models import one_query
+    from sluice.models import norm_rope, one_query
     from sluice.models.decoder import NORM_FORMS
 
     from sluice.kernels import router
 
     ran, kernel, routed, route = [], one_query.one_query_attention, [], router.softmax_router
+    rotated, rotate = [], norm_rope.norm_rope
     monkeypatch.setattr(one_query, "_runs_here", lambda q: True)
     monkeypatch.setattr(one_query, "one_query_attention", lambda q, k, v, m, s: ran.append(1) or kernel(q, k, v, m, s))
     monkeypatch.setattr(router, "softmax_router", lambda *a: routed.append(1) or route(*a))
+    monkeypatch.setattr(norm_rope, "norm_rope", lambda *a: rotated.append(1) or rotate(*a))
     static_kv = None if variant == "deepseek_v4" else 64  # its compressed attention has no static layer
     with sluice.load(stores[variant], device=DEVICE, fused_ops=True, schedule="direct", static_kv=static_kv) as engine:
         names = {type(m).__name__ for m in engine.model.hf.modules()}
@@ -241,6 +244,7 @@ def test_fused_decoder_models_match_transformers(variant, stores, refs, monkeypa
     assert swapped or variant == "qwen3_next"  # its (1 + weight) norms stay transformers'
     assert ran or variant in ("deepseek_v3", "gpt_oss_unquantized", "deepseek_v4")  # MLA's widths, attention sinks
     assert bool(routed) == (variant in ("qwen3_moe", "mixtral"))  # their softmax routers in kernels/router.py
+    assert bool(rotated) == (variant in ("qwen3_moe", "mixtral"))  # their norms and rotation in kernels/rope.py
 
 
 @pytest.mark.parametrize("T,D,E,K,dtype,norm,out", [(1, 2048, 128, 8, torch.bfloat16, True, torch.bfloat16),

@@ -1,0 +1,71 @@
+"""The attention module of a model whose small ops are fused (`fused_ops`) where transformers' attention is projections,
+per-head norms (or none), rotary embedding, cache update, attention function, output projection: the norms and the
+rotation in one launch (kernels/rope.py), the rest the module's own parts in transformers' order.
+
+transformers calls `apply_rotary_pos_emb` from its modeling file, a module-level function shared by every model of the
+family, so the rotation cannot be swapped per model: the module that calls it is (`ATTENTIONS`). Where the kernel does
+not take a call's shapes (several sequences on the batch axis, a rotary table in another dtype), the original module
+runs it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from sluice.kernels.rope import fits, norm_rope
+from sluice.models.base import cache_kw
+
+# transformers' attention classes of this shape -> whether they normalise each query and key head (q_norm, k_norm)
+ATTENTIONS = {"Qwen3MoeAttention": True, "MixtralAttention": False}
+
+
+class NormRopeAttention(nn.Module):
+    """Stands where `attn` (an `ATTENTIONS` class) was, with its parts: the same call, the same outputs."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.inner = attn
+        self.config, self.layer_idx = attn.config, attn.layer_idx  # what the layer and the rows' calls read of it
+        self.norms = ATTENTIONS[type(attn).__name__]
+        self.eager = sys.modules[type(attn).__module__].eager_attention_forward  # transformers' default, as the module's
+        self.train(attn.training)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        a = self.inner
+        cache = kwargs.pop("cache", None)
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        q = a.q_proj(hidden_states).view(*hidden_states.shape[:-1], -1, a.head_dim)
+        k = a.k_proj(hidden_states).view(*hidden_states.shape[:-1], -1, a.head_dim)
+        cos, sin = position_embeddings
+        q_w, k_w, eps, round_first = self._norms()
+        if self.training or not fits(q, k, q_w, k_w, cos, sin, round_first):
+            return a(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                     **cache_kw(cache), **kwargs)
+        q, k = norm_rope(q, k, q_w, k_w, eps, round_first, cos, sin)
+        v = a.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, a.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, a.layer_idx, kwargs=kwargs)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        out, weights = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, self.eager)(
+            a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, sliding_window=getattr(a.config, "sliding_window", None),
+            **kwargs)
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+    def _norms(self) -> tuple:
+        """(q weight, k weight, eps, round_first) of its per-head norms: fused ones (kernels/norm.py RMSNorm) or
+        transformers' Llama-form ones; (None, None, 0, False) without."""
+        if not self.norms:
+            return None, None, 0.0, False
+        qn, kn = self.inner.q_norm, self.inner.k_norm
+        return qn.weight, kn.weight, qn.variance_epsilon, getattr(qn, "round_first", True)
+
+
+def use_norm_rope(hf_model: nn.Module) -> None:
+    """Each attention module of an `ATTENTIONS` class stands replaced by a NormRopeAttention over it."""
+    from sluice.models.build import swap_modules
+
+    swap_modules(hf_model, lambda m: type(m).__name__ in ATTENTIONS, NormRopeAttention)
