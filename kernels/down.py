@@ -276,9 +276,36 @@ def weigh_parts_ref(part: torch.Tensor, w: torch.Tensor, live: torch.Tensor, liv
     return ordered_sum(y[None], x_dtype) if summed else y
 
 
+@triton.jit
+def _ordered_sum_kernel(y, out, D, Y_T, Y_K, Y_D, K: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = d < D
+    acc = tl.load(y + t * Y_T + d * Y_D, mask=m, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, K):
+        acc += tl.load(y + t * Y_T + k * Y_K + d * Y_D, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + t * D + d, rounded(acc, DT).to(DT), mask=m)
+
+
 def ordered_sum(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """y [T, K, D] -> [T, D] in dtype: each row's K terms added in order k = 0..K-1 in fp32 (a fixed order whatever
-    the device: torch's own sum over k is free to pair them otherwise), then rounded once."""
+    the device: torch's own sum over k is free to pair them otherwise), then rounded once. On a GPU in one launch
+    (`ordered_sum_kernel`: the same adds, bit for bit) for the K + 2 of `ordered_sum_ref`."""
+    if y.is_cuda and y.dtype in TL_DTYPES and dtype in TL_DTYPES:
+        return ordered_sum_kernel(y, dtype)
+    return ordered_sum_ref(y, dtype)
+
+
+def ordered_sum_kernel(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    T, K, D = y.shape
+    out = torch.empty(T, D, dtype=dtype, device=y.device)
+    bd = min(1024, triton.next_power_of_2(D))
+    _ordered_sum_kernel[(T, triton.cdiv(D, bd))](y, out, D, y.stride(0), y.stride(1), y.stride(2), K=K, BD=bd,
+                                                 DT=TL_DTYPES[dtype], num_warps=max(1, bd // 256))
+    return out
+
+
+def ordered_sum_ref(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     acc = y[:, 0].to(torch.float32, copy=True)
     for k in range(1, y.shape[1]):
         acc += y[:, k]

@@ -39,6 +39,7 @@ class TritonExperts:
         self.graphs = graphs and device.type == "cuda"
         self.pools = pools or GraphPools()  # the memory of the graphs it captures (the engine's, shared)
         self.fp4_words = fp4_words  # the one-token matvecs' FP4 formulation (kernels/decode.py matvec)
+        self._rows: dict[int, torch.Tensor] = {}  # A -> arange(A) on the device: the weighted epilogue's rows
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
 
     def run(self, bank, offs, down_bank, down_offs, counts: list[int], flat_rows: torch.Tensor, K: int,
@@ -154,7 +155,11 @@ class TritonExperts:
         matvec(bank, offs, x, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act, act_args=self.act_args,
                fp4_words=self.fp4_words)
         out = torch.empty(A, L["down"].n, dtype=y_dtype, device=x.device)
-        rows = torch.arange(A, device=x.device)
+        rows = self._rows.get(A)
+        if rows is None:
+            rows = torch.arange(A, device=x.device)
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept only where made outside a graph's pool
+                self._rows[A] = rows
         out = matvec(down_bank, down_offs, h, L["down"], "weighted", x_dtype, out, rows=rows, wts=wts, fp4_words=self.fp4_words)
         return ordered_sum(out[None], x_dtype) if summed else out
 

@@ -42,15 +42,23 @@ class DecoderLayer(Layer):
 
     def __init__(self, layer: nn.Module, layer_type: str, moe: MoEBlock | None = None, capture: MoECapture | None = None):
         self.layer, self.layer_type, self.moe, self.capture = layer, layer_type, moe, capture
+        self.parts = False  # its MoE input from the layer's parts (`fuse`: PARTS_LAYERS), not a call of the whole layer
 
     def forward(self, h, ctx: Ctx):
+        out = self.layer(h, **self._kwargs(ctx))
+        return out[0] if isinstance(out, tuple) else out
+
+    def _kwargs(self, ctx: Ctx) -> dict:
         kwargs = dict(attention_mask=ctx.masks[self.layer_type], position_ids=ctx.position_ids, use_cache=True, **cache_kw(ctx.cache))
         if ctx.position_embeddings is not None:
             kwargs["position_embeddings"] = ctx.position_embeddings
-        out = self.layer(h, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return kwargs
 
     def moe_input(self, h, ctx: Ctx):
+        if self.parts:  # transformers' order: norm, attention, residual add, norm; the add in the attention's last launch
+            layer = self.layer
+            h = layer.self_attn(hidden_states=layer.input_layernorm(h), residual=h, **self._kwargs(ctx))[0]
+            return layer.post_attention_layernorm(h).reshape(-1, h.shape[-1]), h
         residual = self.forward(h, ctx)  # = h + mixer(h): the captured MoE added zeros
         return self._moe_x(), residual
 
@@ -157,6 +165,12 @@ NORM_FORMS = {"Qwen3MoeRMSNorm": True, "MixtralRMSNorm": True, "DeepseekV3RMSNor
 SOFTMAX_ROUTERS = {"Qwen3MoeTopKRouter": True, "MixtralTopKRouter": False}
 
 
+# transformers' decoder layers that are input_layernorm -> self_attn -> residual add -> post_attention_layernorm -> mlp ->
+# residual add, each part a submodule of that name (their forward, transformers 5.2x): a sparse one's MoE input is taken
+# from the parts where its attention is fused (`DecoderLayer.parts`)
+PARTS_LAYERS = ("Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
+
+
 def _softmax_router(gate: nn.Module) -> Callable:
     from sluice.kernels.router import softmax_router
 
@@ -202,12 +216,16 @@ class DecoderResident(ResidentModel):
 
         from sluice.kernels.norm import RMSNorm
         from sluice.models.build import swap_modules
-        from sluice.models.norm_rope import use_norm_rope
+        from sluice.models.norm_rope import NormRopeAttention, use_norm_rope
         from sluice.models.one_query import use_one_query_attention
 
         swap_modules(self.hf, lambda m: type(m).__name__ in NORM_FORMS, lambda m: RMSNorm(m, NORM_FORMS[type(m).__name__]))
         use_norm_rope(self.hf)  # after the norms: it reads theirs
         use_one_query_attention(self.hf)
+        for layer in self.layers:  # a sparse layer's MoE input from its parts, without the capture's zeros and their add
+            if isinstance(layer, DecoderLayer):
+                layer.parts = (type(layer.layer).__name__ in PARTS_LAYERS and layer.capture is not None
+                               and isinstance(layer.layer.self_attn, NormRopeAttention))
         for layer in self.layers:
             gate = self._gates.get(layer.moe.layer) if layer.moe is not None else None
             if type(gate).__name__ in SOFTMAX_ROUTERS:

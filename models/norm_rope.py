@@ -15,6 +15,7 @@ import sys
 import torch
 from torch import nn
 
+from sluice.kernels.gemv import linear_add
 from sluice.kernels.rope import fits, norm_rope
 from sluice.models.base import cache_kw
 
@@ -33,7 +34,10 @@ class NormRopeAttention(nn.Module):
         self.eager = sys.modules[type(attn).__module__].eager_attention_forward  # transformers' default, as the module's
         self.train(attn.training)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                residual: torch.Tensor | None = None, **kwargs):
+        """transformers' call; `residual`: returns residual + the attention's output instead, the add in the output
+        projection's launch where it is a GEMV (kernels/gemv.py `linear_add`)."""
         a = self.inner
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
@@ -42,8 +46,9 @@ class NormRopeAttention(nn.Module):
         cos, sin = position_embeddings
         q_w, k_w, eps, round_first = self._norms()
         if self.training or not fits(q, k, q_w, k_w, cos, sin, round_first):
-            return a(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                     **cache_kw(cache), **kwargs)
+            out, weights = a(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                             **cache_kw(cache), **kwargs)
+            return (out if residual is None else residual + out), weights
         q, k = norm_rope(q, k, q_w, k_w, eps, round_first, cos, sin)
         v = a.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, a.head_dim).transpose(1, 2)
         if cache is not None:
@@ -53,7 +58,8 @@ class NormRopeAttention(nn.Module):
         out, weights = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, self.eager)(
             a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, sliding_window=getattr(a.config, "sliding_window", None),
             **kwargs)
-        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return (a.o_proj(out) if residual is None else linear_add(a.o_proj, out, residual)), weights
 
     def _norms(self) -> tuple:
         """(q weight, k weight, eps, round_first) of its per-head norms: fused ones (kernels/norm.py RMSNorm) or

@@ -23,7 +23,7 @@ def compile_for_gpu(fn, signature: dict, constexprs: dict) -> None:
 def kernels():
     from sluice.kernels.add import _add3_kernel
     from sluice.kernels.attention import _one_query_kernel
-    from sluice.kernels.down import _weigh_parts_kernel
+    from sluice.kernels.down import _ordered_sum_kernel, _weigh_parts_kernel
     from sluice.kernels.kv_append import _append_kernel
     from sluice.kernels.gemv import _gemv_kernel
     from sluice.kernels.mamba import _gate_norm_kernel
@@ -48,6 +48,8 @@ def kernels():
                                         "Y_R": "i32"}, dict(B=4096, ROUND_FIRST=False)),
         "rms_norm round first": (_rms_norm_kernel, {"x": "*bf16", "w": "*fp32", "y": "*fp32", "D": "i32", "eps": "fp32",
                                                     "X_R": "i32", "Y_R": "i32"}, dict(B=2048, ROUND_FIRST=True)),
+        "ordered sum": (_ordered_sum_kernel, {"y": "*bf16", "out": "*bf16", **{n: "i32" for n in ("D", "Y_T", "Y_K", "Y_D")}},
+                        dict(K=8, BD=1024, DT=tl.bfloat16)),
         "norm rope": (_norm_rope_kernel, {**{n: "*bf16" for n in ("q", "k", "qw", "kw", "cs", "sn", "qo", "ko")}, "eps": "fp32",
                                           **{n: "i32" for n in ("Hq", "Q_T", "K_T", "C_T", "QO_T", "KO_T")}},
                        dict(D=128, BD=128, NORM=True, ROUND_FIRST=True, XT=tl.bfloat16, DT=tl.bfloat16)),
@@ -79,7 +81,7 @@ def kernels():
 
 NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "gemv pdl", "rms_norm", "rms_norm round first",
          "router scores", "router logits", "softmax select", "mamba gate norm", "router select", "add3", "kv append",
-         "one-query attention", "must fail"]
+         "one-query attention", "norm rope", "rope", "ordered sum", "must fail"]
 
 
 def must_fail():

@@ -193,6 +193,7 @@ def test_fused_nemotron_h_matches_transformers(static_kv, stores, refs, monkeypa
     with sluice.load(stores["nemotron_h"], device=DEVICE, fused_ops=True, fused_linears=True, fused_mamba=True,
                      schedule="direct", static_kv=static_kv) as engine:  # the Mamba step's residual add in its out_proj's too
         names = {type(m).__name__ for m in engine.model.hf.modules()}
+        parts = [getattr(layer, "parts", False) for layer in engine.model.layers]
         assert {"RMSNorm", "Gemv", "Relu2MLP"} <= names and not names & {"NemotronHRMSNorm", "Linear", "NemotronHMLP"}
         check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops", n=12)  # the same kernels each step: 12 of them
     # one-token steps' attention through the kernel, masked over a static cache's window (a growing cache's mask is
@@ -241,6 +242,7 @@ def test_fused_decoder_models_match_transformers(variant, stores, refs, monkeypa
     static_kv = None if variant == "deepseek_v4" else 64  # its compressed attention has no static layer
     with sluice.load(stores[variant], device=DEVICE, fused_ops=True, schedule="direct", static_kv=static_kv) as engine:
         names = {type(m).__name__ for m in engine.model.hf.modules()}
+        parts = [getattr(layer, "parts", False) for layer in engine.model.layers]
         assert not names & set(NORM_FORMS)
         swapped = "RMSNorm" in names
         check_golden(engine, variant, refs, f"{variant} fused ops", n=8)
@@ -248,6 +250,7 @@ def test_fused_decoder_models_match_transformers(variant, stores, refs, monkeypa
     assert ran or variant in ("deepseek_v3", "gpt_oss_unquantized", "deepseek_v4")  # MLA's widths, attention sinks
     assert bool(routed) == (variant in ("qwen3_moe", "mixtral"))  # their softmax routers in kernels/router.py
     assert bool(rotated) == (variant in ("qwen3_moe", "mixtral"))  # their norms and rotation in kernels/rope.py
+    assert any(parts) == (variant in ("qwen3_moe", "mixtral"))  # their sparse layers' MoE inputs from the layers' parts
 
 
 @pytest.mark.parametrize("T,D,E,K,dtype,norm,out", [(1, 2048, 128, 8, torch.bfloat16, True, torch.bfloat16),

@@ -116,6 +116,23 @@ def test_relu2_decode(fmt, A, Dx, I):
     assert int(live.sum()) == A * I // 16
 
 
+@pytest.mark.parametrize("T,K,D,y_dtype,dtype", [(1, 8, 2048, torch.bfloat16, torch.bfloat16), (3, 2, 70, torch.float32, torch.bfloat16),
+                                               (2, 4, 1500, torch.float32, torch.float32), (5, 1, 33, torch.bfloat16, torch.float16)])
+def test_ordered_sum_kernel_is_its_reference(T, K, D, y_dtype, dtype):
+    """A routed sum in one launch (what a GPU runs): bit for bit the K + 2 torch ops of the reference, on strided rows
+    (a [T, K, D] view of [T*K, D]); the terms in another order differ (the must-fail side)."""
+    from sluice.kernels.down import ordered_sum_kernel, ordered_sum_ref
+
+    g = torch.Generator().manual_seed(T * K * D)
+    y = (torch.randn(T * K, D + 3, generator=g) * torch.logspace(-3, 3, K).repeat(T)[:, None]).to(y_dtype).to(DEVICE)
+    y = y[:, :D].view(T, K, D)
+    want = ordered_sum_ref(y, dtype)
+    got = ordered_sum_kernel(y, dtype)
+    assert got.dtype == dtype and got.shape == (T, D) and torch.equal(got, want)
+    if K > 2 and y_dtype == torch.float32:
+        assert not torch.equal(ordered_sum_kernel(y.flip(1), dtype), want)
+
+
 @pytest.mark.parametrize("A, S, Dx", [(6, 32, 1024), (1, 3, 70), (4, 16, 300)])
 @pytest.mark.parametrize("x_dtype, y_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                               (torch.bfloat16, torch.bfloat16)])
