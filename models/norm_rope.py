@@ -1,6 +1,7 @@
 """The attention module of a model whose small ops are fused (`fused_ops`) where transformers' attention is projections,
-per-head norms (or none), rotary embedding, cache update, attention function, output projection: the norms and the
-rotation in one launch (kernels/rope.py), the rest the module's own parts in transformers' order.
+per-head norms (or none), rotary embedding, cache update, attention function, output projection: the three input
+projections in one (their weights stacked), the norms and the rotation in one launch (kernels/rope.py), the rest the
+module's own parts in transformers' order.
 
 transformers calls `apply_rotary_pos_emb` from its modeling file, a module-level function shared by every model of the
 family, so the rotation cannot be swapped per model: the module that calls it is (`ATTENTIONS`). Where the kernel does
@@ -33,6 +34,8 @@ class NormRopeAttention(nn.Module):
         self.norms = ATTENTIONS[type(attn).__name__]
         self.eager = sys.modules[type(attn).__module__].eager_attention_forward  # transformers' default, as the module's
         self.train(attn.training)
+        self.qkv = _merged(attn.q_proj, attn.k_proj, attn.v_proj)  # one launch for three; their weights are views of its
+        self.widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 residual: torch.Tensor | None = None, **kwargs):
@@ -41,8 +44,12 @@ class NormRopeAttention(nn.Module):
         a = self.inner
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
-        q = a.q_proj(hidden_states).view(*hidden_states.shape[:-1], -1, a.head_dim)
-        k = a.k_proj(hidden_states).view(*hidden_states.shape[:-1], -1, a.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(hidden_states).split(self.widths, dim=-1)
+        else:
+            q, k, v = a.q_proj(hidden_states), a.k_proj(hidden_states), a.v_proj(hidden_states)
+        heads = (*hidden_states.shape[:-1], -1, a.head_dim)
+        q, k, v = q.view(heads), k.view(heads), v.view(heads)
         cos, sin = position_embeddings
         q_w, k_w, eps, round_first = self._norms()
         if self.training or not fits(q, k, q_w, k_w, cos, sin, round_first):
@@ -50,7 +57,7 @@ class NormRopeAttention(nn.Module):
                              **cache_kw(cache), **kwargs)
             return (out if residual is None else residual + out), weights
         q, k = norm_rope(q, k, q_w, k_w, eps, round_first, cos, sin)
-        v = a.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, a.head_dim).transpose(1, 2)
+        v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, a.layer_idx, kwargs=kwargs)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -68,6 +75,21 @@ class NormRopeAttention(nn.Module):
             return None, None, 0.0, False
         qn, kn = self.inner.q_norm, self.inner.k_norm
         return qn.weight, kn.weight, qn.variance_epsilon, getattr(qn, "round_first", True)
+
+
+def _merged(*linears: nn.Module) -> nn.Linear | None:
+    """One bias-free nn.Linear whose weight is the linears' weights stacked, each linear's weight made a view of its rows
+    (no memory added); None where they are not all bias-free nn.Linears of one float dtype and device."""
+    if not all(type(m) is nn.Linear and m.bias is None and m.weight.is_floating_point() for m in linears):
+        return None
+    ws = [m.weight for m in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return None
+    merged = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=False, device="meta")
+    merged.weight = nn.Parameter(torch.cat([w.detach() for w in ws]), requires_grad=False)
+    for m, part in zip(linears, merged.weight.split([w.shape[0] for w in ws])):
+        m.weight = nn.Parameter(part, requires_grad=False)
+    return merged
 
 
 def use_norm_rope(hf_model: nn.Module) -> None:

@@ -78,7 +78,7 @@ def _attention(name: str):
 @pytest.mark.parametrize("name", ["Qwen3MoeAttention", "MixtralAttention"])
 def test_norm_rope_attention_is_transformers_attention(name):
     """The module in place of transformers' (models/norm_rope.py), both over their own growing caches: a 5-token prompt
-    then 3 one-token steps give the same outputs (Mixtral bit for bit; Qwen3-MoE within a bf16 rounding: its norms'
+    then 3 one-token steps give the same outputs, the three projections in one (Mixtral bit for bit; Qwen3-MoE within a bf16 rounding: its norms'
     sums) and the same cached keys; the kernel ran at each call."""
     from transformers import DynamicCache
 
@@ -89,6 +89,7 @@ def test_norm_rope_attention_is_transformers_attention(name):
 
     config, module, rotary = _attention(name)
     fused = NormRopeAttention(module)
+    assert fused.qkv is not None and module.q_proj.weight.data_ptr() == fused.qkv.weight.data_ptr()  # views: no memory added
     caches = [DynamicCache(config=config), DynamicCache(config=config)]
     ran, kernel = [], rope.norm_rope
     g = torch.Generator().manual_seed(7)
