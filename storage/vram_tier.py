@@ -33,6 +33,7 @@ import math
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -52,8 +53,8 @@ class VramTier:
         self.uses = torch.zeros(n, E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
         self.slot_of: dict[tuple[int, int], int] = {}  # (MoE index, expert) -> slot
         self.landing: tuple[object, list[tuple[int, int, int]]] | None = None  # (copy event, [(i, e, slot)])
-        self._score = torch.zeros(n, E, dtype=torch.float64)
-        self._last_uses = torch.zeros(n, E, dtype=torch.int64)
+        self._score = np.zeros((n, E))  # decayed counts, on the host in numpy: its small ops cost microseconds where
+        self._last_uses = np.zeros((n, E), dtype=np.int64)  # torch's CPU ops took ~50 ms a refresh on the GPU machine
         self._steps = 0
         cap = vram.capacity if vram is not None else 0
         # a bank that holds every block holds them for good (`hold_all`): no refreshes, no staging, no lookahead bank
@@ -186,22 +187,22 @@ class VramTier:
         copy) plus `noise` times the square root of both counts (their chance spread: scores from a few tokens differ
         by chance, and a swap on chance is a block over PCIe that saves nothing)."""
         t = time.perf_counter()
-        uses = self.uses.to("cpu", copy=True)  # the one host wait in `refresh` steps (a copy on a CPU too: kept as the last counts)
+        uses = self.uses.to("cpu", copy=True).numpy()  # the one host wait in `refresh` steps (kept as the last counts)
         self.rt.stats.refresh_wait_s += time.perf_counter() - t
-        self._score = self._score * self.knobs.decay + (uses - self._last_uses).double()
+        self._score = self._score * self.knobs.decay + (uses - self._last_uses)
         self._last_uses = uses
         E = self.table.shape[1]
-        flat = self._score.flatten()
+        flat = self._score.ravel()
         score = flat.tolist()
-        inside = torch.zeros(flat.numel(), dtype=torch.bool)
+        inside = np.zeros(flat.size, dtype=bool)
         if self.slot_of:
-            inside[torch.tensor([i * E + e for i, e in self.slot_of])] = True
-        order = torch.argsort(flat, descending=True, stable=True)
+            inside[[i * E + e for i, e in self.slot_of]] = True
+        order = np.argsort(-flat, kind="stable")  # most used first, ties in index order
         outside = order[~inside[order] & (flat[order] > 0)].tolist()  # candidates, most used first
         if self.stream_ram:  # only blocks in RAM can be copied in
             outside = [j for j in outside if self.resident(self.layers[j // E], j % E) is not None]
         come = [divmod(j, E) for j in outside[: len(self.free)]]
-        incumbents = order[inside[order]].flip(0).tolist()  # least used first
+        incumbents = order[inside[order]][::-1].tolist()  # least used first
         leave = []
         for j, k in zip(outside[len(come):], incumbents):
             if score[j] - score[k] <= self.knobs.margin + self.knobs.noise * math.sqrt(score[j] + score[k]):

@@ -302,8 +302,8 @@ def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, vram_slots=2) as engine:
         tier = table_of(engine).tier
         tier.uses.zero_()
-        tier._score.zero_()
-        tier._last_uses.zero_()
+        tier._score[:] = 0
+        tier._last_uses[:] = 0
         fills = engine.rt.stats.vram_fills
 
         def refresh(counts):  # cumulative routed uses of layer 0's experts -> the tier after the refresh lands
