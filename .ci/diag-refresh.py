@@ -5,6 +5,7 @@ import cProfile
 import io
 import pstats
 import sys
+import threading
 import time
 
 import torch
@@ -19,6 +20,9 @@ with sluice.load(store, vram_budget=budget, routing=routing, schedule="direct") 
 
     def timed_refresh(self):
         torch.cuda.synchronize()
+        for tid, frame in sys._current_frames().items():  # the other Python threads, where they are (GIL contention?)
+            if tid != threading.get_ident():
+                seen.add(f"{names.get(tid, tid)}: {frame.f_code.co_filename.split('/')[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
         t = time.perf_counter()
         prof.runcall(refresh, self)
         host = time.perf_counter() - t
@@ -26,6 +30,7 @@ with sluice.load(store, vram_budget=budget, routing=routing, schedule="direct") 
         moves = len(self.landing[1]) if self.landing else 0
         timed.append((1000 * host, 1000 * (time.perf_counter() - t), moves))
 
+    seen, names = set(), {t.ident: t.name for t in threading.enumerate()}
     VramTier.refresh = timed_refresh
     seq = e.new_sequence()
     tok = int(e.extend(seq, torch.randint(3, 1000, (32,), generator=torch.Generator().manual_seed(5)).tolist())[-1].argmax())
@@ -39,6 +44,7 @@ with sluice.load(store, vram_budget=budget, routing=routing, schedule="direct") 
           + ", ".join(f"#{k} {s:.1f}" for k, s in enumerate(steps) if s > 2 * sorted(steps)[48]))
     for host, synced, moves in timed:
         print(f"  refresh: host {host:.2f} ms, to the copies' end {synced:.2f} ms, {moves} blocks copied")
+    print(f"  other threads at refreshes (switch interval {sys.getswitchinterval() * 1000:.0f} ms): " + "; ".join(sorted(seen))[:900])
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
     print(out.getvalue()[-3500:])
