@@ -12,10 +12,9 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.decode import TL_DTYPES
-from sluice.kernels.rounding import rounded
+from sluice.kernels.rounding import FLOATS, rounded
 
 BLOCK = 1024
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit

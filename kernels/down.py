@@ -27,7 +27,7 @@ from sluice.kernels.dequant import (DENSE, E2M1_UNSCALE, FP8_BLOCK, FP8_BLOCK_E8
                                     block_scale, e2m1_scaled, group_scale, tensor_scale)
 from sluice.kernels.f16x2 import fp4_group_dot_f16x2, fp8_group_dot_f16x2, group_pairs
 from sluice.kernels.layout import ProjLayout
-from sluice.kernels.rounding import rounded
+from sluice.kernels.rounding import FLOATS, rounded
 
 
 @triton.jit
@@ -291,7 +291,7 @@ def ordered_sum(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """y [T, K, D] -> [T, D] in dtype: each row's K terms added in order k = 0..K-1 in fp32 (a fixed order whatever
     the device: torch's own sum over k is free to pair them otherwise), then rounded once. On a GPU in one launch
     (`ordered_sum_kernel`: the same adds, bit for bit) for the K + 2 of `ordered_sum_ref`."""
-    if y.is_cuda and y.dtype in TL_DTYPES and dtype in TL_DTYPES:
+    if y.is_cuda and y.dtype in FLOATS and dtype in FLOATS:
         return ordered_sum_kernel(y, dtype)
     return ordered_sum_ref(y, dtype)
 

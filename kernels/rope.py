@@ -6,7 +6,7 @@ about a dozen kernels a layer on a GPU; Qwen3-30B-A3B's one-token step has 48 su
 head) of the query and the key does it all, each op rounded to the dtype as torch rounds it: norm (transformers'
 formula, `kernels/norm.py`'s two forms) then y = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. The norm's
 sum adds in another order than torch's, so normed rows agree within fp32 rounding; without norms (Mixtral) the result
-is torch's bit for bit. `norm_rope_ref` is the plain-torch reference.
+is torch's bit for bit (no fused multiply-adds). `norm_rope_ref` is the plain-torch reference.
 
 Shape legend: T tokens, Hq query heads, Hk key heads, D head width.
 """
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.decode import TL_DTYPES
-from sluice.kernels.rounding import rounded
+from sluice.kernels.rounding import FLOATS, rounded
 
 
 @triton.jit
@@ -73,7 +73,8 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor | None, k_w: t
     norm = q_w is not None
     _norm_rope_kernel[(T, Hq + Hk)](q, k, q_w if norm else q, k_w if norm else k, cos, sin, qo, ko, eps, Hq, q.stride(1),
                                     k.stride(1), cos.stride(1), qo.stride(1), ko.stride(1), D=D, BD=triton.next_power_of_2(D),
-                                    NORM=norm, ROUND_FIRST=round_first, XT=TL_DTYPES[q.dtype], DT=TL_DTYPES[dt], num_warps=1)
+                                    NORM=norm, ROUND_FIRST=round_first, XT=TL_DTYPES[q.dtype], DT=TL_DTYPES[dt], num_warps=1,
+                                    enable_fp_fusion=False)  # each product rounded before the add, as torch's ops (fp32 too)
     return qo.transpose(1, 2), ko.transpose(1, 2)
 
 
@@ -82,12 +83,12 @@ def fits(q: torch.Tensor, k: torch.Tensor, q_w, k_w, cos: torch.Tensor, sin: tor
     sin [1, T, D] in the normed rows' dtype with the rows contiguous."""
     if q.dim() != 4 or q.shape[0] != 1 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3] or q.shape[3] % 2:
         return False
-    if (q_w is None) != (k_w is None) or q.dtype not in TL_DTYPES or k.dtype != q.dtype:
+    if (q_w is None) != (k_w is None) or q.dtype not in FLOATS or k.dtype != q.dtype:
         return False
     dt = out_dtype(q.dtype, q_w.dtype if q_w is not None else None, round_first)
-    if q_w is not None and (q_w.dtype != k_w.dtype or q_w.dtype not in TL_DTYPES):
+    if q_w is not None and (q_w.dtype != k_w.dtype or q_w.dtype not in FLOATS):
         return False
-    return (all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k))
+    return (all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k)) and sin.stride(1) == cos.stride(1)
             and all(t.shape == (1, q.shape[1], q.shape[3]) and t.dtype == dt and t.stride(-1) == 1 for t in (cos, sin)))
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes `rounded` rounds to as torch does
 
 
 @triton.jit

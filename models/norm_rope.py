@@ -33,9 +33,9 @@ class NormRopeAttention(nn.Module):
         self.config, self.layer_idx = attn.config, attn.layer_idx  # what the layer and the rows' calls read of it
         self.norms = ATTENTIONS[type(attn).__name__]
         self.eager = sys.modules[type(attn).__module__].eager_attention_forward  # transformers' default, as the module's
-        self.train(attn.training)
         self.qkv = _merged(attn.q_proj, attn.k_proj, attn.v_proj)  # one launch for three; their weights are views of its
         self.widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        self.train(attn.training)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 residual: torch.Tensor | None = None, **kwargs):
@@ -44,6 +44,8 @@ class NormRopeAttention(nn.Module):
         a = self.inner
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        if self.training or hidden_states.shape[0] != 1:
+            return self._theirs(hidden_states, position_embeddings, attention_mask, residual, cache, kwargs)
         if self.qkv is not None:
             q, k, v = self.qkv(hidden_states).split(self.widths, dim=-1)
         else:
@@ -52,10 +54,8 @@ class NormRopeAttention(nn.Module):
         q, k, v = q.view(heads), k.view(heads), v.view(heads)
         cos, sin = position_embeddings
         q_w, k_w, eps, round_first = self._norms()
-        if self.training or not fits(q, k, q_w, k_w, cos, sin, round_first):
-            out, weights = a(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                             **cache_kw(cache), **kwargs)
-            return (out if residual is None else residual + out), weights
+        if not fits(q, k, q_w, k_w, cos, sin, round_first):
+            return self._theirs(hidden_states, position_embeddings, attention_mask, residual, cache, kwargs)
         q, k = norm_rope(q, k, q_w, k_w, eps, round_first, cos, sin)
         v = v.transpose(1, 2)
         if cache is not None:
@@ -63,10 +63,16 @@ class NormRopeAttention(nn.Module):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         out, weights = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, self.eager)(
-            a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, sliding_window=getattr(a.config, "sliding_window", None),
-            **kwargs)
+            a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling,
+            sliding_window=getattr(a, "sliding_window", getattr(a.config, "sliding_window", None)), **kwargs)
         out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
         return (a.o_proj(out) if residual is None else linear_add(a.o_proj, out, residual)), weights
+
+    def _theirs(self, hidden_states, position_embeddings, attention_mask, residual, cache, kwargs):
+        """The original module's own call (what the kernel does not take), the residual added after it."""
+        out, weights = self.inner(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                  **cache_kw(cache), **kwargs)
+        return (out if residual is None else residual + out), weights
 
     def _norms(self) -> tuple:
         """(q weight, k weight, eps, round_first) of its per-head norms: fused ones (kernels/norm.py RMSNorm) or
@@ -79,7 +85,8 @@ class NormRopeAttention(nn.Module):
 
 def _merged(*linears: nn.Module) -> nn.Linear | None:
     """One bias-free nn.Linear whose weight is the linears' weights stacked, each linear's weight made a view of its rows
-    (no memory added); None where they are not all bias-free nn.Linears of one float dtype and device."""
+    (no memory added; a later `.to()` would copy each apart: fused ops are set up on the model already on its device);
+    None where they are not all bias-free nn.Linears of one float dtype and device."""
     if not all(type(m) is nn.Linear and m.bias is None and m.weight.is_floating_point() for m in linears):
         return None
     ws = [m.weight for m in linears]
@@ -93,7 +100,11 @@ def _merged(*linears: nn.Module) -> nn.Linear | None:
 
 
 def use_norm_rope(hf_model: nn.Module) -> None:
-    """Each attention module of an `ATTENTIONS` class stands replaced by a NormRopeAttention over it."""
+    """Each attention module of an `ATTENTIONS` class stands replaced by a NormRopeAttention over it, on the transformers
+    whose forward it follows (5.2x: layers take the cache as `cache`; an older one keeps its modules)."""
     from sluice.models.build import swap_modules
+
+    if next(iter(cache_kw(None))) != "cache":
+        return
 
     swap_modules(hf_model, lambda m: type(m).__name__ in ATTENTIONS, NormRopeAttention)

@@ -193,7 +193,6 @@ def test_fused_nemotron_h_matches_transformers(static_kv, stores, refs, monkeypa
     with sluice.load(stores["nemotron_h"], device=DEVICE, fused_ops=True, fused_linears=True, fused_mamba=True,
                      schedule="direct", static_kv=static_kv) as engine:  # the Mamba step's residual add in its out_proj's too
         names = {type(m).__name__ for m in engine.model.hf.modules()}
-        parts = [getattr(layer, "parts", False) for layer in engine.model.layers]
         assert {"RMSNorm", "Gemv", "Relu2MLP"} <= names and not names & {"NemotronHRMSNorm", "Linear", "NemotronHMLP"}
         check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops", n=12)  # the same kernels each step: 12 of them
     # one-token steps' attention through the kernel, masked over a static cache's window (a growing cache's mask is

@@ -79,7 +79,8 @@ def _attention(name: str):
 def test_norm_rope_attention_is_transformers_attention(name):
     """The module in place of transformers' (models/norm_rope.py), both over their own growing caches: a 5-token prompt
     then 3 one-token steps give the same outputs, the three projections in one (Mixtral bit for bit; Qwen3-MoE within a bf16 rounding: its norms'
-    sums) and the same cached keys; the kernel ran at each call."""
+    sums) and the same cached keys; the kernel ran at each call; two sequences on the batch axis go through the module's own call, the residual added
+    after it."""
     from transformers import DynamicCache
 
     from sluice.kernels import rope
@@ -110,6 +111,14 @@ def test_norm_rope_attention_is_transformers_attention(name):
             else:
                 assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2e-2)
             pos += T
+    assert len(ran) == 4
+    h = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16).to(DEVICE)  # two sequences: the module's own call
+    r = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    pe = rotary(h, torch.arange(3, device=DEVICE).expand(2, 3))
+    with torch.no_grad():
+        want = module(h, position_embeddings=pe, attention_mask=None)[0]
+        assert torch.equal(fused(h, position_embeddings=pe, attention_mask=None)[0], want)
+        assert torch.equal(fused(h, position_embeddings=pe, attention_mask=None, residual=r)[0], r + want)
     assert len(ran) == 4
     k0, k1 = caches[0].layers[0].keys, caches[1].layers[0].keys
     assert k0.shape == k1.shape and torch.allclose(k0.float(), k1.float(), rtol=2 ** -6, atol=2e-2)
