@@ -146,6 +146,11 @@ class TokenPlan:
         for stage in self.stages:
             stage.token_begins()
 
+    def token_queued(self) -> None:
+        """The host work that waits until a whole step is queued, beside the GPU's work (fetch: a deferred refresh)."""
+        for stage in self.stages:
+            stage.token_queued()
+
     @contextlib.contextmanager
     def whole(self):
         """Steps composed into a graph around them (pipeline/whole.py) while this is open: their tallies are left to

@@ -138,7 +138,8 @@ class WholeStep:
 
     def _replay(self, w: _Whole, body, state) -> None:
         """The step's host work before it (`begin_token`), its segments replayed with the host's turns between them (or,
-        without graphs, its body run eagerly), then its tallies."""
+        without graphs, its body run eagerly), the host work that waits for it to be queued (`token_queued`: it runs
+        beside the GPU's), then its tallies."""
         plan = self.coordinator.plan
         plan.begin_token()
         if not w.graphs:
@@ -149,6 +150,7 @@ class WholeStep:
                 graph.replay()
                 if j < len(w.turns):
                     w.turns[j].host()
+        plan.token_queued()
         self.replays += 1
         plan.replayed(w.ran, w.marks)
 

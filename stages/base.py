@@ -108,6 +108,9 @@ class Stage(ABC):
         """Host work due once a token, before its first MoE layer's step (not captured; `before` with `first` calls it,
         and a whole step replayed as one graph before each replay: pipeline/whole.py)."""
 
+    def token_queued(self) -> None:
+        """Host work after a whole step replayed as one graph is queued (pipeline/whole.py), beside the GPU's work."""
+
     def tally(self, t: Any) -> None:
         """The host's counts of a one-token step of layer t that ran (after `after`, or after each replay of a whole
         step that holds it); counts only, nothing queued."""

@@ -4,8 +4,9 @@ Every block is held in pinned RAM (`hold: true`); the table (storage/vram_tier.p
 at its VRAM tier slot or its RAM slot, and a one-token step resolves its routed ids on the GPU (kernels/ahead.py
 `resolve`: a staged guess's slot wins over RAM), counting the uses the tier's refreshes rank by. With `hold: false`
 RAM is an LRU cache filled from disk: the table's host side brings each step's ids to the host, reads what neither
-tier holds and sends the offsets it found (`TokenLayer.hosted`); the step then only counts the uses. The tier's turn
-(its copies landed, every `refresh` tokens a new hot set) comes before a token's first MoE layer.
+tier holds and sends the offsets it found (`TokenLayer.hosted`); the step then only counts the uses. The tier's turn comes before a
+token's first MoE layer (its copies landed, its counts read every `refresh` tokens); the new hot set is chosen once the
+token's MoE layers are queued (`token_queued`), its host work beside the GPU's.
 """
 
 from __future__ import annotations
@@ -106,8 +107,15 @@ class FetchTable(Stage):
         if first:
             self.token_begins()
 
-    def token_begins(self) -> None:
-        self.table.between_tokens()
+    def after(self, t) -> None:
+        if t.i == len(self.table.layers) - 1:  # the token's last MoE layer is queued
+            self.token_queued()
+
+    def token_begins(self) -> None:  # the tier's refresh waits until the token's MoE layers are queued (`token_queued`)
+        self.table.between_tokens(defer=True)
+
+    def token_queued(self) -> None:
+        self.table.tier.after_queued()
 
     # -- a step whose ids come to the host (a prompt) ---------------------------------------------------------------
 

@@ -182,10 +182,10 @@ class Table(StreamedSteps, CpuSteps):
             self.ahead = None  # its moves are in the tier's slot_of: pointed back with the rest
             self.tier.empty()
 
-    def between_tokens(self) -> None:
+    def between_tokens(self, defer: bool = False) -> None:
         """At a one-token step's first MoE layer: the tier's turn (storage/vram_tier.py VramTier.between_tokens)."""
         self.settle_ahead()  # a prompt's copies ahead for a layer it did not reach (an error): keep the slots it filled
-        self.tier.between_tokens()
+        self.tier.between_tokens(defer)
         if self.cpu_now:
             self.cpu_token_begins()
 

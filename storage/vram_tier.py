@@ -12,7 +12,8 @@ The tier's slots, in order: the hot set's own; the one-token staging bank (2 x S
 lookahead bank (2 x A, `prompt_ahead`), lent to the hot set between prompts.
 
 Every `refresh` one-token steps the host reads the counts (decayed by `decay` each time), and the most used blocks
-that the hot set lacks are copied into its slots on the copy stream, in place of the least used. A bank with a slot
+that the hot set lacks are copied into its slots on the copy stream, in place of the least used: chosen once the
+token's steps are queued (`after_queued`), so that the host's part runs while the GPU computes. A bank with a slot
 for every block takes them all at open and keeps them (`holds_all`).
 
 Invariants:
@@ -56,6 +57,7 @@ class VramTier:
         self._score = np.zeros((n, E))  # decayed counts, on the host in numpy: its small ops cost microseconds where
         self._last_uses = np.zeros((n, E), dtype=np.int64)  # torch's CPU ops took ~50 ms a refresh on the GPU machine
         self._steps = 0
+        self._counts: np.ndarray | None = None  # a deferred refresh's counts (`between_tokens`, `after_queued`)
         cap = vram.capacity if vram is not None else 0
         # a bank that holds every block holds them for good (`hold_all`): no refreshes, no staging, no lookahead bank
         self.holds_all = vram is not None and not stream_ram and cap >= n * E
@@ -167,28 +169,51 @@ class VramTier:
         self.point(moves, vram=True)
         self.landing = None
 
-    def between_tokens(self) -> None:
+    def between_tokens(self, defer: bool = False) -> None:
         """At a one-token step's first MoE layer: lend the bank, switch the table to blocks whose copies have landed, and
-        every `refresh` steps choose the hot set anew (not while it holds every block)."""
+        every `refresh` steps choose the hot set anew (not while it holds every block): now, or (`defer`: before a step
+        replayed whole) once the step is queued (`after_queued`), so that its host work runs while the GPU computes;
+        the counts are read now either way (between tokens the GPU has nothing queued to wait for)."""
+        self._counts = None
         if self.holds_all:
             return
         self.lend_bank()
         self.land()
         self._steps += 1
         if self.vram is not None and self.landing is None and self._steps % self.knobs.refresh == 0:
-            t = time.perf_counter()
-            self.refresh()
-            self.rt.stats.refreshes += 1
-            self.rt.stats.refresh_s += time.perf_counter() - t
+            counts = self._read_counts()
+            if defer:
+                self._counts = counts
+            else:
+                self._refresh_timed(counts)
 
-    def refresh(self) -> None:
-        """Choose the hot set anew from the decayed use counts: free slots take the most used blocks outside it, and a
-        block outside replaces the least used inside only while it beats it by `margin` routed uses (the cost of its
-        copy) plus `noise` times the square root of both counts (their chance spread: scores from a few tokens differ
-        by chance, and a swap on chance is a block over PCIe that saves nothing)."""
+    def after_queued(self) -> None:
+        """After a step replayed whole is queued: the refresh `between_tokens` deferred, if any (its table updates and
+        copies queue behind the step, which read the table as it was)."""
+        counts, self._counts = self._counts, None
+        if counts is not None:
+            self._refresh_timed(counts)
+
+    def _refresh_timed(self, counts) -> None:
         t = time.perf_counter()
-        uses = self.uses.to("cpu", copy=True).numpy()  # the one host wait in `refresh` steps (kept as the last counts)
+        self.refresh(counts)
+        self.rt.stats.refreshes += 1
+        self.rt.stats.refresh_s += time.perf_counter() - t
+
+    def _read_counts(self) -> np.ndarray:
+        """The GPU's use counts on the host: the one host wait of a refresh."""
+        t = time.perf_counter()
+        uses = self.uses.to("cpu", copy=True).numpy()
         self.rt.stats.refresh_wait_s += time.perf_counter() - t
+        return uses
+
+    def refresh(self, uses: np.ndarray | None = None) -> None:
+        """Choose the hot set anew from the decayed use counts (`uses`: read at the token's start; None: now): free
+        slots take the most used blocks outside it, and a block outside replaces the least used inside only while it
+        beats it by `margin` routed uses (the cost of its copy) plus `noise` times the square root of both counts (their
+        chance spread: scores from a few tokens differ by chance, and a swap on chance is a block over PCIe that saves
+        nothing)."""
+        uses = self._read_counts() if uses is None else uses  # kept as the last counts
         self._score = self._score * self.knobs.decay + (uses - self._last_uses)
         self._last_uses = uses
         E = self.table.shape[1]

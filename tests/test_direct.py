@@ -294,6 +294,29 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
     assert (bad - ref[1]).abs().max().item() > 1e-3
 
 
+def test_the_refresh_waits_until_the_token_is_queued(stores, tmp_path, monkeypatch):
+    """The tier's refresh (its host work: the choice, the table's updates, the copies) runs once the token's MoE layers
+    are queued, on the counts read at the token's start, so that it runs beside the GPU's work: every refresh of a
+    decode comes right after `after_queued`, none inside the token's layers."""
+    from sluice.storage.vram_tier import VramTier
+
+    calls, inside, refresh, after = [], [], VramTier.refresh, VramTier.after_queued
+
+    def queued(self):
+        inside.append(1)
+        try:
+            after(self)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(VramTier, "after_queued", queued)
+    monkeypatch.setattr(VramTier, "refresh", lambda self, uses=None: calls.append(bool(inside)) or refresh(self, uses))
+    schedule = direct_schedule(tmp_path, backend="triton", refresh=2)
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, vram_slots=4) as engine:
+        engine.generate(PROMPT, 7)
+    assert len(calls) >= 2 and all(calls), calls  # each from after_queued
+
+
 def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
     """Free slots take the most used blocks; a block outside then replaces the least used inside only when its
     decayed count beats that one's by more than `margin` (ties and near-ties cost no copies) plus `noise` times the
