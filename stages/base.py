@@ -109,7 +109,8 @@ class Stage(ABC):
         and a whole step replayed as one graph before each replay: pipeline/whole.py)."""
 
     def token_queued(self) -> None:
-        """Host work after a whole step replayed as one graph is queued (pipeline/whole.py), beside the GPU's work."""
+        """Host work once a token's steps are queued, beside the GPU's work (after a whole step's replay is launched,
+        pipeline/whole.py; a stage may call it after its token's last layer itself)."""
 
     def tally(self, t: Any) -> None:
         """The host's counts of a one-token step of layer t that ran (after `after`, or after each replay of a whole

@@ -4,9 +4,9 @@ Every block is held in pinned RAM (`hold: true`); the table (storage/vram_tier.p
 at its VRAM tier slot or its RAM slot, and a one-token step resolves its routed ids on the GPU (kernels/ahead.py
 `resolve`: a staged guess's slot wins over RAM), counting the uses the tier's refreshes rank by. With `hold: false`
 RAM is an LRU cache filled from disk: the table's host side brings each step's ids to the host, reads what neither
-tier holds and sends the offsets it found (`TokenLayer.hosted`); the step then only counts the uses. The tier's turn comes before a
-token's first MoE layer (its copies landed, its counts read every `refresh` tokens); the new hot set is chosen once the
-token's MoE layers are queued (`token_queued`), its host work beside the GPU's.
+tier holds and sends the offsets it found (`TokenLayer.hosted`); the step then only counts the uses. The tier's turn
+comes before a token's first MoE layer (its copies landed, its counts read every `refresh` tokens); the new hot set is
+chosen once the token's MoE layers are queued (`token_queued`), its host work beside the GPU's.
 """
 
 from __future__ import annotations

@@ -54,8 +54,10 @@ class VramTier:
         self.uses = torch.zeros(n, E, dtype=torch.int64, device=dev)  # routed (token, k) per expert
         self.slot_of: dict[tuple[int, int], int] = {}  # (MoE index, expert) -> slot
         self.landing: tuple[object, list[tuple[int, int, int]]] | None = None  # (copy event, [(i, e, slot)])
-        self._score = np.zeros((n, E))  # decayed counts, on the host in numpy: its small ops cost microseconds where
-        self._last_uses = np.zeros((n, E), dtype=np.int64)  # torch's CPU ops took ~50 ms a refresh on the GPU machine
+        # decayed counts on the host, in numpy: torch's small CPU ops were most of a refresh's host time on the GPU
+        # machine (BENCHMARKS.md, 2026-12-07)
+        self._score = np.zeros((n, E))
+        self._last_uses = np.zeros((n, E), dtype=np.int64)
         self._steps = 0
         self._counts: np.ndarray | None = None  # a deferred refresh's counts (`between_tokens`, `after_queued`)
         cap = vram.capacity if vram is not None else 0
@@ -170,10 +172,10 @@ class VramTier:
         self.landing = None
 
     def between_tokens(self, defer: bool = False) -> None:
-        """At a one-token step's first MoE layer: lend the bank, switch the table to blocks whose copies have landed, and
-        every `refresh` steps choose the hot set anew (not while it holds every block): now, or (`defer`: before a step
-        replayed whole) once the step is queued (`after_queued`), so that its host work runs while the GPU computes;
-        the counts are read now either way (between tokens the GPU has nothing queued to wait for)."""
+        """At a one-token step's first MoE layer: lend the bank, switch the table to blocks whose copies have landed,
+        and every `refresh` steps choose the hot set anew (not while it holds every block): now, or (`defer`) once the
+        token's steps are queued (`after_queued`), so that its host work runs while the GPU computes; the counts are
+        read now either way (between tokens the GPU has nothing queued to wait for)."""
         self._counts = None
         if self.holds_all:
             return
@@ -188,13 +190,13 @@ class VramTier:
                 self._refresh_timed(counts)
 
     def after_queued(self) -> None:
-        """After a step replayed whole is queued: the refresh `between_tokens` deferred, if any (its table updates and
-        copies queue behind the step, which read the table as it was)."""
+        """Once the token's steps are queued: the refresh `between_tokens` deferred, if any (its table updates and
+        copies queue behind the steps, which read the table as it was)."""
         counts, self._counts = self._counts, None
         if counts is not None:
             self._refresh_timed(counts)
 
-    def _refresh_timed(self, counts) -> None:
+    def _refresh_timed(self, counts: np.ndarray) -> None:
         t = time.perf_counter()
         self.refresh(counts)
         self.rt.stats.refreshes += 1
