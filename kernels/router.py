@@ -48,6 +48,21 @@ def _scores_kernel(x, w, s, D, E, X_T, BE: tl.constexpr, BD: tl.constexpr, SIGMO
 
 
 @triton.jit
+def _top_k(choice, value, e, ids, K: tl.constexpr, BE: tl.constexpr):
+    """The K best of `choice` [BE] stored at ids[0..K-1] best first (the first index among equal ones); (each index's
+    rank, -1 outside; the sum of their `value`s, added in rank order)."""
+    rank, total = tl.full([BE], -1, tl.int32), 0.0
+    for k in tl.static_range(K):
+        best = tl.max(choice, axis=0)
+        at = tl.min(tl.where(choice == best, e, BE), axis=0)
+        tl.store(ids + k, at.to(tl.int64))
+        rank = tl.where(e == at, k, rank)
+        total += tl.sum(tl.where(e == at, value, 0.0), axis=0)
+        choice = tl.where(e == at, float("-inf"), choice)
+    return rank, total
+
+
+@triton.jit
 def _softmax_select_kernel(s, weights, ids, E, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr):
     t = tl.program_id(0)
     e = tl.arange(0, BE)
@@ -55,14 +70,7 @@ def _softmax_select_kernel(s, weights, ids, E, K: tl.constexpr, NORM: tl.constex
     logit = tl.load(s + t * E + e, mask=em, other=float("-inf")).to(tl.float32)
     p = tl.exp(logit - tl.max(logit, axis=0))
     p = tl.where(em, p / tl.sum(p, axis=0), float("-inf"))
-    choice, rank, total = p, tl.full([BE], -1, tl.int32), 0.0
-    for k in tl.static_range(K):
-        best = tl.max(choice, axis=0)
-        at = tl.min(tl.where(choice == best, e, BE), axis=0)  # the first index among equal ones
-        tl.store(ids + t * K + k, at.to(tl.int64))
-        rank = tl.where(e == at, k, rank)
-        total += best
-        choice = tl.where(e == at, float("-inf"), choice)
+    rank, total = _top_k(p, p, e, ids + t * K, K, BE)
     for k in tl.static_range(K):
         got = tl.sum(tl.where(rank == k, p, 0.0), axis=0)
         if NORM:
@@ -77,14 +85,7 @@ def _select_kernel(s, bias, weights, ids, E, K: tl.constexpr, scale, NORM: tl.co
     em = e < E
     score = tl.load(s + t * E + e, mask=em, other=0.0)
     choice = tl.where(em, score + tl.load(bias + e, mask=em, other=0.0), float("-inf"))
-    rank, total = tl.full([BE], -1, tl.int32), 0.0
-    for k in tl.static_range(K):
-        best = tl.max(choice, axis=0)
-        at = tl.min(tl.where(choice == best, e, BE), axis=0)  # the first index among equal ones
-        tl.store(ids + t * K + k, at.to(tl.int64))
-        rank = tl.where(e == at, k, rank)
-        total += tl.sum(tl.where(e == at, score, 0.0), axis=0)
-        choice = tl.where(e == at, float("-inf"), choice)
+    rank, total = _top_k(choice, score, e, ids + t * K, K, BE)
     for k in tl.static_range(K):  # the weights from registers (a value stored is not read back: no barrier orders it)
         w = tl.sum(tl.where(rank == k, score, 0.0), axis=0)
         if NORM:
