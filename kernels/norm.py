@@ -42,11 +42,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: boo
     rows = x.reshape(-1, D)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    dtype = torch.promote_types(x.dtype, weight.dtype) if round_first else x.dtype
-    y = torch.empty(rows.shape, dtype=dtype, device=x.device)
+    y = torch.empty(rows.shape, dtype=norm_dtype(x.dtype, weight.dtype, round_first), device=x.device)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, D, eps, rows.stride(0), y.stride(0), B=triton.next_power_of_2(D),
                                        ROUND_FIRST=round_first)
     return y.view(x.shape)
+
+
+def norm_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype | None, round_first: bool) -> torch.dtype:
+    """The normed rows' dtype: x's, or in Llama's form (`round_first`) the promotion of x's and the weight's."""
+    return torch.promote_types(x_dtype, w_dtype) if w_dtype is not None and round_first else x_dtype
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = False) -> torch.Tensor:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.decode import TL_DTYPES
+from sluice.kernels.norm import norm_dtype
 from sluice.kernels.rounding import FLOATS, rounded
 
 
@@ -55,19 +56,14 @@ def _norm_rope_kernel(q, k, qw, kw, cs, sn, qo, ko, eps, Hq, Q_T, K_T, C_T, QO_T
              ROUND_FIRST, XT, DT)
 
 
-def out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype | None, round_first: bool) -> torch.dtype:
-    """The dtype of the normed rows (the rotation keeps it): the norm's formula's (`kernels/norm.py`)."""
-    return torch.promote_types(x_dtype, w_dtype) if w_dtype is not None and round_first else x_dtype
-
-
 def norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float,
               round_first: bool, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, T, Hq, D] and k [1, T, Hk, D] (heads contiguous within a token), their norms' weights [D] (None: no norms),
-    cos and sin [1, T, D] in the normed rows' dtype (`out_dtype`) -> the rotated query [1, Hq, T, D] and key
-    [1, Hk, T, D], transformers' layout after its transpose."""
+    cos and sin [1, T, D] in the normed rows' dtype (kernels/norm.py `norm_dtype`; the rotation keeps it) -> the rotated
+    query [1, Hq, T, D] and key [1, Hk, T, D], transformers' layout after its transpose."""
     T, Hq, D = q.shape[1:]
     Hk = k.shape[2]
-    dt = out_dtype(q.dtype, q_w.dtype if q_w is not None else None, round_first)
+    dt = norm_dtype(q.dtype, q_w.dtype if q_w is not None else None, round_first)
     qo = torch.empty(1, T, Hq, D, dtype=dt, device=q.device)
     ko = torch.empty(1, T, Hk, D, dtype=dt, device=q.device)
     norm = q_w is not None
@@ -85,7 +81,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, q_w, k_w, cos: torch.Tensor, sin: tor
         return False
     if (q_w is None) != (k_w is None) or q.dtype not in FLOATS or k.dtype != q.dtype:
         return False
-    dt = out_dtype(q.dtype, q_w.dtype if q_w is not None else None, round_first)
+    dt = norm_dtype(q.dtype, q_w.dtype if q_w is not None else None, round_first)
     if q_w is not None and (q_w.dtype != k_w.dtype or q_w.dtype not in FLOATS):
         return False
     return (all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k)) and sin.stride(1) == cos.stride(1)
