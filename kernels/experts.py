@@ -12,6 +12,8 @@ copied into the graph's static inputs, so the host pays one replay instead of ea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sluice.kernels.decode import ACTS, F16X2_DOWN, FP4_WORDS, matvec
@@ -22,6 +24,19 @@ from sluice.kernels.prefill import grouped_gemm, tile_items
 from sluice.kernels.graphs import GraphPools
 
 BM = 64  # prefill row tile: the H200 sweep's best for FP8 / BF16 at ~32 rows per expert (BENCHMARKS.md)
+
+
+@dataclass(frozen=True)
+class PlannedGroups:
+    """A prompt layer's rows sorted by expert (flat_rows [R]: token * K + k), planned once for its groups of experts
+    (`TritonExperts.plan_groups`): a group's tiles index the layer's offsets and rows, so groups share these tensors."""
+    items: torch.Tensor  # int32 [n, 3] on the device: (expert index into the layer's offsets, first row, rows) per tile
+    spans: tuple[tuple[int, int, int], ...]  # per group: (its first tile in items, its tiles, its row tile BM)
+    flat_rows: torch.Tensor  # [R] the rows' flat positions, where the down projection's weighted rows go in y
+    xrows: torch.Tensor  # [R] each row's token: its row of the expert input
+    hrows: torch.Tensor  # [R] arange: each row's row of h
+    wts: torch.Tensor  # [R] each row's routing weight
+    h: torch.Tensor  # [R, I] the up projection's activated output, every group's rows
 
 
 class TritonExperts:
@@ -58,13 +73,51 @@ class TritonExperts:
             else:
                 y[flat_rows] = self._decode(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             return
-        most = max(counts)
-        if L["up"].fmt in SCALE_GROUPS:  # FP4: 16-row tiles up to 32 rows an expert, 32 up to 48, then 64 (the H200 sweep)
-            bm = 16 if most <= 32 else 32 if most <= 48 else 64
-        else:
-            bm = BM if most > 16 else 16  # short prompts: do not pad every expert to 64 rows
+        bm = self.tile_rows(max(counts))
         items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)
         self._grouped(bank, offs, down_bank, down_offs, items, bm, flat_rows, K, xe, wts, y)
+
+    def tile_rows(self, most: int) -> int:
+        """The grouped GEMMs' row tile for experts of at most `most` rows."""
+        if self.layouts["up"].fmt in SCALE_GROUPS:  # FP4: 16-row tiles up to 32 rows an expert, 32 up to 48, then 64 (the H200 sweep)
+            return 16 if most <= 32 else 32 if most <= 48 else 64
+        return BM if most > 16 else 16  # short prompts: do not pad every expert to 64 rows
+
+    def plan_groups(self, groups: list[list[int]], flat_rows: torch.Tensor, K: int, xe: torch.Tensor,
+                    w_flat: torch.Tensor) -> "PlannedGroups":
+        """A prompt layer's groups of experts (rows per expert, in the order of the layer's offsets and of flat_rows
+        [R]), planned once: every group's tiles in one copy to the device, the rows' inputs, weights and the up
+        projection's output for them all, so that each group costs two launches (`run_group`)."""
+        items, spans, a0, j0 = [], [], 0, 0
+        for counts in groups:
+            bm = self.tile_rows(max(counts))
+            first = len(items)
+            items += [(a0 + a, j0 + j, n) for a, j, n in tile_items(counts, bm)]
+            spans.append((first, len(items) - first, bm))
+            a0, j0 = a0 + len(counts), j0 + sum(counts)
+        host = torch.tensor(items, dtype=torch.int32)
+        dev = xe.device
+        R = flat_rows.numel()
+        return PlannedGroups(
+            items=(host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True), spans=tuple(spans),
+            flat_rows=flat_rows, xrows=flat_rows // K, hrows=torch.arange(R, device=dev), wts=w_flat[flat_rows],
+            h=torch.empty(R, self.layouts["up"].n, dtype=xe.dtype, device=dev))
+
+    def run_group(self, p: "PlannedGroups", g: int, bank, offs, down_bank, down_offs, xe: torch.Tensor,
+                  y: torch.Tensor) -> None:
+        """Group g of `p` (blocks at bank + offs[a] for the layer's expert indices a): its up and down grouped GEMMs,
+        the same tiles and sums as `run` on the group alone."""
+        first, n, bm = p.spans[g]
+        if not n:
+            return
+        L, x_dtype, items = self.layouts, xe.dtype, p.items[first : first + n]
+        if self.kind == "relu2":
+            grouped_gemm(bank, offs, xe, p.xrows, items, L["up"], "relu2", x_dtype, p.h, act=self.act, bm=bm)
+        else:
+            grouped_gemm(bank, offs, xe, p.xrows, items, L["up"], "swiglu", x_dtype, p.h, gate=L["gate"], act=self.act,
+                         act_args=self.act_args, bm=bm)
+        grouped_gemm(down_bank, down_offs, p.h, p.hrows, items, L["down"], "weighted", x_dtype, y, orows=p.flat_rows,
+                     wts=p.wts, bm=bm)
 
     def run_rows(self, bank, offs: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, xe: torch.Tensor, w: torch.Tensor,
                  y: torch.Tensor, tile: tuple[int, int, int] = (0, 0, 0)) -> None:

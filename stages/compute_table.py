@@ -120,13 +120,20 @@ class ComputeTable(Stage):
     def group(self, v: dict, experts: list[int]) -> None:
         """The grouped GEMM (kernels/prefill.py) of the next `experts` in place order, their blocks at the next
         offsets of `offs` and their rows the next slice of the sorted rows, weighted into y."""
-        table, at, counts = self.table, v["at"], v["counts"]
-        n, c = len(experts), [counts[e] for e in experts]
-        offs, base = v["offs"][at[0] : at[0] + n], table.base
-        table.kernel(v["li"].block).run(base, offs, base, offs, c, v["rows"][at[1] : at[1] + sum(c)], v["li"].block.top_k,
-                                        v["xe"], v["w"], v["y"], self.knobs.zero_skip)
+        table, at, counts, kern = self.table, v["at"], v["counts"], self.table.kernel(v["li"].block)
+        n, c, base = len(experts), [counts[e] for e in experts], table.base
+        if v["xe"].shape[0] > 1:  # a prompt: the layer's groups planned once (one copy of their tiles), two launches each
+            if "planned" not in v:
+                v["planned"] = kern.plan_groups([[counts[e] for e in g] for g in (v["in_vram"], v["ahead"], *v["groups"]) if g],
+                                                v["rows"], v["li"].block.top_k, v["xe"], v["w"])
+            kern.run_group(v["planned"], at[2], base, v["offs"], base, v["offs"], v["xe"], v["y"])
+        else:
+            offs = v["offs"][at[0] : at[0] + n]
+            kern.run(base, offs, base, offs, c, v["rows"][at[1] : at[1] + sum(c)], v["li"].block.top_k, v["xe"], v["w"],
+                     v["y"], self.knobs.zero_skip)
         at[0] += n
         at[1] += sum(c)
+        at[2] += 1
 
     def reference(self, v: dict) -> None:
         """The plain-torch reference path (the torch backend), each expert from its RAM slot."""

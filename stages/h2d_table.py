@@ -95,7 +95,7 @@ class H2DTable(Stage):
                 dsts.append((e, dst))
                 offsets.append(dst.data_ptr() - table.base.data_ptr())
             copies.append(dsts)
-        v.update(groups=groups, copies=copies, at=[0, 0],
+        v.update(groups=groups, copies=copies, at=[0, 0, 0],  # experts, rows and groups computed so far
                  offs=torch.tensor(offsets, dtype=torch.int64).to(v["xe"].device, non_blocking=True))
 
     def copied(self, v: dict):
@@ -109,8 +109,7 @@ class H2DTable(Stage):
             half = g % 2
             with streams.use("copy"):
                 streams.wait("copy", table.staged[half])
-                for e, dst in dsts:
-                    dst.copy_(table.blocks.entries[(layer, e)].buf, non_blocking=True)
+                copy_blocks([(dst, table.blocks.entries[(layer, e)].buf) for e, dst in dsts], table.block_bytes)
                 landed = streams.record("copy")
             streams.wait(table.stream, landed)
             yield group
@@ -158,8 +157,7 @@ class H2DTable(Stage):
         try:
             with streams.use("copy"):
                 streams.wait("copy", tier.ahead_read[i % 2])
-                for e, slot, src in moves:
-                    tier.vram.arena.slot(slot).copy_(src.buf, non_blocking=True)
+                copy_blocks([(tier.vram.arena.slot(slot), src.buf) for _, slot, src in moves], table.block_bytes)
                 landed = streams.record("copy")
             tier.read_by([src for _, _, src in moves], landed)
         except BaseException:
@@ -167,3 +165,25 @@ class H2DTable(Stage):
             raise
         self.rt.stats.vram_prefetches += len(moves)
         table.ahead = (i, early, landed, filled)
+
+
+def copy_blocks(pairs: list[tuple[torch.Tensor, torch.Tensor]], block_bytes: int) -> None:
+    """(destination, source) blocks copied on the current stream, blocks adjacent at both ends as one copy (a layer's RAM
+    blocks lie in expert order, a group's staging slots in a row): fewer calls for the host."""
+    k = 0
+    while k < len(pairs):
+        n = 1
+        while (k + n < len(pairs) and pairs[k + n][0].data_ptr() == pairs[k][0].data_ptr() + n * block_bytes
+               and pairs[k + n][1].data_ptr() == pairs[k][1].data_ptr() + n * block_bytes
+               and all(_storage(pairs[k + n][x]) == _storage(pairs[k][x]) for x in (0, 1))):
+            n += 1
+        dst, src = pairs[k]
+        if n == 1:
+            dst.copy_(src, non_blocking=True)
+        else:  # views over the run, within each block's storage (one arena)
+            dst.as_strided((n * block_bytes,), (1,)).copy_(src.as_strided((n * block_bytes,), (1,)), non_blocking=True)
+        k += n
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

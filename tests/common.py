@@ -39,7 +39,7 @@ LOGIT_ATOL = {
     "nemotron_h": 1e-6,  # 1.6e-7; Triton 3.5e-7
     "nemotron_h_latent": 1e-6,  # 2.1e-7
     "nemotron_h_groups": 1e-6,  # 2.2e-7
-    "qwen3_moe": 3e-6,  # 5.1e-7; Triton 8.2e-7
+    "qwen3_moe": 1e-5,  # 5.1e-7; Triton 8.2e-7; 3.8e-6 with the fused decoder ops on an AMD EPYC's BLAS (2026-12-07)
     "qwen3_next": 1.5e-5,  # 1.0e-6; Triton 5.2e-6 (a prompt's; its decode steps 7e-7)
     "mixtral": 5e-6,  # 0 (the same sums in the same order); Triton 1.1e-6
     "deepseek_v3": 1e-6,  # 1.8e-7; Triton 2.8e-7

@@ -589,3 +589,27 @@ def test_auto_holds_every_block_where_ram_allows_else_streams(stores, monkeypatc
     monkeypatch.setattr(schedule, "RAM_SHARE", 0.4)
     with sluice.load(store, device=DEVICE) as e:
         assert e.coordinator.schedule.name == "direct-stream"
+
+
+def test_copy_blocks_joins_adjacent_blocks_only(monkeypatch):
+    """A prompt's block copies (stages/h2d_table.py `copy_blocks`): blocks adjacent at both ends go as one copy, others
+    one by one, and every destination ends up holding its own source (as block-by-block copies leave them); blocks of
+    another storage that happen to be adjacent are not joined."""
+    from sluice.stages.h2d_table import copy_blocks
+
+    bb = 16
+    src = torch.arange(8 * bb, dtype=torch.uint8)
+    dst = torch.zeros(8 * bb, dtype=torch.uint8)
+    blk = lambda t, i: t[i * bb : (i + 1) * bb]  # noqa: E731
+    other = torch.full((bb,), 200, dtype=torch.uint8)
+    pairs = [(blk(dst, 0), blk(src, 2)), (blk(dst, 1), blk(src, 3)), (blk(dst, 2), blk(src, 4)),  # one run of three
+             (blk(dst, 5), blk(src, 0)), (blk(dst, 3), blk(src, 7)), (blk(dst, 4), other)]
+    calls = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, s, non_blocking=False: (calls.append(self.numel()), real(self, s))[1])
+    copy_blocks(pairs, bb)
+    monkeypatch.undo()
+    for d, s in pairs:
+        assert torch.equal(d, s)
+    assert calls == [3 * bb, bb, bb, bb]
+    assert torch.equal(blk(dst, 6), torch.zeros(bb, dtype=torch.uint8))  # nothing past a run written

@@ -7,6 +7,8 @@ checks that must fail (swapped nibbles, scales applied to the wrong group) are i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -571,3 +573,51 @@ def test_bench_reads_the_bytes_alone():
         assert got[a].tolist() == [int(w) for w in want], a
     bank[16384 + n - 1] ^= 1  # the last byte read of the first block
     assert int(read_bytes(bank, offs, n, bw=512)[0, 1]) != int(got[0, 1])
+
+
+@pytest.mark.parametrize("kind,fmt", [("relu2", "nvfp4"), ("swiglu", "nvfp4"), ("swiglu", "bf16")])
+def test_planned_groups_equal_each_group_run_alone(kind, fmt):
+    """A prompt layer's groups planned once (one copy of every group's tiles, shared rows: `plan_groups`) give the same
+    y, bit for bit, as each group run alone (`run`); tiles planned one expert off fail."""
+    from sluice.kernels.experts import TritonExperts
+
+    A, K, T, Dx, I = 6, 2, 9, 64, 96
+    bank, offs, manifest, _ = make_bank(kind, fmt, A, Dx, I, seed=11)
+    bank, offs = bank.to(DEVICE), offs.to(DEVICE)
+    kern = TritonExperts(manifest, kind, "relu2" if kind == "relu2" else "silu", torch.device(DEVICE))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.stack([torch.randperm(A, generator=g)[:K] for _ in range(T)])  # [T, K] distinct experts a row
+    flat = ids.flatten()
+    order = [3, 0, 5, 1, 4, 2]  # the layer's offsets' order: VRAM, then RAM groups
+    rank = torch.zeros(A, dtype=torch.int64)
+    rank[order] = torch.arange(A)
+    rows = torch.argsort(rank[flat], stable=True).to(DEVICE)
+    counts = torch.bincount(flat, minlength=A).tolist()
+    xe = torch.randn(T, Dx, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.rand(T * K, generator=g).to(DEVICE)
+    lay_offs = offs[torch.tensor(order, device=DEVICE)]
+    groups = [order[:2], order[2:5], order[5:]]
+
+    def alone():
+        y, at = torch.zeros(T * K, Dx, dtype=torch.bfloat16, device=DEVICE), [0, 0]
+        for grp in groups:
+            c = [counts[e] for e in grp]
+            o = lay_offs[at[0] : at[0] + len(grp)]
+            kern.run(bank, o, bank, o, c, rows[at[1] : at[1] + sum(c)], K, xe, w, y, False)
+            at[0], at[1] = at[0] + len(grp), at[1] + sum(c)
+        return y
+
+    def planned(shift: int = 0):
+        y = torch.zeros(T * K, Dx, dtype=torch.bfloat16, device=DEVICE)
+        p = kern.plan_groups([[counts[e] for e in grp] for grp in groups], rows, K, xe, w)
+        if shift:  # each tile's expert index one off (within the layer's offsets): a wrong block read for its rows
+            items = p.items.clone()
+            items[:, 0] = (items[:, 0] + shift) % A
+            p = dataclasses.replace(p, items=items)
+        for i in range(len(groups)):
+            kern.run_group(p, i, bank, lay_offs, bank, lay_offs, xe, y)
+        return y
+
+    want = alone()
+    assert torch.equal(planned(), want)
+    assert not torch.equal(planned(shift=1), want)
