@@ -45,3 +45,21 @@ for threads in (torch.get_num_threads(), 1):
 a = with_torch(dev_uses.cpu(), torch.zeros(48, 128, dtype=torch.int64), torch.zeros(48, 128, dtype=torch.float64), ids)
 b = with_numpy(dev_uses.cpu().numpy(), np.zeros((48, 128), dtype=np.int64), np.zeros((48, 128)), ids)
 print("same selection:", a[0] == b[0] and a[1] == b[1] and a[2] == b[2])
+# which of torch's CPU ops is slow with its threads: each alone, median of 20 in ms (threads as set, then one)
+u, z, f = dev_uses.cpu(), torch.zeros(48, 128, dtype=torch.int64), torch.zeros(48, 128, dtype=torch.float64)
+flat = f.flatten()
+ops = {"score arithmetic": lambda: f * 0.5 + (u - z).double(), "tolist": lambda: flat.tolist(),
+       "zeros bool": lambda: torch.zeros(flat.numel(), dtype=torch.bool), "tensor(list)": lambda: torch.tensor(ids),
+       "argsort": lambda: torch.argsort(flat, descending=True, stable=True), "unique": lambda: torch.unique(u.flatten()),
+       "bincount": lambda: torch.bincount(u.flatten(), minlength=128), "mask index": lambda: flat[flat > 0]}
+for threads in (16, 1):
+    torch.set_num_threads(threads)
+    line = []
+    for name, op in ops.items():
+        ts = []
+        for _ in range(20):
+            t = time.perf_counter()
+            op()
+            ts.append(1000 * (time.perf_counter() - t))
+        line.append(f"{name} {statistics.median(ts):.3f}")
+    print(f"threads {threads:2d}: " + ", ".join(line))

@@ -18,13 +18,13 @@ with sluice.load(store, vram_budget=budget, routing=routing, schedule="direct") 
     tier = e.coordinator.plan.table.tier
     prof, refresh, timed = cProfile.Profile(), VramTier.refresh, []
 
-    def timed_refresh(self):
+    def timed_refresh(self, uses=None):
         torch.cuda.synchronize()
         for tid, frame in sys._current_frames().items():  # the other Python threads, where they are (GIL contention?)
             if tid != threading.get_ident():
                 seen.add(f"{names.get(tid, tid)}: {frame.f_code.co_filename.split('/')[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
         t = time.perf_counter()
-        prof.runcall(refresh, self)
+        prof.runcall(refresh, self, uses)
         host = time.perf_counter() - t
         torch.cuda.synchronize()
         moves = len(self.landing[1]) if self.landing else 0
