@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sluice.errors import ScheduleError
@@ -159,10 +160,10 @@ class FetchTable(Stage):
         for e in experts:  # a block copied ahead is read from VRAM (its copy is counted as a guess copied, once)
             stats.tier("vram" if e in in_vram or e in early else "disk" if e in blocks.disk else "ram")
         stats.vram_prefetch_hits += len(ahead)
-        rank = torch.zeros(table.num_experts, dtype=torch.int64)
-        rank[in_vram + ahead + in_ram] = torch.arange(len(experts))
-        flat = v["flat"]
+        rank = np.zeros(table.num_experts, dtype=np.int64)
+        rank[in_vram + ahead + in_ram] = np.arange(len(experts))
+        flat = v["flat"]  # numpy (route's on_host)
         v.update(in_vram=in_vram, ahead=ahead, in_ram=in_ram, early=early,
-                 rows=torch.argsort(rank[flat], stable=True).to(v["xe"].device, non_blocking=True),
-                 counts=torch.bincount(flat, minlength=table.num_experts).tolist(),
+                 rows=torch.from_numpy(np.argsort(rank[flat], kind="stable")).to(v["xe"].device, non_blocking=True),
+                 counts=np.bincount(flat, minlength=table.num_experts).tolist(),
                  offsets=[tier.offset(i, e) for e in in_vram] + [early[e] for e in ahead])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sluice.errors import ScheduleError
@@ -134,8 +135,8 @@ class H2DTable(Stage):
             return
         i = table.index[v["li"].next_block.layer]
         tier = table.tier
-        counts = torch.bincount(guess.flatten().long(), minlength=table.num_experts)
-        order = torch.argsort(counts, descending=True, stable=True)[: int((counts > 0).sum())].tolist()
+        counts = np.bincount(guess.numpy().reshape(-1).astype(np.int64), minlength=table.num_experts)  # host work in numpy
+        order = np.argsort(-counts, kind="stable")[: int((counts > 0).sum())].tolist()  # most chosen first, ties by id
         bank = iter(tier.ahead_bank[i % 2])
         early, filled, moves = {}, [], []
         layer = table.layers[i]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sluice.errors import ScheduleError
@@ -78,6 +79,7 @@ class RouteTable(Stage):
                 shared = block.shared(li.x)
         await self.rt.ids_arrived(arrived)
         ids_cpu, guess = (host[:, : ids.shape[1]], host[:, ids.shape[1]:]) if ahead else (host, None)
-        flat = ids_cpu.flatten().long()
+        flat = ids_cpu.numpy().reshape(-1).astype(np.int64)  # the host's index work in numpy: torch's CPU ops wake its
+        # thread pool, which cost the VRAM tier's refreshes ms on the GPU machine (BENCHMARKS.md, 2026-12-07)
         v.update(weights=weights, ids=ids, xe=xe, ids_cpu=ids_cpu, guess=guess, flat=flat, shared=shared,
-                 experts=torch.unique(flat).tolist() if k.routed else [])  # ascending
+                 experts=np.unique(flat).tolist() if k.routed else [])  # ascending
