@@ -87,7 +87,7 @@ def _tile_dot(acc, base, W_OFF, S_OFF, S_STRIDE, xp, xr, mm, n, N, K,
 
 # offs and orows are often slices of one layer's tensors (stages/direct.py), 16-byte aligned or not by where the slice
 # starts: specialising on that compiles each kernel again at the first odd start, inside a prompt
-@triton.jit(do_not_specialize_on_alignment=["offs", "orows"])
+@triton.jit(do_not_specialize_on_alignment=["offs", "orows", "items"])  # items: a planned group's slice (kernels/experts.py)
 def _grouped_gemm_kernel(
     bank, offs, x, X_STRIDE, xrows, out, OUT_STRIDE, orows, wts, items, N, K,
     W_OFF, S_OFF, S2_OFF, S_STRIDE, B_OFF, G_W_OFF, G_S_OFF, G_S2_OFF, G_B_OFF,

@@ -17,7 +17,7 @@ route brings the ids to the host, fetch pins (reads from disk) and places the bl
 group by group while compute runs each group as it lands, h2d copies the next layer's guesses ahead, combine sums
 and finishes; each under its stage's span in the trace. The values pass by name in one dict (li, i, token;
 weights, ids, xe, ids_cpu, flat, experts, guess, shared; in_vram, ahead, in_ram, early, rows, counts, offsets;
-groups, copies, filled, offs, at; y, w, h). One-token steps over a RAM cache that route on the host and then run
+groups, copies, filled, offs, at, planned; y, w, h). One-token steps over a RAM cache that route on the host and then run
 the composed step are the table's (stages/table_stream.py).
 """
 

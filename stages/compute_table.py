@@ -127,6 +127,8 @@ class ComputeTable(Stage):
                 v["planned"] = kern.plan_groups([[counts[e] for e in g] for g in (v["in_vram"], v["ahead"], *v["groups"]) if g],
                                                 v["rows"], v["li"].block.top_k, v["xe"], v["w"])
             kern.run_group(v["planned"], at[2], base, v["offs"], base, v["offs"], v["xe"], v["y"])
+            if at[2] + 1 == len(v["planned"].spans):  # the last group queued: its buffers go back before combine's
+                del v["planned"]
         else:
             offs = v["offs"][at[0] : at[0] + n]
             kern.run(base, offs, base, offs, c, v["rows"][at[1] : at[1] + sum(c)], v["li"].block.top_k, v["xe"], v["w"],

@@ -174,7 +174,8 @@ def copy_blocks(pairs: list[tuple[torch.Tensor, torch.Tensor]], block_bytes: int
     k = 0
     while k < len(pairs):
         n = 1
-        while (k + n < len(pairs) and pairs[k + n][0].data_ptr() == pairs[k][0].data_ptr() + n * block_bytes
+        while (k + n < len(pairs) and pairs[k][0].dtype == pairs[k][1].dtype == torch.uint8  # sizes in bytes
+               and pairs[k + n][0].data_ptr() == pairs[k][0].data_ptr() + n * block_bytes
                and pairs[k + n][1].data_ptr() == pairs[k][1].data_ptr() + n * block_bytes
                and all(_storage(pairs[k + n][x]) == _storage(pairs[k][x]) for x in (0, 1))):
             n += 1

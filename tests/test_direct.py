@@ -601,9 +601,11 @@ def test_copy_blocks_joins_adjacent_blocks_only(monkeypatch):
     src = torch.arange(8 * bb, dtype=torch.uint8)
     dst = torch.zeros(8 * bb, dtype=torch.uint8)
     blk = lambda t, i: t[i * bb : (i + 1) * bb]  # noqa: E731
-    other = torch.full((bb,), 200, dtype=torch.uint8)
+    buf = bytearray(2 * bb)  # two storages over one buffer: adjacent blocks of different storages
+    left, right = torch.frombuffer(buf, dtype=torch.uint8, count=bb), torch.frombuffer(buf, dtype=torch.uint8, offset=bb)
+    assert right.data_ptr() == left.data_ptr() + bb
     pairs = [(blk(dst, 0), blk(src, 2)), (blk(dst, 1), blk(src, 3)), (blk(dst, 2), blk(src, 4)),  # one run of three
-             (blk(dst, 5), blk(src, 0)), (blk(dst, 3), blk(src, 7)), (blk(dst, 4), other)]
+             (blk(dst, 5), blk(src, 0)), (blk(dst, 3), blk(src, 6)), (blk(dst, 6), left), (blk(dst, 7), right)]
     calls = []
     real = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, s, non_blocking=False: (calls.append(self.numel()), real(self, s))[1])
@@ -611,5 +613,5 @@ def test_copy_blocks_joins_adjacent_blocks_only(monkeypatch):
     monkeypatch.undo()
     for d, s in pairs:
         assert torch.equal(d, s)
-    assert calls == [3 * bb, bb, bb, bb]
-    assert torch.equal(blk(dst, 6), torch.zeros(bb, dtype=torch.uint8))  # nothing past a run written
+    assert calls == [3 * bb, bb, bb, bb, bb]  # left and right adjacent at both ends, but of two storages
+    assert torch.equal(blk(dst, 4), torch.zeros(bb, dtype=torch.uint8))  # nothing past a run written

@@ -581,12 +581,13 @@ def test_planned_groups_equal_each_group_run_alone(kind, fmt):
     y, bit for bit, as each group run alone (`run`); tiles planned one expert off fail."""
     from sluice.kernels.experts import TritonExperts
 
-    A, K, T, Dx, I = 6, 2, 9, 64, 96
+    A, K, T, Dx, I = 6, 2, 40, 64, 96
     bank, offs, manifest, _ = make_bank(kind, fmt, A, Dx, I, seed=11)
     bank, offs = bank.to(DEVICE), offs.to(DEVICE)
     kern = TritonExperts(manifest, kind, "relu2" if kind == "relu2" else "silu", torch.device(DEVICE))
     g = torch.Generator().manual_seed(2)
-    ids = torch.stack([torch.randperm(A, generator=g)[:K] for _ in range(T)])  # [T, K] distinct experts a row
+    favour = torch.tensor([8.0, 4.0, 1.0, 1.0, 0.3, 0.3])  # skewed: experts of several row tiles, groups of other BMs
+    ids = torch.stack([torch.multinomial(favour, K, generator=g) for _ in range(T)])  # [T, K] distinct experts a row
     flat = ids.flatten()
     order = [3, 0, 5, 1, 4, 2]  # the layer's offsets' order: VRAM, then RAM groups
     rank = torch.zeros(A, dtype=torch.int64)
@@ -618,6 +619,7 @@ def test_planned_groups_equal_each_group_run_alone(kind, fmt):
             kern.run_group(p, i, bank, lay_offs, bank, lay_offs, xe, y)
         return y
 
+    assert len({kern.tile_rows(max(counts[e] for e in grp)) for grp in groups}) > 1 and max(counts) > 16
     want = alone()
     assert torch.equal(planned(), want)
     assert not torch.equal(planned(shift=1), want)
