@@ -63,19 +63,16 @@ class TritonExperts:
 
         counts [A] rows per expert; flat_rows [R] their flat (token * K + k) positions, grouped by expert;
         xe [T, Dx] expert input; w_flat [T*K] routing weights; y [T*K, Dx] output rows."""
-        L = self.layouts
-        wts = w_flat[flat_rows]
         A, R = len(counts), flat_rows.numel()
         if R == A and xe.shape[0] == 1:  # one token: one row per expert
+            wts = w_flat[flat_rows]
             self.count_groups(A)
             if self.graphs:
                 y[flat_rows] = self._decode_graphed(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             else:
                 y[flat_rows] = self._decode(bank, offs, down_bank, down_offs, xe[0], wts, y.dtype, zero_skip)
             return
-        bm = self.tile_rows(max(counts))
-        items = torch.tensor(tile_items(counts, bm), dtype=torch.int32).to(xe.device, non_blocking=True)
-        self._grouped(bank, offs, down_bank, down_offs, items, bm, flat_rows, K, xe, wts, y)
+        self.run_group(self.plan_groups([counts], flat_rows, K, xe, w_flat), 0, bank, offs, down_bank, down_offs, xe, y)
 
     def tile_rows(self, most: int) -> int:
         """The grouped GEMMs' row tile for experts of at most `most` rows."""
@@ -97,27 +94,33 @@ class TritonExperts:
             a0, j0 = a0 + len(counts), j0 + sum(counts)
         host = torch.tensor(items, dtype=torch.int32)
         dev = xe.device
+        return self._planned((host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True), tuple(spans),
+                             flat_rows, K, xe, w_flat[flat_rows])
+
+    def _planned(self, items: torch.Tensor, spans: tuple, flat_rows: torch.Tensor, K: int, xe: torch.Tensor,
+                 wts: torch.Tensor) -> "PlannedGroups":
         R = flat_rows.numel()
-        return PlannedGroups(
-            items=(host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True), spans=tuple(spans),
-            flat_rows=flat_rows, xrows=flat_rows // K, hrows=torch.arange(R, device=dev), wts=w_flat[flat_rows],
-            h=torch.empty(R, self.layouts["up"].n, dtype=xe.dtype, device=dev))
+        return PlannedGroups(items=items, spans=spans, flat_rows=flat_rows, xrows=flat_rows // K,
+                             hrows=torch.arange(R, device=xe.device), wts=wts,
+                             h=torch.empty(R, self.layouts["up"].n, dtype=xe.dtype, device=xe.device))
 
     def run_group(self, p: "PlannedGroups", g: int, bank, offs, down_bank, down_offs, xe: torch.Tensor,
-                  y: torch.Tensor) -> None:
+                  y: torch.Tensor, tile: tuple[int, int, int] = (0, 0, 0)) -> None:
         """Group g of `p` (blocks at bank + offs[a] for the layer's expert indices a): its up and down grouped GEMMs,
-        the same tiles and sums as `run` on the group alone."""
+        the same tiles and sums as `run` on the group alone. tile: (BN, BK, warps), 0 for the format's."""
         first, n, bm = p.spans[g]
         if not n:
             return
         L, x_dtype, items = self.layouts, xe.dtype, p.items[first : first + n]
+        bn, bk, nw = tile
         if self.kind == "relu2":
-            grouped_gemm(bank, offs, xe, p.xrows, items, L["up"], "relu2", x_dtype, p.h, act=self.act, bm=bm)
+            grouped_gemm(bank, offs, xe, p.xrows, items, L["up"], "relu2", x_dtype, p.h, act=self.act, bm=bm, bn=bn, bk=bk,
+                         num_warps=nw)
         else:
             grouped_gemm(bank, offs, xe, p.xrows, items, L["up"], "swiglu", x_dtype, p.h, gate=L["gate"], act=self.act,
-                         act_args=self.act_args, bm=bm)
+                         act_args=self.act_args, bm=bm, bn=bn, bk=bk, num_warps=nw)
         grouped_gemm(down_bank, down_offs, p.h, p.hrows, items, L["down"], "weighted", x_dtype, y, orows=p.flat_rows,
-                     wts=p.wts, bm=bm)
+                     wts=p.wts, bm=bm, bn=bn, bk=bk, num_warps=nw)
 
     def run_rows(self, bank, offs: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, xe: torch.Tensor, w: torch.Tensor,
                  y: torch.Tensor, tile: tuple[int, int, int] = (0, 0, 0)) -> None:
@@ -134,24 +137,8 @@ class TritonExperts:
         size = (counts[:, None] + first[:, :1] - first).clamp(0, 16)
         expert = torch.arange(E, device=dev)[:, None].expand_as(first)
         items = torch.stack((expert, first, size), dim=-1).reshape(-1, 3).to(torch.int32)
-        self._grouped(bank, offs, bank, offs, items, 16, rows, K, xe, w.reshape(-1)[rows], y, tile)
-
-    def _grouped(self, bank, offs, down_bank, down_offs, items: torch.Tensor, bm: int, flat_rows: torch.Tensor, K: int,
-                 xe: torch.Tensor, wts: torch.Tensor, y: torch.Tensor, tile: tuple[int, int, int] = (0, 0, 0)) -> None:
-        """The grouped GEMMs (kernels/prefill.py) up and down over `items` (expert, first row, rows) of the rows
-        flat_rows [R] grouped by expert; wts [R] their weights in that order."""
-        L, x_dtype, R = self.layouts, xe.dtype, flat_rows.numel()
-        h = torch.empty(R, L["up"].n, dtype=x_dtype, device=xe.device)
-        xrows = flat_rows // K
-        bn, bk, nw = tile
-        if self.kind == "relu2":
-            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "relu2", x_dtype, h, act=self.act, bm=bm, bn=bn, bk=bk, num_warps=nw)
-        else:
-            grouped_gemm(bank, offs, xe, xrows, items, L["up"], "swiglu", x_dtype, h, gate=L["gate"], act=self.act,
-                         act_args=self.act_args, bm=bm, bn=bn, bk=bk, num_warps=nw)
-        hrows = torch.arange(R, device=xe.device)
-        grouped_gemm(down_bank, down_offs, h, hrows, items, L["down"], "weighted", x_dtype, y, orows=flat_rows, wts=wts, bm=bm,
-                     bn=bn, bk=bk, num_warps=nw)
+        p = self._planned(items, ((0, items.shape[0], 16),), rows, K, xe, w.reshape(-1)[rows])
+        self.run_group(p, 0, bank, offs, bank, offs, xe, y, tile)
 
     def run_token(self, bank, offs: list[int], down_bank, down_offs: list[int], positions: list[int], x: torch.Tensor,
                   w: torch.Tensor, y: torch.Tensor, zero_skip: bool) -> None:
