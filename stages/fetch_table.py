@@ -158,7 +158,7 @@ class FetchTable(Stage):
         ahead = [e for e in experts if e in early]
         in_ram = [e for e in experts if (i, e) not in tier.slot_of and e not in early]
         for e in experts:  # a block copied ahead is read from VRAM (its copy is counted as a guess copied, once)
-            stats.tier("vram" if e in in_vram or e in early else "disk" if e in blocks.disk else "ram")
+            stats.tier("vram" if e in early or (i, e) in tier.slot_of else "disk" if e in blocks.disk else "ram")
         stats.vram_prefetch_hits += len(ahead)
         rank = np.zeros(table.num_experts, dtype=np.int64)
         rank[in_vram + ahead + in_ram] = np.arange(len(experts))
