@@ -168,7 +168,7 @@ class Coordinator:
             return None
         block = layer.moe
         nxt = self._next[block.index]
-        if self.plan.table.cpu_now:  # a CpuTurn: the host's part and the rest (a whole step in segments)
+        if self.plan.table.cpu_now:  # a CpuTurn: the host's part and the rest (pipeline/whole.py)
             args = (h,) if block.graph_safe else layer.moe_input(h, ctx)
             return self.plan.token_cpu(block, nxt, layer if block.graph_safe else None, args)
         if block.graph_safe:

@@ -137,8 +137,8 @@ class TokenPlan:
             return self.step(block, nxt, None, (x, residual), first=first, rows=x.shape[0])
 
     def variant(self) -> bool:
-        """Before a token replayed whole: which of its captured steps it runs (the table's choice, `cpu_choose`: in
-        segments with the CPU's share of the blocks, or whole without it)."""
+        """Before a token replayed whole: which of its captured steps it runs (the table's choice, `cpu_choose`: with the
+        CPU's share of the blocks, or without it)."""
         return self.table.cpu_choose()
 
     def begin_token(self) -> None:
@@ -234,10 +234,10 @@ class TokenPlan:
         return finish
 
     def token_cpu(self, block, nxt, layer, args: tuple):
-        """A one-token step of `block`'s layer whose blocks the CPU shares, the split made on the device (a whole step in
-        segments: pipeline/whole.py): its first part queued now on args ((h,) with `layer`, else (x, residual)): the
+        """A one-token step of `block`'s layer whose blocks the CPU shares, the split made on the device (a whole step:
+        pipeline/whole.py): its first part queued now on args ((h,) with `layer`, else (x, residual)): the
         router, the CPU's blocks chosen and told to the host (stages/table_cpu.py), the GPU's rows. Returns the table's
-        `CpuTurn`: the host's part at the segment's end, and the mix that starts the next segment."""
+        `CpuTurn`: the host's part after the replay, and the mix (after the GPU's wait for it, or in the next segment)."""
         (gpu, mix), t, marks = self._made(block, nxt, layer, False, cpu=True)
         for stage in self.stages:
             stage.before(t, False)

@@ -32,9 +32,10 @@ class _Whole:
 
     ids: torch.Tensor  # [B, 1] int64 on the device: each sequence's token, written before each replay
     past: torch.Tensor  # [] int64 on the device: its position ([B]: each sequence's)
-    graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph segments, replayed in order with the host's turns
-    # between them; none: the body runs eagerly at each step (a CPU: tests/test_whole.py)
-    turns: list = field(default_factory=list)  # after segment j (but the last): the host's turn (stages/table_cpu.py CpuTurn)
+    graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph segments, replayed in order, each followed by its
+    # host turns; none: the body runs eagerly at each step (a CPU: tests/test_whole.py)
+    turns: list = field(default_factory=list)  # per segment, the host's turns after its replay (stages/table_cpu.py CpuTurn):
+    # one that ends it (cpu_wait: host), or those its graph waits for on the device (cpu_wait: device), in layer order
     logits: torch.Tensor | None = None  # [B, V] fp32, in the graphs' pool: read before the next replay
     ran: list = field(default_factory=list)  # the plan's composed steps the body holds (their tallies per replay)
     marks: list = field(default_factory=list)  # their parts' trace marks
@@ -146,10 +147,15 @@ class WholeStep:
             for turn in body(w, state):
                 turn.host()
         else:
-            for j, graph in enumerate(w.graphs):
+            for graph, turns in zip(w.graphs, w.turns):
                 graph.replay()
-                if j < len(w.turns):
-                    w.turns[j].host()
+                for k, turn in enumerate(turns):
+                    try:
+                        turn.host()
+                    except BaseException:  # the graph must not wait for good on the turns left: their flags raised
+                        for rest in turns[k:]:
+                            rest.release()
+                        raise
         plan.token_queued()
         self.replays += 1
         plan.replayed(w.ran, w.marks)
@@ -161,23 +167,25 @@ class WholeStep:
             self._seen.popitem(last=False)
 
     def _capture(self, make, state, ids: tuple, past: tuple, rows: bool = False) -> _Whole | str | None:
-        """The step make(w, state) captured in segments (shapes of its token ids and positions); OUT_OF_VRAM where it
-        does not fit now; None where it cannot be: whole steps off from now on (`rows`: batched ones only), with a
-        warning."""
+        """The step make(w, state) captured in segments (one where no host turn ends one; shapes of its token ids and
+        positions); OUT_OF_VRAM where it does not fit now; None where it cannot be: whole steps off from now on
+        (`rows`: batched ones only), with a warning."""
         dev = self.model.device
         w = _Whole(torch.zeros(ids, dtype=torch.int64, device=dev), torch.zeros(past, dtype=torch.int64, device=dev))
         if not self.graphs:
             return w
         try:
             body = make(w, state)
-            while True:  # a segment up to each host turn, and the last one to the logits
-                graph = torch.cuda.CUDAGraph()
+            turn = True
+            while turn is not None:  # a segment up to each host turn that ends one, the last one to the logits
+                graph, turns = torch.cuda.CUDAGraph(), []
                 with self.rt.streams.capture(graph, self.pool):
-                    turn = next(body, None)
+                    while (turn := next(body, None)) is not None:
+                        turns.append(turn)
+                        if not turn.in_graph:
+                            break
                 w.graphs.append(graph)
-                if turn is None:
-                    break
-                w.turns.append(turn)
+                w.turns.append(turns)
         except torch.OutOfMemoryError as e:  # this step's states and pool do not fit now: it runs layer by layer
             body.close()
             get_logger().warning("a step runs layer by layer: out of VRAM while capturing it", error=str(e)[:120])
@@ -199,8 +207,8 @@ class WholeStep:
 
     def _body(self, w: _Whole, cache):
         """The step's work: the engine's layer loop (pipeline/engine.py `_step`) for one token on the device alone,
-        yielding at a MoE layer whose blocks the CPU shares its turn for the host (the segment ends there; the next
-        begins with the layer's mix)."""
+        yielding at a MoE layer whose blocks the CPU shares its turn for the host (run after the replay of the graph that
+        holds the layer's first part; with cpu_wait: host the segment ends there, the next begins with the layer's mix)."""
         model = self.model
         with self.coordinator.plan.whole() as (ran, marks):
             h, ctx = model.begin(w.ids, cache, w.past)

@@ -42,6 +42,8 @@ class ComputeTableKnobs:
     cpu_share: float = 0.0  # fraction of a one-token step's blocks outside VRAM that the CPU computes from their RAM
     # slots while the GPU reads the rest (the ids come to the host: one wait a MoE layer; stages/table_cpu.py)
     cpu_balance: bool = False  # the CPU's count follows the measured CPU and PCIe rates (cpu_share until measured)
+    cpu_wait: str = "device"  # a whole step with the CPU's share: device (one graph; the GPU waits at each MoE layer for a
+    # flag the host writes after its rows: kernels/host_wait.py) | host (a graph segment a MoE layer, replayed by the host)
     cpu_threads: int = 0  # the CPU experts' native threads; 0: all cores but two
     cpu_compile: bool = True  # the CPU experts without a native kernel through torch.compile (else eager torch ops)
     cpu_int8: bool = False  # the CPU's FP4 experts with activations rounded to int8 per scale group (stages/compute.py)
@@ -53,6 +55,8 @@ class ComputeTableKnobs:
         if self.rows_tile != "auto" and not _tile_ok(self.rows_tile):
             raise ScheduleError(f"stage 'compute': 'rows_tile' must be auto or BNxBKxWARPS, BN and BK powers of two from 32 "
                                 f"to 512, WARPS 1, 2, 4, 8 or 16 (e.g. 64x128x4), got {self.rows_tile!r}")
+        if self.cpu_wait not in ("device", "host"):
+            raise ScheduleError(f"stage 'compute': 'cpu_wait' must be device or host, got {self.cpu_wait!r}")
         if not 0.0 <= self.cpu_share <= 1.0:
             raise ScheduleError(f"stage 'compute': 'cpu_share' must be between 0 and 1, got {self.cpu_share!r}")
 

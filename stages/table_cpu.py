@@ -4,24 +4,27 @@ Of the blocks a one-token MoE step routes to, those in the VRAM tier are read th
 pinned RAM) the CPU computes a share from their RAM slots (kernels/cpu.py) while the GPU reads the rest over PCIe,
 so that PCIe and the host's RAM bandwidth add up. The CPU's rows are its kernels' arithmetic, so the layer's output
 is the streaming schedules' within rounding, not bit for bit. Two forms:
-- a whole step in segments (pipeline/whole.py; `cpu_split`, `cpu_turn`): the split is made on the device in the
-  step's fetch part (the CPU takes the lowest-ranked routed blocks outside VRAM, up to the layer's count for this
-  token, their offsets pointed at a zero block), which copies the ids, weights, expert input and masks to pinned
-  memory and then the token's number; the segment ends after the GPU's rows are queued; the host spins until the
-  number lands, computes the CPU's rows into pinned memory, and replays the next segment, which copies them in and
-  mixes them into combine's fixed-order sum. The host's work a MoE layer: one replay, one wait, the CPU's rows.
+- a whole step (pipeline/whole.py; `cpu_split`, `cpu_turn`): the split is made on the device in the step's fetch
+  part (the CPU takes the lowest-ranked routed blocks outside VRAM, up to the layer's count for this token, their
+  offsets pointed at a zero block), which copies the ids, weights, expert input and masks to pinned memory and then
+  the token's number; the GPU's rows are queued; the host spins until the number lands and computes the CPU's rows
+  into pinned memory; the step's next part copies them in and mixes them into combine's fixed-order sum. With
+  compute's `cpu_wait: device` the step is one graph: that part begins with the GPU waiting for a flag the host
+  writes after the rows (kernels/host_wait.py), so the host's work a MoE layer is one wait and the CPU's rows; with
+  `cpu_wait: host` a graph segment ends at each such layer and the host replays the next after the rows.
 - layer by layer (`_token_cpu`: a sequence's first one-token step, or where no whole step runs): the ids come to the
   host, which picks the CPU's blocks, queues the plan's first part (pipeline/plan.py `TokenPlan.split`), computes
   its rows and queues the second.
 
 How many: `cpu_share` of the blocks outside VRAM (a credit carried across layers, so a share of 0.25 sends one block
 in four), or with `cpu_balance` the count that finishes both soonest from the measured rates: the CPU's seconds a
-block (its own timings, a moving average) and a block's bytes over the host-to-device rate. In segments, each layer's
-count for a token comes from the blocks its step had outside VRAM the token before.
+block (its own timings, a moving average) and a block's bytes over the host-to-device rate. In a whole step, each
+layer's count for a token comes from the blocks its step had outside VRAM the token before.
 
-Which tokens (`cpu_choose`, balanced): a token replayed whole runs in segments only while the split saves more than
-the segments' turns cost, else the step captured without the CPU's share replays (one capture each per sequence
-state); under skewed routing a layer has a block or two outside VRAM, which the 23 turns outweigh.
+Which tokens (`cpu_choose`, balanced): a token replayed whole runs with the CPU's share only while the split saves more
+than its turns cost (a wait on the device, or a segment's end), else the step captured without the CPU's share
+replays (one capture each per sequence state); under skewed routing a layer has a block or two outside VRAM, which the
+23 turns may outweigh.
 
 `CpuSteps` is a part of `Table` (a mixin): it uses the table's rt, knobs, stream, tier, blocks, base, graphs, its `split` (the plan's) and
 StreamedSteps' offsets and landing set.
@@ -37,23 +40,28 @@ import numpy as np
 import torch
 
 from sluice.errors import SluiceError
+from sluice.kernels.host_wait import wait_for_host
 from sluice.stages.compute import cpu_experts
 from sluice.stages.h2d import balance_cpu_blocks
 from sluice.stages.types import LayerInput
 
 ALIGN = 4096  # a block's alignment in its bank (the kernels' offsets assume it)
 TURN_S = 63e-6  # a segment's end at a MoE layer: the host's wait and the next replay (H100: BENCHMARKS.md, sixth set)
-PROBE = 32  # tokens run whole without the CPU's share before a segmented one refreshes the layers' counts
+WAIT_S = 15e-6  # cpu_wait: device: the pack's copy to the host, its sight, the flag's read over PCIe (an estimate)
+PROBE = 32  # tokens run whole without the CPU's share before one with it refreshes the layers' counts
 
 
 @dataclass(frozen=True)
 class CpuTurn:
-    """A MoE layer's CPU share in a whole step replayed in segments (pipeline/whole.py): `host` at the end of the segment
-    that queued the layer's first part (waits for its ids, computes the CPU's rows into pinned memory), `finish` at the
-    start of the next (their copy to the device, the mix, combine) -> h."""
+    """A MoE layer's CPU share in a whole step (pipeline/whole.py): `host` after the replay of the graph that queued the
+    layer's first part (waits for its ids, computes the CPU's rows into pinned memory, raises the layer's flag),
+    `finish` queues the rest (with `in_graph`, the GPU's wait for the flag first; their copy to the device, the mix,
+    combine) -> h; `release` raises the flag without rows, so that a graph waiting on it ends (a failed host)."""
 
     host: Callable[[], None]
     finish: Callable[[], torch.Tensor]
+    release: Callable[[], None]
+    in_graph: bool  # the graph goes on past this turn (cpu_wait: device), else a segment ends before `finish`
 
 
 @dataclass
@@ -64,6 +72,8 @@ class _LayerBuffers:
     seq: torch.Tensor  # pinned int64 [1]: the token's number, copied after the pack (the host's sign that it landed)
     y: torch.Tensor  # pinned [K, Dx] combine dtype: the CPU's rows
     y_dev: torch.Tensor  # [K, Dx] on the device: their copy, which the mix reads
+    flag: torch.Tensor  # pinned int64 [1]: the token's number, written by the host after the rows (cpu_wait: device)
+    timed_out: torch.Tensor  # int32 [1] on the device: the GPU's wait for the flag gave up (kernels/host_wait.py)
     x_dtype: torch.dtype
 
 
@@ -139,11 +149,11 @@ class CpuSteps:
         self.rt.cpu_s_per_block = best / len(bufs)
 
     def cpu_choose(self) -> bool:
-        """Before a token replayed whole: whether it runs in segments with the CPU's share (`cpu_now`) or whole without
-        it. With `cpu_balance`, in segments only while the blocks each layer had outside VRAM at its last segmented
-        step, split by the measured rates, save more than the segments' turns cost (skewed routing leaves a layer a
-        block or two: the turns outweigh them); the share is tried again every PROBE tokens, which refreshes those
-        counts. A fixed share, or rates or counts not yet measured: in segments."""
+        """Before a token replayed whole: whether it runs with the CPU's share (`cpu_now`) or without it. With
+        `cpu_balance`, with it only while the blocks each layer had outside VRAM at its last step with the share, split
+        by the measured rates, save more than its turns cost (a wait on the device or a segment's end; skewed routing
+        leaves a layer a block or two, which the turns may outweigh); the share is tried again every PROBE tokens,
+        which refreshes those counts. A fixed share, or rates or counts not yet measured: with it."""
         k, rt = self.knobs, self.rt
         if not self.cpu_share or not k.cpu_balance or rt.cpu_s_per_block is None or rt.device.type != "cuda" \
                 or not self._cpu_outside:
@@ -154,7 +164,7 @@ class CpuSteps:
         for n in self._cpu_outside.values():
             c = balance_cpu_blocks(n, tg, tc)
             saved += n * tg - max(c * tc, (n - c) * tg)
-        pays = saved > TURN_S * len(self.layers)
+        pays = saved > (WAIT_S if k.cpu_wait == "device" else TURN_S) * len(self.layers)
         self._cpu_plain = 0 if pays or self._cpu_plain >= PROBE else self._cpu_plain + 1
         self.cpu_now = self._cpu_plain == 0
         return self.cpu_now
@@ -195,7 +205,7 @@ class CpuSteps:
         pad, at = self._zero
         return pad.data_ptr() + at - self.base.data_ptr()
 
-    # -- the split made on the device (a whole step in segments) ------------------------------------------------------
+    # -- the split made on the device (a whole step) --------------------------------------------------------------------
 
     def cpu_split(self, v: dict, t) -> None:
         """In a step's fetch part: the CPU takes the lowest-ranked routed blocks outside VRAM, up to the layer's count
@@ -215,6 +225,10 @@ class CpuSteps:
     def cpu_turn(self, block, i: int, mix: Callable) -> CpuTurn:
         """The host's part of MoE index i's device split this token, and the mix: mix(cpu_y on the device) -> h."""
         b, K = self._cpu_bufs[i], block.top_k
+        in_graph = self.knobs.cpu_wait == "device" and self.rt.device.type == "cuda"
+
+        def release() -> None:
+            b.flag.numpy()[0] = self._cpu_seq
 
         def host() -> None:  # at every replay: this token's number; read through numpy (a torch op on a small CPU
             # tensor costs microseconds of dispatch, and this runs at every MoE layer of the token)
@@ -226,11 +240,14 @@ class CpuSteps:
                 w = torch.from_numpy(pack[K : 2 * K][rows])
                 self._cpu_rows(block, pack[:K][rows].astype(np.int64).tolist(), torch.from_numpy(pack[2 * K : -2 * K]), w,
                                b.x_dtype, b.y, rows)
+            release()  # after the rows: x86 keeps the stores in order, so the GPU that sees the flag sees them
 
         def finish() -> torch.Tensor:
+            if in_graph:
+                wait_for_host(b.flag, self._cpu_dev[1], b.timed_out)
             b.y_dev.copy_(b.y, non_blocking=True)
             return mix(b.y_dev)
-        return CpuTurn(host, finish)
+        return CpuTurn(host, finish, release, in_graph)
 
     def cpu_token_begins(self) -> None:
         """Before a token's first MoE layer, once a step has split on the device: each layer's count for the device
@@ -255,7 +272,11 @@ class CpuSteps:
                 streams.host_buffer(("cpu pack", i), torch.Size([4 * K + dx]), torch.float32),
                 streams.host_buffer(("cpu seq", i), torch.Size([1]), torch.int64),
                 streams.host_buffer(("cpu rows", i), torch.Size([K, dx]), block.combine_dtype),
-                torch.empty(K, dx, dtype=block.combine_dtype, device=x.device), x.dtype)
+                torch.empty(K, dx, dtype=block.combine_dtype, device=x.device),
+                streams.host_buffer(("cpu flag", i), torch.Size([1]), torch.int64).zero_(),
+                torch.zeros(1, dtype=torch.int32, device=x.device), x.dtype)
+            if self.knobs.cpu_wait == "device" and x.is_cuda:  # compiled now (0 >= 0: no wait), not in a graph's capture
+                wait_for_host(b.flag, torch.zeros(1, dtype=torch.int64, device=x.device), b.timed_out)
         return b
 
     def _await_seq(self, seq: torch.Tensor, value: int) -> None:

@@ -51,6 +51,12 @@ MUTANTS = {
         _golden() + tuple(f"tests/test_direct.py::test_direct_matches_transformers[{v}]" for v in VARIANT_NAMES),
         "routed-expert sum scaled by 1.001 in decode only"),
     # the expert of the smallest weight among a token's top-k dropped (weight 0) in one-token steps only
+    "no-release": Mutant(
+        "pipeline/whole.py",
+        "                        for rest in turns[k:]:\n                            rest.release()\n",
+        "                        pass\n",
+        ("tests/test_host_wait.py::test_a_failed_turn_raises_the_flags_of_the_turns_left",),
+        "a failed host turn leaves the graph's later waits unreleased: the replayed step would spin until its wait gives up"),
     "drop-last-decode": Mutant(
         "models/base.py",
         "    def guessed(self, x: torch.Tensor)",

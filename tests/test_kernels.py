@@ -135,9 +135,12 @@ def test_ordered_sum_kernel_is_its_reference(T, K, D, y_dtype, dtype):
         assert not torch.equal(ordered_sum_kernel(y.flip(1), dtype), want)
 
 
-@pytest.mark.parametrize("A, S, Dx", [(6, 32, 1024), (1, 3, 70), (4, 16, 300)])
-@pytest.mark.parametrize("x_dtype, y_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-                                              (torch.bfloat16, torch.bfloat16)])
+DTYPES = [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("A, S, Dx, x_dtype, y_dtype", [  # a real size once in CI's suite (~13 s each interpreted)
+    *[(1, 3, 70, x, y) for x, y in DTYPES], *[(4, 16, 300, x, y) for x, y in DTYPES], (6, 32, 1024, *DTYPES[0]),
+    *[pytest.param(6, 32, 1024, x, y, marks=pytest.mark.slow) for x, y in DTYPES[1:]]])
 def test_weigh_parts_is_its_reference(A, S, Dx, x_dtype, y_dtype):
     """The down projection's tail in one launch: bit for bit its plain-torch reference (splits summed in order), live
     groups counted onto the total; an expert's weight given to another, or the splits summed in torch's own order

@@ -1,0 +1,71 @@
+"""The GPU's wait for a flag the host writes (kernels/host_wait.py), and a whole step's host turns around it
+(pipeline/whole.py): a wait that ends when the host's number lands and not before, one that gives up where it never
+does, and a failed turn that raises the flags of the turns left so that no graph waits for good."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sluice.kernels.host_wait import wait_for_host, wait_for_host_ref
+from common import DEVICE
+
+
+def test_the_wait_ends_at_the_hosts_number_and_gives_up_without_it():
+    """Interpreted on a CPU: a flag at the wanted number ends the wait at once; one short of it runs the loads out and
+    says so (the must-fail: a kernel that returned without waiting would leave timed_out 0)."""
+    dev = torch.device(DEVICE)
+    flag = torch.tensor([3]).pin_memory() if dev.type == "cuda" else torch.tensor([3])
+    want, timed_out = torch.tensor([3], device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+    wait_for_host(flag, want, timed_out, limit=50)
+    assert int(timed_out[0]) == 0 and wait_for_host_ref(flag, want.cpu())
+    want.fill_(4)
+    wait_for_host(flag, want, timed_out, limit=50)
+    assert int(timed_out[0]) == 1 and not wait_for_host_ref(flag, want.cpu())
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a host thread and a GPU stream at once: CUDA")
+def test_what_the_host_wrote_before_the_flag_is_what_the_gpu_copies_after_the_wait():
+    flag, rows = torch.zeros(1, dtype=torch.int64).pin_memory(), torch.zeros(4096).pin_memory()
+    want, timed_out = torch.ones(1, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    torch.cuda.synchronize()
+    wait_for_host(flag, want, timed_out)
+    got = rows.to(DEVICE, non_blocking=True)  # queued after the wait: must see the rows the host wrote
+
+    def host():
+        time.sleep(0.2)
+        rows.fill_(7.0)
+        flag.numpy()[0] = 1
+    writer = threading.Thread(target=host)
+    writer.start()
+    torch.cuda.synchronize()
+    writer.join()
+    assert int(timed_out[0]) == 0 and bool((got == 7.0).all())
+
+
+def test_a_failed_turn_raises_the_flags_of_the_turns_left():
+    """A graph whose MoE layers wait on the device for the host's turns: the turn that fails and those after it have
+    their flags raised (else the replayed graph would wait for them for good), the turns before it not again."""
+    from sluice.pipeline.whole import WholeStep, _Whole
+    from sluice.stages.table_cpu import CpuTurn
+
+    log = []
+
+    def turn(n: int, fails: bool = False) -> CpuTurn:
+        def host():
+            log.append(f"host {n}")
+            if fails:
+                raise RuntimeError("the CPU's rows failed")
+        return CpuTurn(host, lambda: None, lambda: log.append(f"release {n}"), True)
+
+    plan = SimpleNamespace(begin_token=lambda: None, token_queued=lambda: None, replayed=lambda ran, marks: None)
+    step = WholeStep.__new__(WholeStep)
+    step.coordinator, step.replays = SimpleNamespace(plan=plan), 0
+    w = _Whole(torch.zeros(1, 1, dtype=torch.int64), torch.zeros((), dtype=torch.int64))
+    w.graphs, w.turns = [SimpleNamespace(replay=lambda: log.append("replay"))], [[turn(0), turn(1, fails=True), turn(2)]]
+    with pytest.raises(RuntimeError, match="the CPU's rows failed"):
+        step._replay(w, None, None)
+    assert log == ["replay", "host 0", "host 1", "release 1", "release 2"]
