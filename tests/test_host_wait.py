@@ -69,3 +69,29 @@ def test_a_failed_turn_raises_the_flags_of_the_turns_left():
     with pytest.raises(RuntimeError, match="the CPU's rows failed"):
         step._replay(w, None, None)
     assert log == ["replay", "host 0", "host 1", "release 1", "release 2"]
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_turns_the_gpu_waits_for_stay_in_one_graph(in_graph, monkeypatch):
+    """The capture's segments (pipeline/whole.py): turns the GPU waits for on the device (cpu_wait: device) leave the
+    step one graph, followed by all its turns in layer order; turns that end a segment (host) make a graph each, the
+    last one's graph turnless. Graphs faked: the grouping alone, on a CPU."""
+    import contextlib
+
+    from sluice.pipeline.whole import WholeStep
+    from sluice.stages.table_cpu import CpuTurn
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    turns = [CpuTurn(lambda: None, lambda: None, lambda: None, in_graph) for _ in range(3)]
+
+    def make(w, state):
+        for t in turns:
+            yield t
+
+    step = WholeStep.__new__(WholeStep)
+    step.graphs, step.pool, step.captures = True, None, 0
+    step.model = SimpleNamespace(device=torch.device("cpu"))
+    step.rt = SimpleNamespace(streams=SimpleNamespace(capture=lambda graph, pool: contextlib.nullcontext()))
+    w = step._capture(make, None, (1, 1), ())
+    assert w.turns == ([turns] if in_graph else [[t] for t in turns] + [[]])
+    assert len(w.graphs) == len(w.turns)
