@@ -220,6 +220,9 @@ def format_bench(r: dict, block_bytes: int) -> str:
         each = (f", {d['cpu_ms_per_block']:.2f} ms each (moving average; {block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s "
                 f"of expert bytes)") if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
+    elif d.get("cpu_ms_per_block"):  # a schedule with the CPU's share that gave it none: the rate that decided so
+        lines.append(f"  hybrid: the CPU computed no blocks (its rate {d['cpu_ms_per_block']:.2f} ms a block, "
+                     f"{block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s of expert bytes)")
     slow = sorted(range(len(d["step_ms"])), key=lambda k: -d["step_ms"][k])[:3]
     gcs = d.get("gc_pauses_ms", [])
     lines.append(f"  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" for k in slow)

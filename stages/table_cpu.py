@@ -254,13 +254,23 @@ class CpuSteps:
         split (from the blocks its last step had outside VRAM), and the token's number."""
         if not self._cpu_bufs:
             return
-        K = self.rt.store.manifest.top_k
         counts = self.rt.streams.host_buffer(("cpu counts",), torch.Size([len(self.layers)]), torch.int64)
-        counts.numpy()[:] = [self._cpu_count(self._cpu_outside.get(i, K)) for i in range(len(self.layers))]
+        counts.numpy()[:] = self.cpu_counts(self.rt.store.manifest.top_k)
         self._cpu_seq += 1
         counts_dev, seq_dev, _ = self._cpu_dev
         counts_dev.copy_(counts, non_blocking=True)
         seq_dev.fill_(self._cpu_seq)
+
+    def cpu_counts(self, K: int) -> list[int]:
+        """Each MoE layer's count of CPU blocks for this token (from the blocks it had outside VRAM at its last step
+        with the share, K where none yet). Where the balance gives the CPU none anywhere, its rate may be stale (one
+        slow first timing, and a CPU given no blocks is never timed again): the layers with two blocks outside VRAM or
+        more give it two, which re-times it (each layer's call feeds the moving average)."""
+        outside = [self._cpu_outside.get(i, K) for i in range(len(self.layers))]
+        counts = [self._cpu_count(n) for n in outside]
+        if not any(counts) and self.knobs.cpu_balance:
+            counts = [2 if n >= 2 else 0 for n in outside]
+        return counts
 
     def _cpu_buffers(self, i: int, block, dx: int, x: torch.Tensor) -> _LayerBuffers:
         """MoE index i's buffers for the device split (made by a sequence's first, layer-by-layer step: pinned memory

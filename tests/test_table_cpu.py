@@ -146,3 +146,17 @@ def test_a_token_run_whole_without_the_cpus_share_between_segmented_ones(stores,
     assert False in chosen and True in chosen and keys == {True, False}
     assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, steps)
     assert_logits_close(variant, got, want, "the CPU's share in some tokens, whole without it in others")
+
+
+def test_a_cpu_given_no_blocks_is_timed_again():
+    """Balanced, a rate timed too slow at first use gives the CPU no block in any layer, and a CPU given none would
+    never be timed again: such a token's counts give it two blocks in each layer with two or more outside VRAM (its
+    calls re-time it); a rate that gives it blocks somewhere keeps the balance's counts. The must-fail side: the
+    balance alone leaves it none."""
+    from sluice.stages.h2d import balance_cpu_blocks
+
+    slow = _Rule({i: 5 - (i % 5 == 4) * 4 for i in range(23)}, cpu_s=0.7e-3)  # 5 blocks outside VRAM, every fifth 1
+    assert not any(balance_cpu_blocks(n, 0.10e-3, 0.7e-3) for n in slow.cpu._cpu_outside.values())
+    assert slow.cpu.cpu_counts(6) == [0 if i % 5 == 4 else 2 for i in range(23)]
+    fast = _Rule({i: 5 for i in range(23)})
+    assert fast.cpu.cpu_counts(6) == [balance_cpu_blocks(5, 0.10e-3, 0.18e-3)] * 23 == [2] * 23
