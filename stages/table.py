@@ -86,6 +86,7 @@ class Table(StreamedSteps, CpuSteps):
         self.cpu_share = knobs.cpu_share if knobs.routed and backend == "triton" else 0.0  # stages/table_cpu.py
         self.cpu_now = bool(self.cpu_share)  # cpu_share: this token's steps share blocks with the CPU (`cpu_choose`)
         self._cpu_plain = 0  # ... tokens since the last that did
+        self._cpu_retimed = False  # ... a token gave the CPU blocks the balance did not, to time it again
         self._cpu: dict = {}  # cpu_share: (kind, act) -> the CPU's expert kernels
         self._cpu_credit = 0.0  # cpu_share: the CPU's share of blocks carried across layers
         self._zero: tuple | None = None  # cpu_share: (a zero block on the device, its aligned start in it)

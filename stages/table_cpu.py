@@ -160,11 +160,14 @@ class CpuSteps:
             self.cpu_now = bool(self.cpu_share)
             return self.cpu_now
         tg, tc = self._cpu_copy_s(), rt.cpu_s_per_block
-        saved = 0.0
+        saved, given = 0.0, 0
         for n in self._cpu_outside.values():
             c = balance_cpu_blocks(n, tg, tc)
             saved += n * tg - max(c * tc, (n - c) * tg)
-        pays = saved > (WAIT_S if k.cpu_wait == "device" else TURN_S) * len(self.layers)
+            given += c
+        # a rate that gives the CPU nothing is re-timed once at once (`cpu_counts`), not first at the next probe
+        stale = not given and not self._cpu_retimed and max(self._cpu_outside.values()) >= 2
+        pays = saved > (WAIT_S if k.cpu_wait == "device" else TURN_S) * len(self.layers) or stale
         self._cpu_plain = 0 if pays or self._cpu_plain >= PROBE else self._cpu_plain + 1
         self.cpu_now = self._cpu_plain == 0
         return self.cpu_now
@@ -270,6 +273,7 @@ class CpuSteps:
         counts = [self._cpu_count(n) for n in outside]
         if not any(counts) and self.knobs.cpu_balance:
             counts = [2 if n >= 2 else 0 for n in outside]
+            self._cpu_retimed = True
         return counts
 
     def _cpu_buffers(self, i: int, block, dx: int, x: torch.Tensor) -> _LayerBuffers:

@@ -92,7 +92,8 @@ class _Rule:
         from sluice.stages.table_cpu import CpuSteps
 
         self.cpu = type("T", (CpuSteps,), {"_cpu_copy_s": lambda self: copy_s})()
-        self.cpu.__dict__.update(cpu_share=0.3, cpu_now=True, _cpu_plain=0, _cpu_outside=outside, layers=list(range(23)),
+        self.cpu.__dict__.update(cpu_share=0.3, cpu_now=True, _cpu_plain=0, _cpu_retimed=False, _cpu_outside=outside,
+                                 layers=list(range(23)),
                                  knobs=SimpleNamespace(cpu_balance=True, cpu_wait=wait),
                                  rt=SimpleNamespace(cpu_s_per_block=cpu_s, device=torch.device("cuda")))
 
@@ -150,13 +151,17 @@ def test_a_token_run_whole_without_the_cpus_share_between_segmented_ones(stores,
 
 def test_a_cpu_given_no_blocks_is_timed_again():
     """Balanced, a rate timed too slow at first use gives the CPU no block in any layer, and a CPU given none would
-    never be timed again: such a token's counts give it two blocks in each layer with two or more outside VRAM (its
-    calls re-time it); a rate that gives it blocks somewhere keeps the balance's counts. The must-fail side: the
-    balance alone leaves it none."""
+    never be timed again: the next token runs with the share at once, its counts two blocks in each layer with two or
+    more outside VRAM (its calls re-time it); still slow, only the probes run it; a rate that gives it blocks somewhere
+    keeps the balance's counts. The must-fail side: the balance alone leaves it none."""
     from sluice.stages.h2d import balance_cpu_blocks
+
+    from sluice.stages.table_cpu import PROBE
 
     slow = _Rule({i: 5 - (i % 5 == 4) * 4 for i in range(23)}, cpu_s=0.7e-3)  # 5 blocks outside VRAM, every fifth 1
     assert not any(balance_cpu_blocks(n, 0.10e-3, 0.7e-3) for n in slow.cpu._cpu_outside.values())
+    assert slow.tokens(1) == [True]  # at once, not at the next probe: the counts below re-time the CPU
     assert slow.cpu.cpu_counts(6) == [0 if i % 5 == 4 else 2 for i in range(23)]
+    assert slow.tokens(PROBE + 1) == [False] * PROBE + [True]  # still slow once re-timed: only the probes
     fast = _Rule({i: 5 for i in range(23)})
     assert fast.cpu.cpu_counts(6) == [balance_cpu_blocks(5, 0.10e-3, 0.18e-3)] * 23 == [2] * 23
