@@ -71,6 +71,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-linears", action=argparse.BooleanOptionalAction, default=None,
                    help="one-row linears of the resident part in one Triton launch each (kernels/gemv.py) instead of "
                         "cuBLAS (default: on with CUDA; --no-fused-linears keeps cuBLAS)")
+    p.add_argument("--embed-on-host", action="store_true",
+                   help="the input embedding's table in pinned RAM, each token's row read over PCIe (kernels/embed.py): "
+                        "its VRAM goes to expert slots (CUDA; a head tied to it keeps it on the GPU)")
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
@@ -122,7 +125,7 @@ def open_engine(args, max_batch: int = 1):
         resident_graphs=not args.eager, whole_step=args.whole_step, schedule=args.schedule, image_encoder=args.image_encoder,
         dtype=args.dtype, verify_checksums=not args.no_verify, trace=args.trace, record_routing=args.record_routing,
         prefill_chunk=args.prefill_chunk, mixer_chunk=args.mixer_chunk, fused_mamba=args.fused_mamba, fused_ops=args.fused_ops,
-        fused_linears=args.fused_linears,
+        fused_linears=args.fused_linears, embed_on_host=args.embed_on_host,
         static_kv=getattr(args, "static_kv", None),
         routing=getattr(args, "routing", "natural"), max_batch=max_batch,
     )

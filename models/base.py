@@ -192,6 +192,18 @@ class ResidentModel(ABC):
         swap_modules(self.hf, lambda m: type(m) is nn.Linear and m.weight.dtype.is_floating_point
                      and m.weight.element_size() >= 2, Gemv)
 
+    def embed_on_host(self) -> bool:
+        """The input embedding's table moved to pinned RAM (kernels/embed.py `HostEmbedding`), its VRAM freed for
+        expert slots; False where it stays: a head tied to it (the head reads the whole table every token), or no
+        nn.Embedding."""
+        from sluice.kernels.embed import HostEmbedding
+
+        emb, head = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
+        if type(emb) is not nn.Embedding or (head is not None and head.weight is emb.weight):
+            return False
+        self.hf.set_input_embeddings(HostEmbedding(emb))
+        return True
+
     @abstractmethod
     def begin(self, ids: torch.Tensor, cache: Any, past: int | torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Embed ids [1,T] at positions past..past+T-1 (`past` a host int, or a device int64 scalar: a step captured

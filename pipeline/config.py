@@ -75,6 +75,8 @@ class EngineConfig:
     # kernels/norm.py, router.py); None: on CUDA
     fused_linears: bool | None = None  # one-row float linears (16- or 32-bit) of the resident part in one Triton launch each
     # (kernels/gemv.py, in place of cuBLAS's split-K pair); None: on CUDA
+    embed_on_host: bool = False  # CUDA: the input embedding's table in pinned RAM, each token's row read over PCIe
+    # (kernels/embed.py): its VRAM goes to expert slots; a head tied to it keeps it on the device
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048

@@ -26,6 +26,7 @@ def kernels():
     from sluice.kernels.down import _ordered_sum_kernel, _weigh_parts_kernel
     from sluice.kernels.kv_append import _append_kernel
     from sluice.kernels.gemv import _gemv_kernel
+    from sluice.kernels.embed import _gather_kernel
     from sluice.kernels.host_wait import _wait_kernel
     from sluice.kernels.mamba import _gate_norm_kernel
     from sluice.kernels.norm import _rms_norm_kernel
@@ -77,13 +78,14 @@ def kernels():
                                                     "W": "i32", "scale": "fp32",
                                                     **{n: "i32" for n in ("Q_H", "K_H", "K_S", "V_H", "V_S", "M_S")}},
                                 dict(G=16, D=128, BD=128, BW=64, HAS_MASK=True, DT=tl.bfloat16)),
+        "embed gather": (_gather_kernel, {"table": "*bf16", "ids": "*i64", "out": "*bf16", "D": "i32"}, dict(B=1024)),
         "host wait": (_wait_kernel, {"flag": "*i64", "want": "*i64", "timed_out": "*i32", "limit": "i32"}, {}),
     }
 
 
 NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "gemv pdl", "rms_norm", "rms_norm round first",
          "router scores", "router logits", "softmax select", "mamba gate norm", "router select", "add3", "kv append",
-         "one-query attention", "norm rope", "rope", "ordered sum", "host wait", "must fail"]
+         "one-query attention", "norm rope", "rope", "ordered sum", "host wait", "embed gather", "must fail"]
 
 
 def must_fail():

@@ -1,0 +1,47 @@
+"""The input embedding in pinned RAM (`--embed-on-host`, kernels/embed.py): the gather is F.embedding bit for bit
+(interpreted on a CPU, the pinned table read by the GPU on CUDA), and an engine with it gives the same logits as
+one without, its table off the device; a head tied to the embedding keeps it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sluice
+from sluice.kernels.embed import HostEmbedding, embed, embed_ref
+from common import DEVICE, PROMPT, greedy_logits
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 2)])
+def test_embed_is_f_embedding(shape):
+    """Rows gathered as F.embedding gathers them, the last row of the table too; the must-fail: the next row's ids."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 1100, generator=g).to(torch.bfloat16)  # wider than one program's block
+    if DEVICE.startswith("cuda"):
+        table = table.pin_memory()
+    ids = torch.randint(0, 49, shape, generator=g)
+    ids.view(-1)[0] = 49
+    ids = ids.to(DEVICE)
+    got = embed(table, ids)
+    assert got.device == ids.device and got.shape == (*shape, 1100)
+    assert torch.equal(got.cpu(), embed_ref(table, ids).cpu())
+    assert not torch.equal(got.cpu(), embed_ref(table, (ids + 1) % 50).cpu())
+
+
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe"])
+def test_an_engine_with_its_embedding_on_the_host_gives_the_same_logits(variant, stores):
+    with sluice.load(stores[variant], device=DEVICE, schedule="direct") as engine:
+        want = greedy_logits(engine, PROMPT, 4)
+    with sluice.load(stores[variant], device=DEVICE, schedule="direct", embed_on_host=True) as engine:
+        emb = engine.model.hf.get_input_embeddings()
+        got = greedy_logits(engine, PROMPT, 4)
+    assert isinstance(emb, HostEmbedding) and emb.table.device.type == "cpu"
+    assert not any(p.data_ptr() == emb.table.data_ptr() for p in engine.model.hf.parameters())
+    assert torch.equal(got, want)
+
+
+def test_a_head_tied_to_the_embedding_keeps_it(stores):
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct") as engine:
+        hf = engine.model.hf
+        hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
+        assert engine.model.embed_on_host() is False
+        assert type(hf.get_input_embeddings()) is torch.nn.Embedding
