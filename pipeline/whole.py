@@ -176,8 +176,7 @@ class WholeStep:
             return w
         try:
             body = make(w, state)
-            turn = True
-            while turn is not None:  # a segment up to each host turn that ends one, the last one to the logits
+            while True:  # a segment up to each host turn that ends one, the last one to the logits
                 graph, turns = torch.cuda.CUDAGraph(), []
                 with self.rt.streams.capture(graph, self.pool):
                     while (turn := next(body, None)) is not None:
@@ -186,6 +185,8 @@ class WholeStep:
                             break
                 w.graphs.append(graph)
                 w.turns.append(turns)
+                if turn is None:
+                    break
         except torch.OutOfMemoryError as e:  # this step's states and pool do not fit now: it runs layer by layer
             body.close()
             get_logger().warning("a step runs layer by layer: out of VRAM while capturing it", error=str(e)[:120])
