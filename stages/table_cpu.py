@@ -241,8 +241,9 @@ class CpuSteps:
             self._cpu_outside[i] = int(np.count_nonzero(pack[-K:] > 0.5))  # for the next token's count
             if rows:  # xe is read in place: the next token's copy into the pack comes after the next replay
                 w = torch.from_numpy(pack[K : 2 * K][rows])
-                self._cpu_rows(block, pack[:K][rows].astype(np.int64).tolist(), torch.from_numpy(pack[2 * K : -2 * K]), w,
-                               b.x_dtype, b.y, rows)
+                with self.rt.tracer.span("compute:cpu", layer=block.layer):  # a host span: the CPU's share in the trace
+                    self._cpu_rows(block, pack[:K][rows].astype(np.int64).tolist(), torch.from_numpy(pack[2 * K : -2 * K]),
+                                   w, b.x_dtype, b.y, rows)
             release()  # after the rows: x86 keeps the stores in order, so the GPU that sees the flag sees them
 
         def finish() -> torch.Tensor:

@@ -3,6 +3,8 @@ VRAM the CPU computes a share from their RAM slots while the GPU kernels read th
 combine's fixed-order sum."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,7 +57,8 @@ def test_cpu_share_in_a_whole_step(cpu_wait, stores, refs, tmp_path, monkeypatch
     outside VRAM, up to each layer's count), the host's turns computing the CPU's rows, the GPU waiting for them inside
     one graph (cpu_wait: device) or the host replaying a segment after each (host); eager on a CPU
     (SLUICE_TEST_DEVICE=cuda captures and replays them). Greedy tokens are the reference's, the logits direct's within
-    the golden tolerance, the CPU computed blocks in the replayed steps, no wait on the device gave up."""
+    the golden tolerance, the CPU computed blocks in the replayed steps (a host span each in the trace), no wait on the
+    device gave up."""
     from sluice.stages.table_cpu import CpuSteps
     from test_whole import _open
 
@@ -71,7 +74,8 @@ def test_cpu_share_in_a_whole_step(cpu_wait, stores, refs, tmp_path, monkeypatch
                              cpu_wait=cpu_wait)
     with _open(stores[variant], plain, True, vram_slots=4) as engine:
         want = greedy_logits(engine, PROMPT, STEPS)
-    with _open(stores[variant], hybrid, True, vram_slots=4) as engine:
+    trace = tmp_path / "t.json"
+    with _open(stores[variant], hybrid, True, vram_slots=4, trace=str(trace)) as engine:
         got = greedy_logits(engine, PROMPT, STEPS)
         replays, cpu = engine.whole.replays, engine.rt.stats.cpu_blocks
         before = cpu
@@ -79,6 +83,9 @@ def test_cpu_share_in_a_whole_step(cpu_wait, stores, refs, tmp_path, monkeypatch
         after = engine.rt.stats.cpu_blocks
         gave_up = sum(int(b.timed_out[0]) for b in engine.coordinator.plan.table._cpu_bufs.values())
     assert replays > 0 and cpu > 0 and after > before and len(set(turns)) >= replays and gave_up == 0
+    spans = [json.loads(line) for line in (tmp_path / "t.json.jsonl").read_text().splitlines()]
+    steps = {line["step"] for line in spans if line.get("stage") == "compute:cpu"}
+    assert set(range(2, STEPS)) <= steps  # the CPU's share in the replayed steps' trace, not only a sequence's first step
     assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, STEPS)
     assert_logits_close(variant, got, want, "the CPU's share, whole step in segments")
 
