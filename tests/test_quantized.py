@@ -170,7 +170,7 @@ def test_fp4_matvec_f16x2_keeps_the_reference_tokens(case, base, quantized, tmp_
     Triton twin here; for ReLU^2 experts the re-laid down too, NVFP4 or FP8): greedy tokens the reference's; logits
     within fp16 rounding, not fp32's."""
     store, ref_path = quantized[case]
-    n = 32 if DEVICE != "cpu" else 8
+    n = 32 if DEVICE != "cpu" else 5  # interpreted on a CPU: a few steps (~10 s each)
     ref_logits, ref_tokens, _ = _reference(ref_path, n)
     schedule = triton_schedule(tmp_path, base, backend="triton", fp4_matvec="f16x2")
     with sluice.load(store, device=DEVICE, schedule=schedule) as engine:
