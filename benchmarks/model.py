@@ -133,10 +133,10 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n + (io["vram_prefetches"] + io["vram_fills"]) / n) * block
         d["h2d_gbps"] = bw / 1e9
         d["roofline_ms_per_token"] = 1000 * moved / bw
-        if io["cpu_blocks"] and engine.rt.cpu_s_per_block:  # the hybrid's floor: the RAM blocks split so that PCIe and
-            # the CPU (at its measured rate) finish together
-            both = bw + block / engine.rt.cpu_s_per_block
-            d["hybrid_roofline_ms_per_token"] = 1000 * (per_tier["ram"] + (io["vram_prefetches"] + io["vram_fills"]) / n) * block / both
+        if engine.rt.cpu_s_per_block:  # the hybrid's floor: the RAM blocks split so that PCIe and the CPU (at its
+            # measured rate) finish together; the tier's fills and copies ahead cross PCIe alone
+            both, fills = bw + block / engine.rt.cpu_s_per_block, (io["vram_prefetches"] + io["vram_fills"]) / n * block
+            d["hybrid_roofline_ms_per_token"] = 1000 * max((per_tier["ram"] * block + fills) / both, fills / bw)
         # the guesses copied ahead that no step read: PCIe bytes, but ones a perfect guess would not move
         d["unread_guesses_ms_per_token"] = 1000 * max(0, io["vram_prefetches"] - io["vram_prefetch_hits"]) / n * block / bw
     reads = (io["blocks"]["disk"] + io["prefetch_reads"]) / n  # every block read from disk, for demand or on a guess

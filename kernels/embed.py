@@ -19,21 +19,22 @@ BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["ids"])  # a batched step's ids are rows of one tensor: one variant, whatever the offset
-def _gather_kernel(table, ids, out, D, B: tl.constexpr):
+def _gather_kernel(table, ids, out, V, D, B: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     d = part * B + tl.arange(0, B)
-    m = d < D
-    src = tl.load(ids + row).to(tl.int64) * D  # int64: vocabulary x width passes 2^31 elements
-    tl.store(out + row.to(tl.int64) * D + d, tl.load(table + src + d, mask=m), mask=m)
+    i = tl.load(ids + row).to(tl.int64)  # int64: vocabulary x width passes 2^31 elements
+    width = tl.where((i >= 0) & (i < V), D, 0)  # an id outside the table reads nothing (a zero row), no other memory
+    row_out = out + row.to(tl.int64) * D
+    tl.store(row_out + d, tl.load(table + i * D + d, mask=d < width, other=0.0), mask=d < D)
 
 
 def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """table [V, D] (pinned RAM, rows contiguous) read at ids [...] (on the device) -> [..., D] on ids' device."""
     flat = ids.reshape(-1).contiguous()
-    D = table.shape[1]
+    V, D = table.shape
     out = torch.empty(flat.numel(), D, dtype=table.dtype, device=ids.device)
     if flat.numel():
-        _gather_kernel[(flat.numel(), triton.cdiv(D, BLOCK))](table, flat, out, D, B=BLOCK, num_warps=4)
+        _gather_kernel[(flat.numel(), triton.cdiv(D, BLOCK))](table, flat, out, V, D, B=BLOCK, num_warps=4)
     return out.view(*ids.shape, D)
 
 
@@ -44,10 +45,10 @@ def embed_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 class HostEmbedding(nn.Module):
     """Stands where an nn.Embedding was, its table in pinned RAM: ids on a GPU through `embed`, on a CPU its reference."""
 
-    def __init__(self, embedding: nn.Embedding) -> None:
+    def __init__(self, embedding: nn.Embedding, pin: bool) -> None:
         super().__init__()
         weight = embedding.weight.detach().to("cpu")
-        self.table = weight.pin_memory() if torch.cuda.is_available() else weight  # not a parameter: no device move
+        self.table = weight.pin_memory() if pin else weight  # not a parameter: no device move, not in state_dict
         self.num_embeddings, self.embedding_dim = self.table.shape
         self.padding_idx = embedding.padding_idx
 

@@ -5,10 +5,11 @@ replaying the next segment once the CPU's rows were in pinned memory: a launch, 
 MoE layer. With this kernel the step stays one graph: the launch that reads the CPU's rows first spins on the layer's
 flag (a pinned word the host writes after the rows), so the GPU goes on ~a PCIe read after the host's write.
 
-Order: the host writes the rows, then the flag (x86 keeps stores in order); the kernel's volatile loads read the flag
-over PCIe each time; the copy of the rows is queued after the kernel. A flag never written (a host that failed) ends
-the wait after `limit` loads (~1 us each over PCIe) with `timed_out` set, so no graph spins for good.
-`wait_for_host_ref` is the plain form: the same test of flag against the wanted number, on the host.
+Order: the host writes the rows, then the flag (x86 keeps stores in order: stages/table_cpu.py waits so on x86-64
+hosts only); the kernel's volatile loads read the flag over PCIe each time; the copy of the rows is queued after the
+kernel. A flag never written (a host that died without raising it) ends the wait after `limit` loads (~1 us each over
+PCIe: minutes, past the host's own 60-s wait for the GPU) and sets `gave_up`, which stays set for the host to see
+(the rows the GPU then read are not this token's). `wait_for_host_ref` is the plain form: the same test, on the host.
 """
 
 from __future__ import annotations
@@ -17,24 +18,24 @@ import torch
 import triton
 import triton.language as tl
 
-LIMIT = 1 << 26  # loads before the wait gives up: ~1 minute at ~1 us a load over PCIe
+LIMIT = 1 << 28  # loads before the wait gives up: a few minutes at ~1 us a load over PCIe
 
 
 @triton.jit
-def _wait_kernel(flag, want, timed_out, limit):
+def _wait_kernel(flag, want, gave_up, limit):
     target = tl.load(want)
     seen = tl.load(flag, volatile=True)
     n = 0
     while (seen < target) & (n < limit):
         seen = tl.load(flag, volatile=True)
         n += 1
-    tl.store(timed_out, (seen < target).to(tl.int32))
+    tl.store(gave_up, 1, mask=seen < target)  # set only: a later wait that ends in time leaves it for the host to see
 
 
-def wait_for_host(flag: torch.Tensor, want: torch.Tensor, timed_out: torch.Tensor, limit: int = LIMIT) -> None:
+def wait_for_host(flag: torch.Tensor, want: torch.Tensor, gave_up: torch.Tensor, limit: int = LIMIT) -> None:
     """Queue on the current stream a wait until flag [1] int64 (pinned host memory) >= want [1] int64 (on the device);
-    timed_out [1] int32 (on the device) is set to 1 where `limit` loads passed first, else 0."""
-    _wait_kernel[(1,)](flag, want, timed_out, limit, num_warps=1)
+    gave_up [1] int32 (on the device) is set to 1 where `limit` loads passed first (and left as it was otherwise)."""
+    _wait_kernel[(1,)](flag, want, gave_up, limit, num_warps=1)
 
 
 def wait_for_host_ref(flag: torch.Tensor, want: torch.Tensor) -> bool:

@@ -192,16 +192,16 @@ class ResidentModel(ABC):
         swap_modules(self.hf, lambda m: type(m) is nn.Linear and m.weight.dtype.is_floating_point
                      and m.weight.element_size() >= 2, Gemv)
 
-    def embed_on_host(self) -> bool:
-        """The input embedding's table moved to pinned RAM (kernels/embed.py `HostEmbedding`), its VRAM freed for
-        expert slots; False where it stays: a head tied to it (the head reads the whole table every token), or no
-        nn.Embedding."""
+    def embed_on_host(self, pin: bool) -> bool:
+        """The input embedding's table moved to (with `pin`, pinned) RAM (kernels/embed.py `HostEmbedding`), its VRAM
+        freed for expert slots; False where it stays: a head tied to it (the head reads the whole table every token),
+        or no nn.Embedding."""
         from sluice.kernels.embed import HostEmbedding
 
         emb, head = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
         if type(emb) is not nn.Embedding or (head is not None and head.weight is emb.weight):
             return False
-        self.hf.set_input_embeddings(HostEmbedding(emb))
+        self.hf.set_input_embeddings(HostEmbedding(emb, pin))
         return True
 
     @abstractmethod

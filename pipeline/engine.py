@@ -88,7 +88,7 @@ class Engine:
             model.fuse()
         if config.fused_linears if config.fused_linears is not None else device.type == "cuda":
             model.fuse_linears()
-        if config.embed_on_host and model.embed_on_host() and device.type == "cuda":
+        if config.embed_on_host and model.embed_on_host(pin=device.type == "cuda") and device.type == "cuda":
             torch.cuda.empty_cache()  # its freed segment back to the device, before the budget caps the allocator
         routing = controlled_routing(config.routing, model, device)
         # every block held in RAM (by default as much RAM as that takes), or one slot where routed experts are skipped

@@ -148,14 +148,16 @@ class WholeStep:
                 turn.host()
         else:
             for graph, turns in zip(w.graphs, w.turns):
-                graph.replay()
-                for k, turn in enumerate(turns):
-                    try:
+                done = 0
+                try:
+                    graph.replay()
+                    for turn in turns:
                         turn.host()
-                    except BaseException:  # the graph must not wait for good on the turns left: their flags raised
-                        for rest in turns[k:]:
-                            rest.release()
-                        raise
+                        done += 1
+                except BaseException:  # (an interrupt too) the graph must not wait on the turns left: their flags raised
+                    for rest in turns[done:]:
+                        rest.release()
+                    raise
         plan.token_queued()
         self.replays += 1
         plan.replayed(w.ran, w.marks)

@@ -86,7 +86,9 @@ class Table(StreamedSteps, CpuSteps):
         self.cpu_share = knobs.cpu_share if knobs.routed and backend == "triton" else 0.0  # stages/table_cpu.py
         self.cpu_now = bool(self.cpu_share)  # cpu_share: this token's steps share blocks with the CPU (`cpu_choose`)
         self._cpu_plain = 0  # ... tokens since the last that did
-        self._cpu_retimed = False  # ... a token gave the CPU blocks the balance did not, to time it again
+        self._cpu_retimed = False  # ... a token gave the CPU blocks the balance did not, and they timed it again
+        self._cpu_forced = False  # ... this token's counts are such blocks (`cpu_counts`)
+        self._cpu_gave_up: tuple | None = None  # ... the GPU's waits for the host gave up: (on the device, its pinned copy)
         self._cpu: dict = {}  # cpu_share: (kind, act) -> the CPU's expert kernels
         self._cpu_credit = 0.0  # cpu_share: the CPU's share of blocks carried across layers
         self._zero: tuple | None = None  # cpu_share: (a zero block on the device, its aligned start in it)

@@ -32,6 +32,7 @@ StreamedSteps' offsets and landing set.
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -49,6 +50,8 @@ ALIGN = 4096  # a block's alignment in its bank (the kernels' offsets assume it)
 TURN_S = 63e-6  # a segment's end at a MoE layer: the host's wait and the next replay (H100: BENCHMARKS.md, sixth set)
 WAIT_S = 15e-6  # cpu_wait: device: the pack's copy to the host, its sight, the flag's read over PCIe (an estimate)
 PROBE = 32  # tokens run whole without the CPU's share before one with it refreshes the layers' counts
+IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")  # stores seen in program order: the GPU that sees the
+# flag sees the rows written before it (cpu_wait: device); elsewhere a fence would be needed: segments there
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,6 @@ class _LayerBuffers:
     y: torch.Tensor  # pinned [K, Dx] combine dtype: the CPU's rows
     y_dev: torch.Tensor  # [K, Dx] on the device: their copy, which the mix reads
     flag: torch.Tensor  # pinned int64 [1]: the token's number, written by the host after the rows (cpu_wait: device)
-    timed_out: torch.Tensor  # int32 [1] on the device: the GPU's wait for the flag gave up (kernels/host_wait.py)
     x_dtype: torch.dtype
 
 
@@ -132,6 +134,7 @@ class CpuSteps:
         rt.stats.cpu_blocks += len(experts)
         if not first and len(experts) > 1:  # the first call compiles the kernels; one block's call is mostly its overhead
             rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
+            self._cpu_retimed = self._cpu_retimed or self._cpu_forced  # `cpu_counts` gave it these to time it
 
     def _cpu_calibrate(self, block, xe: torch.Tensor, n: int = 4, runs: int = 3) -> None:
         """The CPU's seconds a block before any step has timed it (`cpu_balance`): the best of a few calls over n of
@@ -176,10 +179,14 @@ class CpuSteps:
         """A block's seconds over PCIe at the measured host-to-device rate."""
         return self.block_bytes / self.rt.h2d_rate()
 
+    def _balanced(self) -> bool:
+        """Whether the CPU's counts follow the measured rates (`cpu_balance`, once its rate is timed, on CUDA)."""
+        return self.knobs.cpu_balance and self.rt.cpu_s_per_block is not None and self.rt.device.type == "cuda"
+
     def _cpu_count(self, outside: int) -> int:
         """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
         k, rt = self.knobs, self.rt
-        if k.cpu_balance and rt.cpu_s_per_block is not None and rt.device.type == "cuda":
+        if self._balanced():
             return balance_cpu_blocks(outside, self._cpu_copy_s(), rt.cpu_s_per_block)
         self._cpu_credit += k.cpu_share * outside
         n = min(outside, int(self._cpu_credit + 1e-9))
@@ -228,7 +235,7 @@ class CpuSteps:
     def cpu_turn(self, block, i: int, mix: Callable) -> CpuTurn:
         """The host's part of MoE index i's device split this token, and the mix: mix(cpu_y on the device) -> h."""
         b, K = self._cpu_bufs[i], block.top_k
-        in_graph = self.knobs.cpu_wait == "device" and self.rt.device.type == "cuda"
+        in_graph = self.knobs.cpu_wait == "device" and self.rt.device.type == "cuda" and IN_ORDER
 
         def release() -> None:
             b.flag.numpy()[0] = self._cpu_seq
@@ -244,11 +251,11 @@ class CpuSteps:
                 with self.rt.tracer.span("compute:cpu", layer=block.layer):  # a host span: the CPU's share in the trace
                     self._cpu_rows(block, pack[:K][rows].astype(np.int64).tolist(), torch.from_numpy(pack[2 * K : -2 * K]),
                                    w, b.x_dtype, b.y, rows)
-            release()  # after the rows: x86 keeps the stores in order, so the GPU that sees the flag sees them
+            release()  # after the rows: stores in order (IN_ORDER), so the GPU that sees the flag sees them
 
         def finish() -> torch.Tensor:
             if in_graph:
-                wait_for_host(b.flag, self._cpu_dev[1], b.timed_out)
+                wait_for_host(b.flag, self._cpu_dev[1], self._cpu_gave_up[0])
             b.y_dev.copy_(b.y, non_blocking=True)
             return mix(b.y_dev)
         return CpuTurn(host, finish, release, in_graph)
@@ -258,6 +265,11 @@ class CpuSteps:
         split (from the blocks its last step had outside VRAM), and the token's number."""
         if not self._cpu_bufs:
             return
+        gave_up, seen = self._cpu_gave_up
+        if seen[0]:  # copied at an earlier token's start, landed before that token's packs
+            raise SluiceError("the GPU stopped waiting for the CPU's rows of a MoE layer (no flag from the host in "
+                              "minutes): the tokens since then are not the model's")
+        seen.copy_(gave_up, non_blocking=True)
         counts = self.rt.streams.host_buffer(("cpu counts",), torch.Size([len(self.layers)]), torch.int64)
         counts.numpy()[:] = self.cpu_counts(self.rt.store.manifest.top_k)
         self._cpu_seq += 1
@@ -272,9 +284,9 @@ class CpuSteps:
         more give it two, which re-times it (each layer's call feeds the moving average)."""
         outside = [self._cpu_outside.get(i, K) for i in range(len(self.layers))]
         counts = [self._cpu_count(n) for n in outside]
-        if not any(counts) and self.knobs.cpu_balance:
+        self._cpu_forced = not any(counts) and self._balanced()
+        if self._cpu_forced:
             counts = [2 if n >= 2 else 0 for n in outside]
-            self._cpu_retimed = True
         return counts
 
     def _cpu_buffers(self, i: int, block, dx: int, x: torch.Tensor) -> _LayerBuffers:
@@ -288,10 +300,13 @@ class CpuSteps:
                 streams.host_buffer(("cpu seq", i), torch.Size([1]), torch.int64),
                 streams.host_buffer(("cpu rows", i), torch.Size([K, dx]), block.combine_dtype),
                 torch.empty(K, dx, dtype=block.combine_dtype, device=x.device),
-                streams.host_buffer(("cpu flag", i), torch.Size([1]), torch.int64).zero_(),
-                torch.zeros(1, dtype=torch.int32, device=x.device), x.dtype)
-            if self.knobs.cpu_wait == "device" and x.is_cuda:  # compiled now (0 >= 0: no wait), not in a graph's capture
-                wait_for_host(b.flag, torch.zeros(1, dtype=torch.int64, device=x.device), b.timed_out)
+                streams.host_buffer(("cpu flag", i), torch.Size([1]), torch.int64).zero_(), x.dtype)
+            if self._cpu_gave_up is None:
+                self._cpu_gave_up = (torch.zeros(1, dtype=torch.int32, device=x.device),
+                                     streams.host_buffer(("cpu gave up",), torch.Size([1]), torch.int32).zero_())
+            if self.knobs.cpu_wait == "device" and x.is_cuda and IN_ORDER:  # compiled now (0 >= 0: no wait), not in a
+                # graph's capture
+                wait_for_host(b.flag, torch.zeros(1, dtype=torch.int64, device=x.device), self._cpu_gave_up[0])
         return b
 
     def _await_seq(self, seq: torch.Tensor, value: int) -> None:

@@ -53,8 +53,8 @@ MUTANTS = {
     # the expert of the smallest weight among a token's top-k dropped (weight 0) in one-token steps only
     "no-release": Mutant(
         "pipeline/whole.py",
-        "                        for rest in turns[k:]:\n                            rest.release()\n",
-        "                        pass\n",
+        "                    for rest in turns[done:]:\n                        rest.release()\n",
+        "                    pass\n",
         ("tests/test_host_wait.py::test_a_failed_turn_raises_the_flags_of_the_turns_left",),
         "a failed host turn leaves the graph's later waits unreleased: the replayed step would spin until its wait gives up"),
     "drop-last-decode": Mutant(

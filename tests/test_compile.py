@@ -78,8 +78,9 @@ def kernels():
                                                     "W": "i32", "scale": "fp32",
                                                     **{n: "i32" for n in ("Q_H", "K_H", "K_S", "V_H", "V_S", "M_S")}},
                                 dict(G=16, D=128, BD=128, BW=64, HAS_MASK=True, DT=tl.bfloat16)),
-        "embed gather": (_gather_kernel, {"table": "*bf16", "ids": "*i64", "out": "*bf16", "D": "i32"}, dict(B=1024)),
-        "host wait": (_wait_kernel, {"flag": "*i64", "want": "*i64", "timed_out": "*i32", "limit": "i32"}, {}),
+        "embed gather": (_gather_kernel, {"table": "*bf16", "ids": "*i64", "out": "*bf16", "V": "i32", "D": "i32"},
+                         dict(B=1024)),
+        "host wait": (_wait_kernel, {"flag": "*i64", "want": "*i64", "gave_up": "*i32", "limit": "i32"}, {}),
     }
 
 

@@ -25,6 +25,8 @@ def test_embed_is_f_embedding(shape):
     assert got.device == ids.device and got.shape == (*shape, 1100)
     assert torch.equal(got.cpu(), embed_ref(table, ids).cpu())
     assert not torch.equal(got.cpu(), embed_ref(table, (ids + 1) % 50).cpu())
+    outside = embed(table, torch.tensor([[50, -1]], device=DEVICE))  # outside the table: zero rows, no stray read
+    assert not outside.any()
 
 
 @pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe"])
@@ -33,8 +35,10 @@ def test_an_engine_with_its_embedding_on_the_host_gives_the_same_logits(variant,
         want = greedy_logits(engine, PROMPT, 4)
     with sluice.load(stores[variant], device=DEVICE, schedule="direct", embed_on_host=True) as engine:
         emb = engine.model.hf.get_input_embeddings()
+        calls, forward = [], emb.forward
+        emb.forward = lambda ids: calls.append(ids.shape) or forward(ids)
         got = greedy_logits(engine, PROMPT, 4)
-    assert isinstance(emb, HostEmbedding) and emb.table.device.type == "cpu"
+    assert isinstance(emb, HostEmbedding) and emb.table.device.type == "cpu" and len(calls) >= 4
     assert not any(p.data_ptr() == emb.table.data_ptr() for p in engine.model.hf.parameters())
     assert torch.equal(got, want)
 
@@ -43,5 +47,5 @@ def test_a_head_tied_to_the_embedding_keeps_it(stores):
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct") as engine:
         hf = engine.model.hf
         hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
-        assert engine.model.embed_on_host() is False
+        assert engine.model.embed_on_host(pin=False) is False
         assert type(hf.get_input_embeddings()) is torch.nn.Embedding

@@ -16,23 +16,27 @@ from common import DEVICE
 
 def test_the_wait_ends_at_the_hosts_number_and_gives_up_without_it():
     """Interpreted on a CPU: a flag at the wanted number ends the wait at once; one short of it runs the loads out and
-    says so (the must-fail: a kernel that returned without waiting would leave timed_out 0)."""
+    says so (the must-fail: a kernel that returned without waiting would leave gave_up 0), and a later wait that ends in
+    time leaves it said."""
     dev = torch.device(DEVICE)
     flag = torch.tensor([3]).pin_memory() if dev.type == "cuda" else torch.tensor([3])
-    want, timed_out = torch.tensor([3], device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
-    wait_for_host(flag, want, timed_out, limit=50)
-    assert int(timed_out[0]) == 0 and wait_for_host_ref(flag, want.cpu())
+    want, gave_up = torch.tensor([3], device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+    wait_for_host(flag, want, gave_up, limit=50)
+    assert int(gave_up[0]) == 0 and wait_for_host_ref(flag, want.cpu())
     want.fill_(4)
-    wait_for_host(flag, want, timed_out, limit=50)
-    assert int(timed_out[0]) == 1 and not wait_for_host_ref(flag, want.cpu())
+    wait_for_host(flag, want, gave_up, limit=50)
+    assert int(gave_up[0]) == 1 and not wait_for_host_ref(flag, want.cpu())
+    want.fill_(3)
+    wait_for_host(flag, want, gave_up, limit=50)
+    assert int(gave_up[0]) == 1
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a host thread and a GPU stream at once: CUDA")
 def test_what_the_host_wrote_before_the_flag_is_what_the_gpu_copies_after_the_wait():
     flag, rows = torch.zeros(1, dtype=torch.int64).pin_memory(), torch.zeros(4096).pin_memory()
-    want, timed_out = torch.ones(1, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    want, gave_up = torch.ones(1, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
     torch.cuda.synchronize()
-    wait_for_host(flag, want, timed_out)
+    wait_for_host(flag, want, gave_up)
     got = rows.to(DEVICE, non_blocking=True)  # queued after the wait: must see the rows the host wrote
 
     def host():
@@ -43,7 +47,28 @@ def test_what_the_host_wrote_before_the_flag_is_what_the_gpu_copies_after_the_wa
     writer.start()
     torch.cuda.synchronize()
     writer.join()
-    assert int(timed_out[0]) == 0 and bool((got == 7.0).all())
+    assert int(gave_up[0]) == 0 and bool((got == 7.0).all())
+
+
+def test_a_wait_that_gave_up_stops_the_next_token():
+    """The GPU's give-up (a flag the host never raised) is seen at the next token's start, as an error naming it, not
+    left to silently wrong tokens; the must-fail side: with nothing given up the token starts."""
+    from sluice.errors import SluiceError
+    from sluice.stages.table_cpu import CpuSteps
+
+    seen = torch.zeros(1, dtype=torch.int32)
+    counts = torch.zeros(2, dtype=torch.int64)
+    t = CpuSteps.__new__(CpuSteps)
+    t.__dict__.update(_cpu_bufs={0: None}, _cpu_gave_up=(torch.zeros(1, dtype=torch.int32), seen), _cpu_seq=4,
+                      _cpu_dev=(torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None),
+                      rt=SimpleNamespace(store=SimpleNamespace(manifest=SimpleNamespace(top_k=2)),
+                                         streams=SimpleNamespace(host_buffer=lambda key, shape, dtype: counts)),
+                      layers=[0, 1], cpu_counts=lambda K: [1, 1])
+    t.cpu_token_begins()
+    assert t._cpu_seq == 5
+    seen[0] = 1
+    with pytest.raises(SluiceError, match="stopped waiting for the CPU's rows"):
+        t.cpu_token_begins()
 
 
 def test_a_failed_turn_raises_the_flags_of_the_turns_left():
