@@ -192,6 +192,11 @@ class ResidentModel(ABC):
         swap_modules(self.hf, lambda m: type(m) is nn.Linear and m.weight.dtype.is_floating_point
                      and m.weight.element_size() >= 2, Gemv)
 
+    @property
+    def vocab(self) -> int | None:
+        """The input embedding's rows: the token ids a step may take (None where the model has no plain table)."""
+        return getattr(self.hf.get_input_embeddings(), "num_embeddings", None)
+
     def embed_on_host(self, pin: bool) -> bool:
         """The input embedding's table moved to (with `pin`, pinned) RAM (kernels/embed.py `HostEmbedding`), its VRAM
         freed for expert slots; False where it stays: a head tied to it (the head reads the whole table every token),

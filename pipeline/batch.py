@@ -65,4 +65,4 @@ def check_batch(model, seqs: list, pieces: list[list[int]], limit: int | None) -
     if len({id(s) for s in seqs}) != len(seqs):
         raise SluiceError("extend_many: a sequence appears twice in one step")
     for s, p in zip(seqs, pieces):
-        s.check(len(p), limit)
+        s.check(p, limit, model.vocab)

@@ -311,7 +311,7 @@ class Engine:
 
     async def _guarded_step(self, seq: Sequence, ids: list[int], images: torch.Tensor | None = None,
                             head: str = "all", cancel=None) -> torch.Tensor | None:
-        seq.check(len(ids), self.config.static_kv)
+        seq.check(ids, self.config.static_kv, self.model.vocab)
         if images is not None:
             self._check_images(ids, images)
         try:

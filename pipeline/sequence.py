@@ -21,9 +21,13 @@ class Sequence:
     state_key: tuple | None = None
     window: int = 0  # the attention window its last step read (models/static_cache.py)
 
-    def check(self, n: int, limit: int | None) -> None:
-        """Before a step appends n tokens: the state is whole, and a static cache of `limit` tokens has room (its
-        attention then reads a window that holds them: models/static_cache.py)."""
+    def check(self, ids: list[int], limit: int | None, vocab: int | None) -> None:
+        """Before a step appends ids: each in the embedding's `vocab` rows, the state is whole, and a static cache of
+        `limit` tokens has room (its attention then reads a window that holds them: models/static_cache.py)."""
+        n = len(ids)
+        if vocab is not None and ids and not 0 <= min(ids) <= max(ids) < vocab:  # on a GPU the lookup would abort
+            bad = next(i for i in ids if not 0 <= i < vocab)
+            raise SluiceError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
         if self.cache is None:
             raise SluiceError("this sequence was released (Engine.release); start a new one")
         if self.broken:

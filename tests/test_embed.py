@@ -49,3 +49,19 @@ def test_a_head_tied_to_the_embedding_keeps_it(stores):
         hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
         assert engine.model.embed_on_host(pin=False) is False
         assert type(hf.get_input_embeddings()) is torch.nn.Embedding
+
+
+def test_a_token_outside_the_vocabulary_is_refused(stores):
+    """A token id past the embedding's rows (or negative) is a one-line error naming it, before any step (on a GPU the
+    lookup would abort the process's CUDA context); the last row is a token like any other (the must-fail side)."""
+    from sluice.errors import SluiceError
+
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct") as engine:
+        V = engine.model.vocab
+        for bad in (V, -1):
+            with pytest.raises(SluiceError, match=f"token id {bad} is outside the model's vocabulary \\(0..{V - 1}\\)"):
+                engine.generate([1, bad], 1)
+        seq = engine.new_sequence()
+        with pytest.raises(SluiceError, match=f"token id {V} is outside"):
+            engine.extend(seq, [1, V])
+        assert len(seq.tokens) == 0 and len(engine.generate([1, V - 1], 1)) == 1
