@@ -199,14 +199,16 @@ class ResidentModel(ABC):
 
     def embed_on_host(self, pin: bool) -> bool:
         """The input embedding's table moved to (with `pin`, pinned) RAM (kernels/embed.py `HostEmbedding`), its VRAM
-        freed for expert slots; False where it stays: a head tied to it (the head reads the whole table every token),
-        or no nn.Embedding."""
+        given back to the device for expert slots (before the budget caps the allocator); False where it stays: a head
+        tied to it (the head reads the whole table every token), or no nn.Embedding."""
         from sluice.kernels.embed import HostEmbedding
 
         emb, head = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
         if type(emb) is not nn.Embedding or (head is not None and head.weight is emb.weight):
             return False
         self.hf.set_input_embeddings(HostEmbedding(emb, pin))
+        if pin:
+            torch.cuda.empty_cache()  # the freed segment, which the allocator would otherwise keep
         return True
 
     @abstractmethod

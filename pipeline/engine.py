@@ -88,8 +88,8 @@ class Engine:
             model.fuse()
         if config.fused_linears if config.fused_linears is not None else device.type == "cuda":
             model.fuse_linears()
-        if config.embed_on_host and model.embed_on_host(pin=device.type == "cuda") and device.type == "cuda":
-            torch.cuda.empty_cache()  # its freed segment back to the device, before the budget caps the allocator
+        if config.embed_on_host:  # its table to pinned RAM, its VRAM to expert slots (kernels/embed.py)
+            model.embed_on_host(pin=device.type == "cuda")
         routing = controlled_routing(config.routing, model, device)
         # every block held in RAM (by default as much RAM as that takes), or one slot where routed experts are skipped
         whole = store.total_blocks * store.block_bytes

@@ -157,12 +157,10 @@ class CpuSteps:
         by the measured rates, save more than its turns cost (a wait on the device or a segment's end; skewed routing
         leaves a layer a block or two, which the turns may outweigh); the share is tried again every PROBE tokens,
         which refreshes those counts. A fixed share, or rates or counts not yet measured: with it."""
-        k, rt = self.knobs, self.rt
-        if not self.cpu_share or not k.cpu_balance or rt.cpu_s_per_block is None or rt.device.type != "cuda" \
-                or not self._cpu_outside:
+        if not self.cpu_share or not self._balanced() or not self._cpu_outside:
             self.cpu_now = bool(self.cpu_share)
             return self.cpu_now
-        tg, tc = self._cpu_copy_s(), rt.cpu_s_per_block
+        tg, tc = self._cpu_copy_s(), self.rt.cpu_s_per_block
         saved, given = 0.0, 0
         for n in self._cpu_outside.values():
             c = balance_cpu_blocks(n, tg, tc)
@@ -170,7 +168,7 @@ class CpuSteps:
             given += c
         # a rate that gives the CPU nothing is re-timed once at once (`cpu_counts`), not first at the next probe
         stale = not given and not self._cpu_retimed and max(self._cpu_outside.values()) >= 2
-        pays = saved > (WAIT_S if k.cpu_wait == "device" else TURN_S) * len(self.layers) or stale
+        pays = saved > (WAIT_S if self._waits_on_device() else TURN_S) * len(self.layers) or stale
         self._cpu_plain = 0 if pays or self._cpu_plain >= PROBE else self._cpu_plain + 1
         self.cpu_now = self._cpu_plain == 0
         return self.cpu_now
@@ -178,6 +176,11 @@ class CpuSteps:
     def _cpu_copy_s(self) -> float:
         """A block's seconds over PCIe at the measured host-to-device rate."""
         return self.block_bytes / self.rt.h2d_rate()
+
+    def _waits_on_device(self) -> bool:
+        """Whether a whole step's CPU turns are waits on the device (`cpu_wait: device`, on CUDA, stores in order), not
+        segments' ends."""
+        return self.knobs.cpu_wait == "device" and self.rt.device.type == "cuda" and IN_ORDER
 
     def _balanced(self) -> bool:
         """Whether the CPU's counts follow the measured rates (`cpu_balance`, once its rate is timed, on CUDA)."""
@@ -235,7 +238,7 @@ class CpuSteps:
     def cpu_turn(self, block, i: int, mix: Callable) -> CpuTurn:
         """The host's part of MoE index i's device split this token, and the mix: mix(cpu_y on the device) -> h."""
         b, K = self._cpu_bufs[i], block.top_k
-        in_graph = self.knobs.cpu_wait == "device" and self.rt.device.type == "cuda" and IN_ORDER
+        in_graph = self._waits_on_device()
 
         def release() -> None:
             b.flag.numpy()[0] = self._cpu_seq
@@ -304,8 +307,7 @@ class CpuSteps:
             if self._cpu_gave_up is None:
                 self._cpu_gave_up = (torch.zeros(1, dtype=torch.int32, device=x.device),
                                      streams.host_buffer(("cpu gave up",), torch.Size([1]), torch.int32).zero_())
-            if self.knobs.cpu_wait == "device" and x.is_cuda and IN_ORDER:  # compiled now (0 >= 0: no wait), not in a
-                # graph's capture
+            if self._waits_on_device():  # compiled now (0 >= 0: no wait), not in a graph's capture
                 wait_for_host(b.flag, torch.zeros(1, dtype=torch.int64, device=x.device), self._cpu_gave_up[0])
         return b
 
