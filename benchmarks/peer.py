@@ -33,7 +33,7 @@ def run_peer(args) -> dict:
     prompts = [int(x) for x in args.prompt_lengths.split(",") if x]
     out: dict = {"store": str(args.model), "gguf": str(args.gguf), "vram_budget": budget, "prompts": prompts,
                  "decode_tokens": args.decode_tokens, "llama": [], "sluice": []}
-    from sluice.pipeline.engine import resolve_store
+    from sluice.storage.home import resolve_store
     from sluice.storage.store import ExpertStore
 
     store = ExpertStore.open(resolve_store(args.model))

@@ -17,6 +17,7 @@ RESERVE_SHARE = 8  # at least 1/8 of a VRAM budget stays free of expert slots (a
 # the estimate below misses: an attention that materialises its scores)
 WORKSPACE = 256 << 20  # beside the estimates: cuBLAS's and Triton's workspaces, CUDA graphs' pools, the allocator's slack
 MAX_MIXER_CHUNK = 512  # the default (and the automatic piece's largest) run of a Mamba-2 prefill
+MAX_PREFILL_CHUNK = 2048  # the default prompt piece of one step (`extend`)
 
 
 def prompt_bytes(hf_config, top_k: int, tokens: int) -> int:

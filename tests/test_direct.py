@@ -397,7 +397,7 @@ def test_guesses_past_the_top_k_are_read_last(stores, tmp_path, monkeypatch):
 
 def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
     from sluice.errors import ConfigError, ScheduleError
-    from sluice.pipeline import engine
+    from sluice.pipeline import assemble
     from sluice.pipeline.schedule import parse_schedule
 
     with pytest.raises(ConfigError, match="every expert block in RAM.*ram_cache"):
@@ -412,7 +412,7 @@ def test_direct_needs_every_block_in_ram(stores, tmp_path, monkeypatch):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, noise=-0.5))
     with pytest.raises(ScheduleError, match="stage 'compute': 'fp4_matvec' must be one of auto, f16x2, words, got 'fp16'"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=direct_schedule(tmp_path, fp4_matvec="fp16"))
-    monkeypatch.setattr(engine, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
+    monkeypatch.setattr(assemble, "available_ram", lambda: 4096)  # a machine with less RAM than the store's blocks
     with pytest.raises(ConfigError, match="holds every expert block in RAM.*use a schedule that streams"):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct")
 
@@ -565,7 +565,7 @@ def test_a_tier_with_a_slot_for_every_block_holds_them_all(stores, tmp_path):
 
 
 def test_auto_holds_every_block_where_ram_allows_else_streams(stores, monkeypatch):
-    from sluice.pipeline import engine
+    from sluice.pipeline import assemble
     from sluice.pipeline import schedule
     from sluice.pipeline.schedule import auto_schedule
 
@@ -585,7 +585,7 @@ def test_auto_holds_every_block_where_ram_allows_else_streams(stores, monkeypatc
     with sluice.load(store, device=DEVICE, ram_cache=small) as e:
         assert e.coordinator.schedule.name == "direct-stream" and e.generate(PROMPT, 4) == tokens
     whole = ram_sizes(store)[2]
-    monkeypatch.setattr(engine, "available_ram", lambda: 2 * whole)  # free RAM whose share the store's blocks pass
+    monkeypatch.setattr(assemble, "available_ram", lambda: 2 * whole)  # free RAM whose share the store's blocks pass
     monkeypatch.setattr(schedule, "RAM_SHARE", 0.4)
     with sluice.load(store, device=DEVICE) as e:
         assert e.coordinator.schedule.name == "direct-stream"
