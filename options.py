@@ -71,9 +71,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-linears", action=argparse.BooleanOptionalAction, default=None,
                    help="one-row linears of the resident part in one Triton launch each (kernels/gemv.py) instead of "
                         "cuBLAS (default: on with CUDA; --no-fused-linears keeps cuBLAS)")
-    p.add_argument("--embed-on-host", action="store_true",
+    p.add_argument("--embed-on-host", action=argparse.BooleanOptionalAction, default=None,
                    help="the input embedding's table in pinned RAM, each token's row read over PCIe (kernels/embed.py): "
-                        "its VRAM goes to expert slots (CUDA; a head tied to it keeps it on the GPU)")
+                        "its VRAM goes to expert slots (default: on with CUDA and a --vram-budget; a head tied to it "
+                        "keeps it on the GPU; --no-embed-on-host keeps it in VRAM)")
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
                         "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")

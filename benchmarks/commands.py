@@ -162,8 +162,8 @@ def _bench_compare(args, lengths) -> int:
         args.schedule = name
         with open_engine(args) as engine:
             r = bench_model(engine, lengths, args.decode_tokens, warm=not args.cold)
-            if engine.rt.cpu_s_per_block:
-                r["cpu_gbps"] = engine.store.block_bytes / engine.rt.cpu_s_per_block / 1e9
+            if engine.rt.cpu_rate.block_s:
+                r["cpu_gbps"] = engine.store.block_bytes / engine.rt.cpu_rate.block_s / 1e9
             block = engine.store.block_bytes
             file, _, edits = name.partition(":")  # a path's stem, with any knob edits after it
             label = (Path(file).stem if file.endswith((".yaml", ".yml")) else file) + (f":{edits}" if edits else "")

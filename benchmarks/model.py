@@ -92,6 +92,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     engine.release(seq)
     n, block = decode_tokens, engine.store.block_bytes
     per_tier = {t: io["blocks"][t] / n for t in TIERS}
+    rate = engine.rt.cpu_rate
     total = sum(io["blocks"].values())
     first = times[0]  # a sequence's first step: its state is a released one (generate's), so no capture unless none was spare
     steps = [round(1000 * t, 3) for t in times]  # in order: a step that slows down for good shows where it began
@@ -116,7 +117,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "vram_prefetches_per_token": io["vram_prefetches"] / n,  # copied on a guess (right or wrong): PCIe bytes too
         "vram_prefetch_hits_per_token": io["vram_prefetch_hits"] / n,
         "vram_fills_per_token": io["vram_fills"] / n,  # the direct schedule's hot-set refreshes: PCIe bytes too
-        "cpu_ms_per_block": 1000 * engine.rt.cpu_s_per_block if engine.rt.cpu_s_per_block else None,
+        "cpu_ms_per_block": 1000 * rate.block_s if rate.block_s else None,
+        "cpu_ms_per_call": 1000 * rate.call_s,  # the CPU kernels' overhead a call (a layer's blocks), beside a block's
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
         "allocator_flushes": allocator_flushes(engine.device) - flushes,
         "refreshes": io["refreshes"], "refresh_host_ms": 1000 * io["refresh_s"] / max(io["refreshes"], 1),
@@ -133,9 +135,9 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         moved = (per_tier["ram"] + per_tier["disk"] - io["cpu_blocks"] / n + (io["vram_prefetches"] + io["vram_fills"]) / n) * block
         d["h2d_gbps"] = bw / 1e9
         d["roofline_ms_per_token"] = 1000 * moved / bw
-        if engine.rt.cpu_s_per_block:  # the hybrid's floor: the RAM blocks split so that PCIe and the CPU (at its
+        if rate.block_s:  # the hybrid's floor: the RAM blocks split so that PCIe and the CPU (at its
             # measured rate) finish together; the tier's fills and copies ahead cross PCIe alone
-            both, fills = bw + block / engine.rt.cpu_s_per_block, (io["vram_prefetches"] + io["vram_fills"]) / n * block
+            both, fills = bw + block / rate.block_s, (io["vram_prefetches"] + io["vram_fills"]) / n * block
             d["hybrid_roofline_ms_per_token"] = 1000 * max((per_tier["ram"] * block + fills) / both, fills / bw)
         # the guesses copied ahead that no step read: PCIe bytes, but ones a perfect guess would not move
         d["unread_guesses_ms_per_token"] = 1000 * max(0, io["vram_prefetches"] - io["vram_prefetch_hits"]) / n * block / bw
@@ -217,15 +219,15 @@ def format_bench(r: dict, block_bytes: int) -> str:
     if d["vram_fills_per_token"]:
         lines.append(f"  VRAM hot set: {d['vram_fills_per_token']:.2f} blocks/token copied in by its refreshes")
     if d["cpu_blocks_per_token"]:
-        each = (f", {d['cpu_ms_per_block']:.2f} ms each (moving average; {block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s "
-                f"of expert bytes)") if d.get("cpu_ms_per_block") else ""
+        each = (f", {d['cpu_ms_per_block']:.2f} ms each and {d.get('cpu_ms_per_call', 0):.2f} ms a call (measured; "
+                f"{block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s of expert bytes)") if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
     elif d.get("cpu_ms_per_block"):  # a schedule with the CPU's share that gave it none: the rate that decided so
         lines.append(f"  hybrid: the CPU computed no blocks (its rate {d['cpu_ms_per_block']:.2f} ms a block, "
                      f"{block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s of expert bytes)")
     slow = sorted(range(len(d["step_ms"])), key=lambda k: -d["step_ms"][k])[:3]
     gcs = d.get("gc_pauses_ms", [])
-    lines.append(f"  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" for k in slow)
+    lines.append("  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" for k in slow)
                  + (f"; VRAM tier refreshes {d['refreshes']}, {d['refresh_host_ms']:.2f} ms each on the host (of which "
                     f"{d['refresh_wait_ms']:.2f} waiting for the GPU's counts)"
                     if d.get("refreshes") else "")

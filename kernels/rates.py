@@ -32,3 +32,43 @@ def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
         big.sum()
         best = min(best, time.perf_counter() - t)
     return nbytes / best
+
+
+class CpuRate:
+    """The CPU's expert kernels as measured in the engine: a call over n blocks takes `call_s + n * block_s` seconds.
+    Each count n keeps a moving average of its calls' seconds (`observe`); the two parts are the least-squares line
+    through them (one count alone, or a line that slopes down: the line through 0). A figure per block alone would charge
+    a one-block call's overhead to its block, and a CPU given one block a layer would keep a slow first figure."""
+
+    DECAY = 0.8  # a count's new call weighs 0.2 in its average
+
+    def __init__(self) -> None:
+        self._by_n: dict[int, float] = {}  # count -> moving average of its calls' seconds
+        self.block_s: float | None = None  # None until a call is timed
+        self.call_s = 0.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        old = self._by_n.get(n)
+        self._by_n[n] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        self._fit()
+
+    def set(self, block_s: float) -> None:
+        """A figure given, not measured (a test's, or a calibration's): per block only, earlier timings dropped."""
+        self._by_n = {1: block_s}
+        self._fit()
+
+    def seconds(self, n: int) -> float:
+        """A call's predicted seconds over n blocks (0 for none)."""
+        return self.call_s + n * self.block_s if n else 0.0
+
+    def _fit(self) -> None:
+        ns, ts = list(self._by_n), list(self._by_n.values())
+        m = len(ns)
+        mean_n, mean_t = sum(ns) / m, sum(ts) / m
+        var = sum((n - mean_n) ** 2 for n in ns)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(ns, ts)) / var if var else 0.0
+        call = mean_t - slope * mean_n
+        if slope > 0 and call >= 0:
+            self.block_s, self.call_s = slope, call
+        else:  # one count, noise that slopes the line down, or a negative overhead: the line through 0
+            self.block_s, self.call_s = sum(n * t for n, t in zip(ns, ts)) / sum(n * n for n in ns), 0.0

@@ -49,7 +49,7 @@ def assemble(path: str | Path, progress: bool, settings: dict) -> tuple[ExpertSt
         model.fuse()
     if config.fused_linears if config.fused_linears is not None else device.type == "cuda":
         model.fuse_linears()
-    if config.embed_on_host:  # its table to pinned RAM, its VRAM to expert slots (kernels/embed.py)
+    if config.embeds_on_host(device):  # its table to pinned RAM, its VRAM to expert slots (kernels/embed.py)
         model.embed_on_host(pin=device.type == "cuda")
     routing = controlled_routing(config.routing, model, device)
     # every block held in RAM (by default as much RAM as that takes), or one slot where routed experts are skipped

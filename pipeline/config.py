@@ -75,8 +75,9 @@ class EngineConfig:
     # kernels/norm.py, router.py); None: on CUDA
     fused_linears: bool | None = None  # one-row float linears (16- or 32-bit) of the resident part in one Triton launch each
     # (kernels/gemv.py, in place of cuBLAS's split-K pair); None: on CUDA
-    embed_on_host: bool = False  # CUDA: the input embedding's table in pinned RAM, each token's row read over PCIe
-    # (kernels/embed.py): its VRAM goes to expert slots; a head tied to it keeps it on the device
+    embed_on_host: bool | None = None  # the input embedding's table in pinned RAM, each token's row read over PCIe
+    # (kernels/embed.py): its VRAM goes to expert slots; a head tied to it keeps it on the device; None: on with CUDA
+    # and a VRAM budget (faster in all four runs that timed it at 8 GiB: BENCHMARKS.md, 12-07)
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048
@@ -118,3 +119,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         return getattr(torch, self.dtype) if self.dtype else None
+
+    def embeds_on_host(self, device: torch.device) -> bool:
+        """Whether the input embedding's table goes to pinned RAM: as asked, else with CUDA and a VRAM budget (where
+        its VRAM becomes expert slots)."""
+        return self.embed_on_host if self.embed_on_host is not None else device.type == "cuda" and self.vram_budget is not None

@@ -17,6 +17,7 @@ import torch
 from sluice.kernels.graphs import GraphPools
 from sluice.errors import ScheduleError
 from sluice.kernels.layout import proj_layouts
+from sluice.kernels.rates import CpuRate
 from sluice.pipeline.streams import Streams
 from sluice.pipeline.trace import Tracer
 from sluice.storage.cache import BlockCache, CacheEntry
@@ -159,8 +160,8 @@ class Runtime:
         self.stats = IOStats(reader=self.reader.counts)
         self.recorder = record_routing
         self.layouts = proj_layouts(store.manifest.formats, store.manifest.slots)
-        # hybrid miss path: the CPU's measured seconds per expert block (moving average), the pinned H2D rate
-        self.cpu_s_per_block: float | None = None
+        # hybrid miss path: the CPU's measured seconds for its expert blocks (kernels/rates.py), the pinned H2D rate
+        self.cpu_rate = CpuRate()
         self.h2d_bps: float | None = None  # `h2d_rate`
         # zero-copy down: h2d copies only up, compute reads down from the pinned RAM slot
         self.down_in_ram = down_in_ram and "down" in self.layouts

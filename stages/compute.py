@@ -18,7 +18,7 @@ kernels (kernels/cpu.py, compiled by torch.compile unless `cpu_compile` is off; 
 while the GPU runs the rest. Their outputs come back through pinned memory (a copy from pageable
 memory would first wait for everything queued on the stream), are weighted on the device and written
 to their own rows of y like any other expert's, so combine's fixed order holds. Each CPU block's time
-feeds the runtime's moving average of seconds per block (h2d's `cpu_balance`).
+feeds the runtime's measured rate (kernels/rates.py `CpuRate`; h2d's `cpu_balance`).
 """
 
 from __future__ import annotations
@@ -224,9 +224,8 @@ class Compute(Stage):
             out = torch.stack([experts.run(views[0], row) for row in x])[None]
         if rt.device.type == "cuda":  # pinned: the copy to the GPU then waits for nothing queued before it
             out = out.pin_memory()
-        dt = (time.perf_counter() - t) / (x.shape[0] * len(dbs))  # seconds per block and token
         if not first:  # the first call compiles the kernels: not a rate
-            rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
+            rt.cpu_rate.observe(x.shape[0] * len(dbs), time.perf_counter() - t)  # a block and token each count one
         return out
 
     def close(self) -> None:

@@ -74,14 +74,14 @@ class H2DKnobs:
 MIN_SHARE = 0.005  # one block in 200: enough to keep measuring the CPU, little to wait for when it is slow
 
 
-def balance_cpu_blocks(misses: int, tg: float, tc: float) -> int:
+def balance_cpu_blocks(misses: int, tg: float, tc: float, call: float = 0.0) -> int:
     """Of a layer's `misses` blocks to copy (tg seconds each over PCIe), how many the CPU computes instead
-    (tc seconds each, one after another, alongside the copies): the count that finishes both soonest,
-    max(c * tc, (misses - c) * tg), the fewer on a tie. A whole block that the CPU finishes after the
+    (tc seconds each, one after another, and `call` seconds a call, alongside the copies): the count that
+    finishes both soonest, max(call + c * tc, (misses - c) * tg), the fewer on a tie. A whole block that the CPU finishes after the
     copies of all the others would have is not worth sending: with tc = 7 tg and three misses, none goes."""
     best, best_t = 0, misses * tg
     for c in range(1, misses + 1):
-        t = max(c * tc, (misses - c) * tg)
+        t = max(call + c * tc, (misses - c) * tg)
         if t < best_t - 1e-12:
             best, best_t = c, t
     return best
@@ -186,7 +186,7 @@ class H2D(Stage):
     def _balanced(self) -> bool:
         """Whether this layer's CPU blocks follow the measured rates (else the fixed cpu_share)."""
         rt = self.rt
-        return self.knobs.cpu_balance and rt.cpu_s_per_block is not None and rt.device.type == "cuda"
+        return self.knobs.cpu_balance and rt.cpu_rate.block_s is not None and rt.device.type == "cuda"
 
     async def _cpu_blocks(self, io: StageIO, layer: int) -> int:
         """How many of this one-token layer's blocks to copy the CPU takes (cpu_balance): `balance_cpu_blocks`
@@ -195,7 +195,8 @@ class H2D(Stage):
         r = await io.value("routing")
         vram = self.rt.vram
         misses = sum(1 for e in r.experts if vram is None or (layer, e) not in vram)
-        c = balance_cpu_blocks(misses, self._copy_seconds(), self.rt.cpu_s_per_block)
+        rate = self.rt.cpu_rate
+        c = balance_cpu_blocks(misses, self._copy_seconds(), rate.block_s, rate.call_s)
         self._credit += MIN_SHARE * misses
         if c == 0 and misses and self._credit >= 1.0:
             c = 1
@@ -208,9 +209,9 @@ class H2D(Stage):
         k, rt = self.knobs, self.rt
         if k.cpu_prefill >= 0:
             return k.cpu_prefill
-        if rt.cpu_s_per_block is None or rt.device.type != "cuda":
+        if rt.cpu_rate.block_s is None or rt.device.type != "cuda":
             return 0
-        return int(self._copy_seconds() / rt.cpu_s_per_block)
+        return int(self._copy_seconds() / rt.cpu_rate.block_s)
 
     def _copy_seconds(self) -> float:
         return self.rt.store.block_bytes / self.rt.h2d_rate()  # with `copy: up` the GPU still reads `down` over PCIe

@@ -9,16 +9,16 @@ is the streaming schedules' within rounding, not bit for bit. Two forms:
   offsets pointed at a zero block), which copies the ids, weights, expert input and masks to pinned memory and then
   the token's number; the GPU's rows are queued; the host spins until the number lands and computes the CPU's rows
   into pinned memory; the step's next part copies them in and mixes them into combine's fixed-order sum. With
-  compute's `cpu_wait: device` the step is one graph: that part begins with the GPU waiting for a flag the host
-  writes after the rows (kernels/host_wait.py), so the host's work a MoE layer is one wait and the CPU's rows; with
-  `cpu_wait: host` a graph segment ends at each such layer and the host replays the next after the rows.
+  compute's `cpu_wait: host` (the default) a graph segment ends at each such layer and the host replays the next
+  after the rows; with `cpu_wait: device` the step is one graph: that part begins with the GPU waiting for a flag
+  the host writes after the rows (kernels/host_wait.py), so the host's work a MoE layer is one wait and the rows.
 - layer by layer (`_token_cpu`: a sequence's first one-token step, or where no whole step runs): the ids come to the
   host, which picks the CPU's blocks, queues the plan's first part (pipeline/plan.py `TokenPlan.split`), computes
   its rows and queues the second.
 
 How many: `cpu_share` of the blocks outside VRAM (a credit carried across layers, so a share of 0.25 sends one block
 in four), or with `cpu_balance` the count that finishes both soonest from the measured rates: the CPU's seconds a
-block (its own timings, a moving average) and a block's bytes over the host-to-device rate. In a whole step, each
+block and a call (its own timings: kernels/rates.py `CpuRate`) and a block's bytes over the host-to-device rate. In a whole step, each
 layer's count for a token comes from the blocks its step had outside VRAM the token before.
 
 Which tokens (`cpu_choose`, balanced): a token replayed whole runs with the CPU's share only while the split saves more
@@ -93,7 +93,7 @@ class CpuSteps:
             await rt.ids_arrived(arrived)
         routed = host[0, :K].long().tolist()
         w, xe = host[0, K : 2 * K].clone(), host[0, 2 * K :].clone()  # the buffer is the next token's
-        if self.knobs.cpu_balance and rt.cpu_s_per_block is None:
+        if self.knobs.cpu_balance and rt.cpu_rate.block_s is None:
             self._cpu_calibrate(block, xe)
         rt.stats.observe_routing(block.layer, tuple(routed))
         tier, landing, bb = self.tier, self._landing(), self.block_bytes
@@ -130,26 +130,26 @@ class CpuSteps:
         t = time.perf_counter()
         out = kernels.run_many([self.blocks.entries[(block.layer, e)].buf for e in experts], xe)  # [n, Dx] fp32
         y[rows] = (out.to(x_dtype).float() * w[:, None]).to(y.dtype)
-        dt = (time.perf_counter() - t) / len(experts)
         rt.stats.cpu_blocks += len(experts)
-        if not first and len(experts) > 1:  # the first call compiles the kernels; one block's call is mostly its overhead
-            rt.cpu_s_per_block = dt if rt.cpu_s_per_block is None else 0.8 * rt.cpu_s_per_block + 0.2 * dt
+        if not first:  # the first call compiles the kernels: not a rate
+            rt.cpu_rate.observe(len(experts), time.perf_counter() - t)
             self._cpu_retimed = self._cpu_retimed or self._cpu_forced  # `cpu_counts` gave it these to time it
 
     def _cpu_calibrate(self, block, xe: torch.Tensor, n: int = 4, runs: int = 3) -> None:
-        """The CPU's seconds a block before any step has timed it (`cpu_balance`): the best of a few calls over n of
-        the layer's blocks, after one that compiles the kernels. Without it a first slow call would leave the CPU no
-        blocks, and so no later timing to correct it."""
+        """The CPU's rate before any step has timed it (`cpu_balance`): the best of a few calls over one and over n of
+        the layer's blocks (a call's overhead and a block's seconds), after one that compiles the kernels. Without it
+        a first slow call would leave the CPU no blocks, and so no later timing to correct it."""
         k = self.knobs
         kernels = cpu_experts(self._cpu, self.rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
         bufs = [self.blocks.entries[(block.layer, e)].buf for e in range(min(n, self.num_experts))]
         kernels.run_many(bufs, xe)
-        best = float("inf")
-        for _ in range(runs):
-            t = time.perf_counter()
-            kernels.run_many(bufs, xe)
-            best = min(best, time.perf_counter() - t)
-        self.rt.cpu_s_per_block = best / len(bufs)
+        for some in {1: bufs[:1], len(bufs): bufs}.values():
+            best = float("inf")
+            for _ in range(runs):
+                t = time.perf_counter()
+                kernels.run_many(some, xe)
+                best = min(best, time.perf_counter() - t)
+            self.rt.cpu_rate.observe(len(some), best)
 
     def cpu_choose(self) -> bool:
         """Before a token replayed whole: whether it runs with the CPU's share (`cpu_now`) or without it. With
@@ -160,11 +160,11 @@ class CpuSteps:
         if not self.cpu_share or not self._balanced() or not self._cpu_outside:
             self.cpu_now = bool(self.cpu_share)
             return self.cpu_now
-        tg, tc = self._cpu_copy_s(), self.rt.cpu_s_per_block
+        tg, rate = self._cpu_copy_s(), self.rt.cpu_rate
         saved, given = 0.0, 0
         for n in self._cpu_outside.values():
-            c = balance_cpu_blocks(n, tg, tc)
-            saved += n * tg - max(c * tc, (n - c) * tg)
+            c = balance_cpu_blocks(n, tg, rate.block_s, rate.call_s)
+            saved += n * tg - max(rate.seconds(c), (n - c) * tg)
             given += c
         # a rate that gives the CPU nothing is re-timed once at once (`cpu_counts`), not first at the next probe
         stale = not given and not self._cpu_retimed and max(self._cpu_outside.values()) >= 2
@@ -184,13 +184,13 @@ class CpuSteps:
 
     def _balanced(self) -> bool:
         """Whether the CPU's counts follow the measured rates (`cpu_balance`, once its rate is timed, on CUDA)."""
-        return self.knobs.cpu_balance and self.rt.cpu_s_per_block is not None and self.rt.device.type == "cuda"
+        return self.knobs.cpu_balance and self.rt.cpu_rate.block_s is not None and self.rt.device.type == "cuda"
 
     def _cpu_count(self, outside: int) -> int:
         """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
         k, rt = self.knobs, self.rt
         if self._balanced():
-            return balance_cpu_blocks(outside, self._cpu_copy_s(), rt.cpu_s_per_block)
+            return balance_cpu_blocks(outside, self._cpu_copy_s(), rt.cpu_rate.block_s, rt.cpu_rate.call_s)
         self._cpu_credit += k.cpu_share * outside
         n = min(outside, int(self._cpu_credit + 1e-9))
         self._cpu_credit -= n
@@ -284,7 +284,7 @@ class CpuSteps:
         """Each MoE layer's count of CPU blocks for this token (from the blocks it had outside VRAM at its last step
         with the share, K where none yet). Where the balance gives the CPU none anywhere, its rate may be stale (one
         slow first timing, and a CPU given no blocks is never timed again): the layers with two blocks outside VRAM or
-        more give it two, which re-times it (each layer's call feeds the moving average)."""
+        more give it two, which re-times it (each layer's call feeds its rate)."""
         outside = [self._cpu_outside.get(i, K) for i in range(len(self.layers))]
         counts = [self._cpu_count(n) for n in outside]
         self._cpu_forced = not any(counts) and self._balanced()

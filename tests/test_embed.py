@@ -43,6 +43,17 @@ def test_an_engine_with_its_embedding_on_the_host_gives_the_same_logits(variant,
     assert torch.equal(got, want)
 
 
+def test_the_embedding_goes_to_the_host_by_default_only_beside_a_vram_budget():
+    """On by default where a VRAM budget shares the GPU with expert slots (CUDA); as asked otherwise."""
+    from sluice.pipeline.config import EngineConfig
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig(vram_budget=8 << 30).embeds_on_host(cuda)
+    assert not EngineConfig().embeds_on_host(cuda) and not EngineConfig(vram_budget=8 << 30).embeds_on_host(cpu)
+    assert not EngineConfig(vram_budget=8 << 30, embed_on_host=False).embeds_on_host(cuda)
+    assert EngineConfig(embed_on_host=True).embeds_on_host(cpu)
+
+
 def test_a_head_tied_to_the_embedding_keeps_it(stores):
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct") as engine:
         hf = engine.model.hf

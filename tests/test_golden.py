@@ -377,7 +377,7 @@ def test_hybrid_cpu_path_matches_transformers(variant, share, stores, refs, tmp_
     switch = sys.getswitchinterval()
     with sluice.load(stores[variant], device=DEVICE, schedule=str(path)) as engine:
         check_golden(engine, variant, refs, f"{variant}/hybrid share={share}", n=16)  # one-token steps: the hybrid path
-        assert engine.rt.cpu_s_per_block is not None  # the CPU path ran
+        assert engine.rt.cpu_rate.block_s is not None  # the CPU path ran
         assert sys.getswitchinterval() <= GIL_SWITCH_S  # the worker's GIL hand-offs made short
     assert sys.getswitchinterval() == switch  # and Python's own put back
 
@@ -431,12 +431,12 @@ def test_balanced_hybrid_path_follows_the_cpu_rate(stores, refs, tmp_path):
         tokens = [int(engine.extend(seq, PROMPT)[-1].argmax())]
         for _ in range(2):  # cpu_share 1 until the CPU has a rate (its first block compiles: not a rate)
             tokens.append(int(engine.extend(seq, tokens[-1:])[-1].argmax()))
-        assert engine.rt.cpu_s_per_block is not None
+        assert engine.rt.cpu_rate.block_s is not None
         counts = []
         for rate in (1e3, 1e-9):  # seconds per block: far slower than a copy, then far faster
             before = engine.rt.stats.cpu_blocks
             for _ in range(5):
-                engine.rt.cpu_s_per_block = rate  # keep the forced rate over the measured one
+                engine.rt.cpu_rate.set(rate)  # keep the forced rate over the measured one
                 tokens.append(int(engine.extend(seq, tokens[-1:])[-1].argmax()))
             counts.append(engine.rt.stats.cpu_blocks - before)
     assert tokens == ref_tokens

@@ -51,7 +51,7 @@ def test_cpu_share_needs_every_block_held(stores, tmp_path):
         sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule)
 
 
-@pytest.mark.parametrize("cpu_wait", ["device", "host"] if DEVICE.startswith("cuda") else ["device"])
+@pytest.mark.parametrize("cpu_wait", ["host", "device"] if DEVICE.startswith("cuda") else ["host"])
 def test_cpu_share_in_a_whole_step(cpu_wait, stores, refs, tmp_path, monkeypatch):
     """A whole step with the CPU's share (pipeline/whole.py): the split made on the device (the lowest-ranked blocks
     outside VRAM, up to each layer's count), the host's turns computing the CPU's rows, the GPU waiting for them inside
@@ -90,6 +90,14 @@ def test_cpu_share_in_a_whole_step(cpu_wait, stores, refs, tmp_path, monkeypatch
     assert_logits_close(variant, got, want, f"the CPU's share in a whole step (cpu_wait: {cpu_wait})")
 
 
+def rate_of(block_s: float):
+    from sluice.kernels.rates import CpuRate
+
+    rate = CpuRate()
+    rate.set(block_s)
+    return rate
+
+
 class _Rule:
     """The table's choice of a token's step (`CpuSteps.cpu_choose`) on measured rates and counts alone."""
 
@@ -103,7 +111,7 @@ class _Rule:
                                  _cpu_outside=outside,
                                  layers=list(range(23)),
                                  knobs=SimpleNamespace(cpu_balance=True, cpu_wait=wait),
-                                 rt=SimpleNamespace(cpu_s_per_block=cpu_s, device=torch.device("cuda")))
+                                 rt=SimpleNamespace(cpu_rate=rate_of(cpu_s), device=torch.device("cuda")))
 
     def tokens(self, n: int) -> list[bool]:
         return [self.cpu.cpu_choose() for _ in range(n)]
@@ -175,3 +183,32 @@ def test_a_cpu_given_no_blocks_is_timed_again():
     assert slow.tokens(PROBE + 1) == [False] * PROBE + [True]  # still slow once re-timed: only the probes
     fast = _Rule({i: 5 for i in range(23)})
     assert fast.cpu.cpu_counts(6) == [balance_cpu_blocks(5, 0.10e-3, 0.18e-3)] * 23 == [2] * 23
+
+
+def test_the_cpus_rate_parts_a_calls_overhead_from_its_blocks():
+    """The CPU's rate is a line through each count's average call: calls of 1 and 4 blocks at 0.10 ms a call and
+    0.15 ms a block give those parts back, and the balance then sends a layer with 5 blocks outside VRAM two of them
+    (0.40 ms on the CPU beside three copies' 0.36 at 0.12 ms a copy); one count alone, or noise that slopes the line
+    down, puts every second on the blocks. The must-fail side: per block alone (the one-block calls' 0.25 ms), the
+    balance sends the CPU one block, and with no calls of more than one never learns better."""
+    from sluice.kernels.rates import CpuRate
+    from sluice.stages.h2d import balance_cpu_blocks
+
+    rate = CpuRate()
+    for _ in range(3):
+        rate.observe(1, 0.25e-3)
+        rate.observe(4, 0.70e-3)
+    assert rate.block_s == pytest.approx(0.15e-3) and rate.call_s == pytest.approx(0.10e-3)
+    assert rate.seconds(2) == pytest.approx(0.40e-3) and rate.seconds(0) == 0
+    assert balance_cpu_blocks(5, 0.12e-3, rate.block_s, rate.call_s) == 2
+    assert balance_cpu_blocks(5, 0.12e-3, 0.25e-3) == 1  # the one-block figure as a rate per block
+    rate.observe(1, 0.5e-3)  # a count's average moves by a fifth of a new call
+    assert rate._by_n[1] == pytest.approx(0.30e-3)
+    one = CpuRate()
+    one.observe(2, 0.5e-3)
+    assert (one.block_s, one.call_s) == (pytest.approx(0.25e-3), 0.0)
+    down = CpuRate()
+    down.observe(1, 0.5e-3)
+    down.observe(3, 0.3e-3)  # slower for fewer: noise; the line through 0 (0.5 + 0.9) / (1 + 9)
+    assert (down.block_s, down.call_s) == (pytest.approx(0.14e-3), 0.0)
+    assert balance_cpu_blocks(3, 0.1, 0.7, call=0.0) == 0 and balance_cpu_blocks(10, 0.1, 0.1, call=0.3) == 3
