@@ -43,6 +43,20 @@ def test_an_engine_with_its_embedding_on_the_host_gives_the_same_logits(variant,
     assert torch.equal(got, want)
 
 
+def test_batched_steps_with_the_embedding_on_the_host(stores):
+    """Batched decode steps read their rows from the host's table too (on CUDA inside a batched step's capture):
+    each sequence's logits are those of its steps with the table on the device."""
+    from test_batch import PROMPTS, together
+
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct") as engine:
+        want = together(engine, PROMPTS)
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule="direct", embed_on_host=True) as engine:
+        got = together(engine, PROMPTS)
+        assert isinstance(engine.model.hf.get_input_embeddings(), HostEmbedding)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_the_embedding_goes_to_the_host_by_default_only_beside_a_vram_budget():
     """On by default where a VRAM budget shares the GPU with expert slots (CUDA); as asked otherwise."""
     from sluice.pipeline.config import EngineConfig
