@@ -8,7 +8,7 @@ import torch
 
 import sluice
 from sluice.kernels.embed import HostEmbedding, embed, embed_ref
-from common import DEVICE, PROMPT, greedy_logits
+from common import DEVICE, PROMPT, VARIANTS, greedy_logits
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 2)])
@@ -29,7 +29,8 @@ def test_embed_is_f_embedding(shape):
     assert not outside.any()
 
 
-@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe"])
+@pytest.mark.parametrize("variant", ["nemotron_h", "qwen3_moe", *(pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS
+                                                              if v not in ("nemotron_h", "qwen3_moe"))])
 def test_an_engine_with_its_embedding_on_the_host_gives_the_same_logits(variant, stores):
     with sluice.load(stores[variant], device=DEVICE, schedule="direct") as engine:
         want = greedy_logits(engine, PROMPT, 4)
