@@ -77,7 +77,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "keeps it on the GPU; --no-embed-on-host keeps it in VRAM)")
     p.add_argument("--fused-mamba", action=argparse.BooleanOptionalAction, default=None,
                    help="one-token Mamba-2 steps in two Triton launches (kernels/mamba.py) instead of transformers' step "
-                        "(default: on with CUDA; --no-fused-mamba keeps transformers' step)")
+                        "(default: on with CUDA, and a CPU takes kernels/mamba.py's torch step; --no-fused-mamba keeps "
+                        "transformers' step)")
     p.add_argument("--schedule", default="auto", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
                    "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:fetch.depth=2 (default: %(default)s: "
                    "direct where every expert block fits in 75%% of the free RAM or in --ram-cache, else direct-stream)")

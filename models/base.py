@@ -121,6 +121,10 @@ class Layer(ABC):
     fused_decode: bool = False
     # prompts' Mamba-2 selective scan through kernels/mamba.py's one-launch scan (set by the engine with fused_decode)
     fused_prefill: bool = False
+    # a Mamba-2 mixer on a CPU (the engine's default there): one-token steps through kernels/mamba.py's plain-torch step
+    # and prompts' depthwise conv in fp32, not transformers' bf16 conv (milliseconds a call, ~10 x more off the main
+    # thread)
+    torch_mixer: bool = False
 
     def forward(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         """A whole non-MoE layer on h [1,T,D]."""

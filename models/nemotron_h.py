@@ -129,16 +129,44 @@ def scan_swapped(mixer):
             module.mamba2_chunk_scan = original
 
 
+@contextmanager
+def conv_in_fp32(mixer):
+    """transformers' causal depthwise conv of a prompt (`causal_conv1d_fn` of the mixer's module: F.conv1d in the
+    model's dtype) given fp32 inputs for the duration of a call, its output rounded to the input's dtype: on a CPU a
+    bf16 depthwise conv takes ~15 ms a call, ~200 ms off the main thread (as the server's worker runs it), fp32 ~0.1
+    ms. The same function in transformers 5.17-5.25; a module without it keeps its own. A module global swapped, as
+    `scan_swapped` swaps one (the same lock)."""
+    from transformers.activations import ACT2FN
+
+    module = sys.modules[type(mixer).__module__]
+    with _SCAN_SWAP:
+        original = getattr(module, "causal_conv1d_fn", None)
+        if original is None:
+            yield
+            return
+
+        def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+            out = original(hidden_states.float(), weight.float(), None if bias is None else bias.float(), None, **kwargs)
+            out = out.to(weight.dtype)  # rounded where transformers' conv rounds, before the activation
+            return (ACT2FN[activation](out) if activation is not None else out).to(hidden_states.dtype)
+
+        module.causal_conv1d_fn = conv
+        try:
+            yield
+        finally:
+            module.causal_conv1d_fn = original
+
+
 class _MixerLayer(Layer):
     def __init__(self, block):
         self.block = block
 
     def forward(self, h, ctx: Ctx):
         mask, n, T = ctx.masks.get(self.block.block_type), self.prefill_piece, h.shape[1]
-        if T == 1 and self.fused_decode:
+        if T == 1 and (self.fused_decode or self.torch_mixer):
             states = self.decode_state(ctx)
             if states is not None:
-                return self._fused_step(h, *states)
+                return self._one_step(h, *states)
         if n is None or T <= n or self.block.block_type not in MAMBA or (mask is not None and mask.dim() != 2):
             return self._call(h, mask, ctx.position_ids, ctx)
         # a Mamba-2 prefill in pieces (its scan's scratch grows with the prompt), the state carried between them
@@ -149,6 +177,9 @@ class _MixerLayer(Layer):
         call = lambda: self.block(h, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kw(ctx.cache))  # noqa: E731
         if self.fused_prefill and h.shape[1] > 1 and self.block.block_type in MAMBA:
             with scan_swapped(self.block.mixer):
+                return call()
+        if self.torch_mixer and self.block.block_type in MAMBA:
+            with conv_in_fp32(self.block.mixer):
                 return call()
         return call()
 
@@ -184,15 +215,18 @@ class _MixerLayer(Layer):
         attention = self.block.mixer if self.block.block_type not in NO_MIXING else None
         return list(packed_call(self.block, attention, hs, ctxs, self.block.block_type).split([h.shape[1] for h in hs], dim=1))
 
-    def _fused_step(self, h, conv_state, ssm_state):
+    def _one_step(self, h, conv_state, ssm_state):
         """The block's one-token step with its Mamba-2 mixer between the projections in two Triton launches
-        (kernels/mamba.py), reading the module's own weights and the cache's states (updated in place)."""
+        (kernels/mamba.py; `fused_decode`) or in its plain-torch step (`torch_mixer`), reading the module's own
+        weights and the cache's states (updated in place)."""
         from sluice.kernels.gemv import linear_add
-        from sluice.kernels.mamba import mamba_steps
+        from sluice.kernels.mamba import mamba_steps, mamba_steps_ref
 
         blk, m = self.block, self.block.mixer
         x = blk.norm(h.to(dtype=blk.norm.weight.dtype))
         zx = m.in_proj(x).reshape(-1)
+        if not self.fused_decode:
+            return h + m.out_proj(self._mix(mamba_steps_ref, zx[None], conv_state, ssm_state).view(1, 1, -1))
         return linear_add(m.out_proj, self._mix(mamba_steps, zx[None], conv_state, ssm_state).view(1, 1, -1), h)
 
     def _mix(self, steps, zx, conv_state, ssm_state):

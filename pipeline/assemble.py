@@ -96,6 +96,7 @@ def assemble(path: str | Path, progress: bool, settings: dict) -> tuple[ExpertSt
         get_logger().warning("hot_set ignored: no VRAM tier on this device", trace=needs.hot_set)
     for layer in model.layers:
         layer.prefill_piece, layer.fused_decode, layer.fused_prefill = piece, fused_mamba, fused_mamba
+        layer.torch_mixer = config.fused_mamba is None and device.type == "cpu"  # --no-fused-mamba: transformers' step
     try:
         coordinator = Coordinator(schedule, rt)
     except BaseException:

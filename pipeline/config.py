@@ -79,6 +79,7 @@ class EngineConfig:
     # (kernels/embed.py): its VRAM goes to expert slots; a head tied to it keeps it on the device; None: on with CUDA
     # and a VRAM budget (faster in all four runs that timed it at 8 GiB: BENCHMARKS.md, 12-07)
     fused_mamba: bool | None = None  # Mamba-2 one-token steps in two Triton launches and prompts' scan in one (kernels/mamba.py); None: on CUDA
+    # (a CPU then takes kernels/mamba.py's torch step and an fp32 conv: models/nemotron_h.py); False: transformers' step
     image_encoder: str = "auto"  # vision-language models on CUDA: auto | resident | stream (models/vision.py)
     prefill_chunk: int | None = None  # longest prompt piece one step runs (each of its experts read once); None: 2048
     static_kv: int | None = None  # attention over a static cache of up to this many tokens (transformers' StaticCache,

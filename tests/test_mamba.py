@@ -157,6 +157,58 @@ def test_fused_mamba_prefill_follows_transformers(stores, refs, monkeypatch):
         assert (engine.forward(PROMPT) - plain).abs().max().item() > 1e-2
 
 
+def test_a_cpus_one_token_steps_take_the_torch_step(stores, refs, monkeypatch):
+    """Unset `fused_mamba` on a CPU: a Nemotron-H's one-token steps go through kernels/mamba.py's plain-torch step and
+    its prompt's conv runs in fp32 (transformers' bf16 depthwise conv takes milliseconds a call there, ~10 x more off
+    the main thread, as the server's worker runs it): every step of every Mamba-2 mixer through it, the reference's greedy tokens, transformers'
+    step's logits within fp32 rounding. The must-fail side: a step whose mixer gives zeros changes the logits."""
+    if DEVICE != "cpu":
+        pytest.skip("a CPU's default")
+    from sluice.kernels import mamba
+
+    variant = "nemotron_h_latent"
+    with sluice.load(stores[variant], device=DEVICE, fused_mamba=False) as engine:
+        plain = greedy_logits(engine, PROMPT, 10)
+    from sluice.models import nemotron_h
+
+    calls, steps, convs, conv = [], mamba.mamba_steps_ref, [], nemotron_h.conv_in_fp32
+    monkeypatch.setattr(mamba, "mamba_steps_ref", lambda *a, **k: calls.append(1) or steps(*a, **k))
+    monkeypatch.setattr(nemotron_h, "conv_in_fp32", lambda mixer: convs.append(1) or conv(mixer))  # the prompt's
+    with sluice.load(stores[variant], device=DEVICE) as engine:
+        mixers = sum(layer.torch_mixer and type(layer).__name__ == "_MixerLayer"
+                     and layer.block.block_type in ("mamba", "linear_attention") for layer in engine.model.layers)
+        got = greedy_logits(engine, PROMPT, 10)
+    assert mixers and len(calls) == 9 * mixers and len(convs) == mixers
+    assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, 10)
+    assert (got - plain).abs().max().item() < 1e-3 * plain.abs().max().item()
+    monkeypatch.setattr(mamba, "mamba_steps_ref", lambda *a, **k: torch.zeros_like(steps(*a, **k)))
+    with sluice.load(stores[variant], device=DEVICE) as engine:
+        assert (greedy_logits(engine, PROMPT, 10) - plain).abs().max().item() > 1e-2
+
+
+def test_a_prompts_conv_in_fp32_is_transformers_bf16_conv():
+    """A CPU prompt's depthwise conv in fp32 (models/nemotron_h.py `conv_in_fp32`), rounded where transformers' bf16 conv
+    rounds (before the activation), is that conv bit for bit, and the module's own is back after it. The must-fail
+    side: rounded once after the activation, it is not (the bundled model's greedy text changed so)."""
+    import transformers.models.nemotron_h.modeling_nemotron_h as tf
+    from transformers.activations import ACT2FN
+
+    from sluice.models.nemotron_h import conv_in_fp32
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = ((torch.randn(*s, generator=g) * 2).to(torch.bfloat16) for s in ((1, 96, 40), (96, 4), (96,)))
+    want, original = tf.causal_conv1d_fn(x, w, b, activation="silu"), tf.causal_conv1d_fn
+
+    class Mixer:
+        __module__ = tf.__name__
+
+    with conv_in_fp32(Mixer()):
+        got = tf.causal_conv1d_fn(x, w, b, activation="silu")
+    assert torch.equal(got, want) and tf.causal_conv1d_fn is original
+    once = ACT2FN["silu"](original(x.float(), w.float(), b.float()))[:, :, :40].to(torch.bfloat16)
+    assert not torch.equal(once, want)
+
+
 def test_fused_mamba_needs_triton(stores, monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("the CPU's refusal")
@@ -166,11 +218,13 @@ def test_fused_mamba_needs_triton(stores, monkeypatch):
 
 
 def test_fused_mamba_is_the_default_on_cuda_only(stores):
-    """Unset, fused_mamba is on with CUDA (where it is timed faster) and off on a CPU (Triton would be interpreted)."""
+    """Unset, fused_mamba is on with CUDA (where it is timed faster) and off on a CPU (Triton would be interpreted),
+    which takes kernels/mamba.py's torch step; `fused_mamba=False` keeps transformers' step."""
     with sluice.load(stores["nemotron_h_latent"], device=DEVICE) as engine:
         assert {layer.fused_decode for layer in engine.model.layers} == {DEVICE.startswith("cuda")}
-    with sluice.load(stores["nemotron_h_latent"], device=DEVICE, fused_mamba=False) as engine:
-        assert {layer.fused_decode for layer in engine.model.layers} == {False}
+        assert {layer.torch_mixer for layer in engine.model.layers} == {DEVICE == "cpu"}  # the torch step there
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE, fused_mamba=False) as engine:  # transformers' step
+        assert {(layer.fused_decode, layer.torch_mixer) for layer in engine.model.layers} == {(False, False)}
 
 
 def scan_case(T, heads, head_dim, groups, state, dtype, initial, seed=0):
