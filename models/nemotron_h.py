@@ -98,63 +98,58 @@ _SCAN_KWARGS = {"chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "
 
 
 @contextmanager
+def _swapped(mixer, name: str, make):
+    """The global `name` of the mixer's module (a function of transformers') replaced by make(original) for the
+    duration of a call; a module without it keeps its own. One thread at a time swaps (a lock), and a transformers
+    Mamba-2 model run by another thread meanwhile would get the swap too (the engine runs its layers on one thread)."""
+    module = sys.modules[type(mixer).__module__]
+    with _SCAN_SWAP:
+        original = getattr(module, name, None)
+        if original is None:
+            yield
+            return
+        setattr(module, name, make(original))
+        try:
+            yield
+        finally:
+            setattr(module, name, original)
+
+
 def scan_swapped(mixer):
     """transformers' Mamba-2 mixer with its chunked scan (`mamba2_chunk_scan` of its module, many small kernels a
     call in PyTorch, no mamba_ssm installed; docs/benchmarks/2026-12-01.md) replaced by kernels/mamba.py's
     one-launch scan for the duration of a call: the projections, the conv and its state, the gated norm and the cache's
-    updates stay transformers' own. The same call in both transformers versions we run (5.17, 5.24); a module
-    without it, a batch, a gate z inside the scan, or arguments it does not know (packed sequences) keep the
-    original. The swap is of a module global: one thread at a time swaps (a lock), and a transformers Mamba-2 model
-    run by another thread meanwhile would get the kernel too (the engine runs its layers on one thread)."""
+    updates stay transformers' own. The same call in the transformers versions we run (5.17-5.25); a batch, a gate z
+    inside the scan, or arguments it does not know (packed sequences) keep the original."""
     from sluice.kernels import triton_runs_on
     from sluice.kernels.mamba import chunk_scan
 
-    module = sys.modules[type(mixer).__module__]
-    with _SCAN_SWAP:
-        original = getattr(module, "mamba2_chunk_scan", None)
-        if original is None:
-            yield
-            return
-
+    def make(original):
         def scan(hidden_states, dt, A, B, C, *args, z=None, **kwargs):
             if (hidden_states.shape[0] != 1 or z is not None or args or not triton_runs_on(hidden_states.device)
                     or any(v is not None for k, v in kwargs.items() if k not in _SCAN_KWARGS)):
                 return original(hidden_states, dt, A, B, C, *args, z=z, **kwargs)
             return chunk_scan(hidden_states, dt, A, B, C, **{k: v for k, v in kwargs.items() if k in _SCAN_KWARGS})
+        return scan
 
-        module.mamba2_chunk_scan = scan
-        try:
-            yield
-        finally:
-            module.mamba2_chunk_scan = original
+    return _swapped(mixer, "mamba2_chunk_scan", make)
 
 
-@contextmanager
 def conv_in_fp32(mixer):
     """transformers' causal depthwise conv of a prompt (`causal_conv1d_fn` of the mixer's module: F.conv1d in the
-    model's dtype) given fp32 inputs for the duration of a call, its output rounded to the input's dtype: on a CPU a
-    bf16 depthwise conv takes ~15 ms a call, ~200 ms off the main thread (as the server's worker runs it), fp32 ~0.1
-    ms. The same function in transformers 5.17-5.25; a module without it keeps its own. A module global swapped, as
-    `scan_swapped` swaps one (the same lock)."""
+    model's dtype) given fp32 inputs for the duration of a call, its output rounded where transformers' conv rounds
+    (before the activation; bit for bit): on a CPU a bf16 depthwise conv takes ~15 ms a call, ~200 ms off the main
+    thread (as the server's worker runs it), fp32 ~0.1 ms. The same function in transformers 5.17-5.25."""
     from transformers.activations import ACT2FN
 
-    module = sys.modules[type(mixer).__module__]
-    with _SCAN_SWAP:
-        original = getattr(module, "causal_conv1d_fn", None)
-        if original is None:
-            yield
-            return
-
+    def make(original):
         def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
             out = original(hidden_states.float(), weight.float(), None if bias is None else bias.float(), None, **kwargs)
-            out = out.to(weight.dtype)  # rounded where transformers' conv rounds, before the activation
+            out = out.to(weight.dtype)
             return (ACT2FN[activation](out) if activation is not None else out).to(hidden_states.dtype)
+        return conv
 
-        module.causal_conv1d_fn = conv
-        try:
-            yield
-        finally:
-            module.causal_conv1d_fn = original
+    return _swapped(mixer, "causal_conv1d_fn", make)
 
 
 class _MixerLayer(Layer):
