@@ -74,6 +74,11 @@ class H2DKnobs:
 MIN_SHARE = 0.005  # one block in 200: enough to keep measuring the CPU, little to wait for when it is slow
 
 
+def cpu_rated(rt) -> bool:
+    """Whether the hybrid's balance can follow the CPU's measured rate: timed, and beside a GPU's PCIe."""
+    return rt.cpu_rate.block_s is not None and rt.device.type == "cuda"
+
+
 def balance_cpu_blocks(misses: int, tg: float, tc: float, call: float = 0.0) -> int:
     """Of a layer's `misses` blocks to copy (tg seconds each over PCIe), how many the CPU computes instead
     (tc seconds each, one after another, and `call` seconds a call, alongside the copies): the count that
@@ -185,8 +190,7 @@ class H2D(Stage):
 
     def _balanced(self) -> bool:
         """Whether this layer's CPU blocks follow the measured rates (else the fixed cpu_share)."""
-        rt = self.rt
-        return self.knobs.cpu_balance and rt.cpu_rate.block_s is not None and rt.device.type == "cuda"
+        return self.knobs.cpu_balance and cpu_rated(self.rt)
 
     async def _cpu_blocks(self, io: StageIO, layer: int) -> int:
         """How many of this one-token layer's blocks to copy the CPU takes (cpu_balance): `balance_cpu_blocks`
@@ -209,7 +213,7 @@ class H2D(Stage):
         k, rt = self.knobs, self.rt
         if k.cpu_prefill >= 0:
             return k.cpu_prefill
-        if rt.cpu_rate.block_s is None or rt.device.type != "cuda":
+        if not cpu_rated(rt):
             return 0
         return int(self._copy_seconds() / rt.cpu_rate.block_s)
 

@@ -43,7 +43,7 @@ import torch
 from sluice.errors import SluiceError
 from sluice.kernels.host_wait import wait_for_host
 from sluice.stages.compute import cpu_experts
-from sluice.stages.h2d import balance_cpu_blocks
+from sluice.stages.h2d import balance_cpu_blocks, cpu_rated
 from sluice.stages.types import LayerInput
 
 ALIGN = 4096  # a block's alignment in its bank (the kernels' offsets assume it)
@@ -184,7 +184,7 @@ class CpuSteps:
 
     def _balanced(self) -> bool:
         """Whether the CPU's counts follow the measured rates (`cpu_balance`, once its rate is timed, on CUDA)."""
-        return self.knobs.cpu_balance and self.rt.cpu_rate.block_s is not None and self.rt.device.type == "cuda"
+        return self.knobs.cpu_balance and cpu_rated(self.rt)
 
     def _cpu_count(self, outside: int) -> int:
         """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
