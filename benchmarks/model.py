@@ -119,6 +119,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         "vram_fills_per_token": io["vram_fills"] / n,  # the direct schedule's hot-set refreshes: PCIe bytes too
         "cpu_ms_per_block": 1000 * rate.block_s if rate.block_s else None,
         "cpu_ms_per_call": 1000 * rate.call_s,  # the CPU kernels' overhead a call (a layer's blocks), beside a block's
+        "cpu_calls": {n: [round(1000 * t, 4), c] for n, (t, c) in rate.by_count().items()},  # blocks -> [ms, calls timed]
         "live_group_fraction": io["live_groups"] / io["total_groups"] if io["total_groups"] else None,
         "allocator_flushes": allocator_flushes(engine.device) - flushes,
         "refreshes": io["refreshes"], "refresh_host_ms": 1000 * io["refresh_s"] / max(io["refreshes"], 1),
@@ -222,6 +223,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
         each = (f", {d['cpu_ms_per_block']:.2f} ms each and {d.get('cpu_ms_per_call', 0):.2f} ms a call (measured; "
                 f"{block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s of expert bytes)") if d.get("cpu_ms_per_block") else ""
         lines.append(f"  hybrid: {d['cpu_blocks_per_token']:.2f} blocks/token computed on the CPU from RAM (not copied){each}")
+        if d.get("cpu_calls"):  # the averages the rate's line is fitted through (kernels/rates.py)
+            lines.append("  the CPU's calls: " + ", ".join(f"{n} blocks {t:.3f} ms ({c} timed)" for n, (t, c) in d["cpu_calls"].items()))
     elif d.get("cpu_ms_per_block"):  # a schedule with the CPU's share that gave it none: the rate that decided so
         lines.append(f"  hybrid: the CPU computed no blocks (its rate {d['cpu_ms_per_block']:.2f} ms a block, "
                      f"{block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s of expert bytes)")

@@ -44,18 +44,24 @@ class CpuRate:
 
     def __init__(self) -> None:
         self._by_n: dict[int, float] = {}  # count -> moving average of its calls' seconds
+        self._calls: dict[int, int] = {}  # count -> calls timed (what the benchmarks print beside the averages)
         self.block_s: float | None = None  # None until a call is timed
         self.call_s = 0.0
 
     def observe(self, n: int, seconds: float) -> None:
         old = self._by_n.get(n)
         self._by_n[n] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        self._calls[n] = self._calls.get(n, 0) + 1
         self._fit()
 
     def set(self, block_s: float) -> None:
         """A figure given, not measured (a test's, or a calibration's): per block only, earlier timings dropped."""
-        self._by_n = {1: block_s}
+        self._by_n, self._calls = {1: block_s}, {}
         self._fit()
+
+    def by_count(self) -> dict[int, tuple[float, int]]:
+        """Each count of blocks a call was timed over -> (its moving average in seconds, how many calls)."""
+        return {n: (self._by_n[n], self._calls.get(n, 0)) for n in sorted(self._by_n)}
 
     def seconds(self, n: int) -> float:
         """A call's predicted seconds over n blocks (0 for none)."""

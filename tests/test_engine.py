@@ -136,6 +136,8 @@ def test_bench_model_reports_io(stores):
     assert len(d["step_ms"]) == 4 and abs(d["ms_first_token"] - d["step_ms"][0]) < 1e-3
     assert sum(d["blocks_per_token"].values()) == 3 * 4  # 3 MoE layers x top-4, every decode step
     assert "decode:" in text and "hit rate" in text
+    d.update(cpu_blocks_per_token=2.0, cpu_ms_per_block=0.15, cpu_ms_per_call=0.1, cpu_calls={1: [0.25, 3], 4: [0.7, 3]})
+    assert "the CPU's calls: 1 blocks 0.250 ms (3 timed), 4 blocks 0.700 ms (3 timed)" in format_bench(r, 1 << 20)
 
 
 def test_bench_model_cold_times_from_empty_caches(stores):
