@@ -158,6 +158,12 @@ def proj_matvec(t: dict[str, torch.Tensor], fmt: WeightFormat, kmajor: bool, x: 
     return y
 
 
+def weighed_rows_ref(y: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, out: torch.Tensor, rows: list[int]) -> None:
+    """Experts' outputs y [n, Dx] fp32 rounded to the model's dtype, times their weights w [n], into out's rows: what
+    the GPU's kernels write for a routed block (a row the combine sums in a fixed order)."""
+    out[rows] = (y.to(x_dtype).float() * w[:, None]).to(out.dtype)
+
+
 class CpuExperts:
     """A store's experts on the CPU, one token and one expert at a time (`run`) or a layer's blocks on one token
     (`run_many`), from block buffers (uint8 views of RAM slots). `act` / `glu` are the MoE block's own (transformers'
@@ -207,6 +213,20 @@ class CpuExperts:
         if self.plan is not None:
             return self.plan(blocks, x)
         return torch.stack([self.run(b, x) for b in blocks])
+
+    @torch.inference_mode()
+    def weighed_rows(self, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, out: torch.Tensor,
+                     rows: list[int]) -> None:
+        """A MoE layer's host rows: each block's output on x [Dx] fp32 rounded to x_dtype, times its weight w [n] fp32,
+        into out's `rows` (out [K, Dx]) as `weighed_rows_ref` writes them; in the native call where x_dtype is fp32 or
+        bf16 and out a contiguous fp32 or bf16 tensor, else through `run_many`."""
+        native = (self.plan is not None and x_dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
+                  and out.dtype in (torch.float32, torch.bfloat16) and x.dtype == w.dtype == torch.float32
+                  and x.is_contiguous() and w.is_contiguous())
+        if native:
+            self.plan.rows(blocks, x, w, x_dtype == torch.bfloat16, out, rows)
+        else:
+            weighed_rows_ref(self.run_many(blocks, x), w, x_dtype, out, rows)
 
     @torch.inference_mode()
     def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1346,3 +1346,36 @@ int sluice_experts(const int64_t *plan, int n, const int64_t *bases, const float
     }
     return 1;
 }
+
+/* fp32 -> bf16 bits, round to nearest even (torch's: a NaN becomes 0x7FC0) */
+static inline uint16_t f32_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* sluice_experts, then each expert's output [Dx] rounded to bf16 (round_x) or not, times its weight w[e], into row
+ * rows[e] of out (fp32, out_bf16 = 0, or bf16 bits): the host's rows of a MoE layer in one call, as
+ * `(y.to(x_dtype).float() * w[:, None]).to(out.dtype)` writes them (kernels/cpu.py `weighed_rows_ref`). */
+int sluice_experts_rows(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y, const float *w,
+                        const int64_t *rows, int round_x, void *out, int out_bf16) {
+    if (!sluice_experts(plan, n, bases, x, y))
+        return 0;
+    const long Dx = (long)plan[P_DX];
+    for (int e = 0; e < n; e++) {
+        const float *ye = y + (long)e * Dx, we = w[e];
+        float *of = (float *)out + rows[e] * Dx;
+        uint16_t *ob = (uint16_t *)out + rows[e] * Dx;
+        for (long j = 0; j < Dx; j++) {
+            float v = round_x ? bits_f32((uint32_t)f32_bf16(ye[j]) << 16) : ye[j];
+            v *= we;
+            if (out_bf16)
+                ob[j] = f32_bf16(v);
+            else
+                of[j] = v;
+        }
+    }
+    return 1;
+}

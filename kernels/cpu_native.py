@@ -84,6 +84,8 @@ def native_kernels():
             lib.sluice_set_threads.argtypes = [ctypes.c_int]
             lib.sluice_experts.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr]
             lib.sluice_experts.restype = ctypes.c_int
+            lib.sluice_experts_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
+            lib.sluice_experts_rows.restype = ctypes.c_int
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             get_logger().warning("CPU FP4/FP8 kernels: building the native path failed; using torch.compile's",
@@ -216,6 +218,7 @@ class ExpertPlan:
     def __init__(self, lib, fields: list[int], dx: int, threads: int):
         self.plan = (ctypes.c_int64 * len(fields))(*fields)
         self.lib, self.dx, self.threads = lib, dx, threads
+        self._scratch: torch.Tensor | None = None  # `rows`' fp32 outputs before their rounding, reused call to call
 
     @classmethod
     def fp4(cls, lib, kind: str, up: Fp4Call, down: Fp4Call, gate: Fp4Call | None, int8: bool) -> "ExpertPlan":
@@ -269,3 +272,18 @@ class ExpertPlan:
         if not self.lib.sluice_experts(self.plan, n, (ctypes.c_int64 * n)(*[b.data_ptr() for b in blocks]), x.data_ptr(), y.data_ptr()):
             raise RuntimeError("sluice_experts: a plan the native library does not know")
         return y
+
+    def rows(self, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, round_bf16: bool, out: torch.Tensor,
+             rows: list[int]) -> None:
+        """`__call__`'s outputs, each rounded to bf16 (round_bf16) or not and times its weight w [n] fp32, written to
+        out's `rows` (out [K, Dx] fp32 or bf16, contiguous) in the same native call: a MoE layer's host rows with no
+        torch op (a few of them on [n, Dx] cost ~70 us of dispatch a layer)."""
+        set_threads(self.lib, self.threads)
+        n = len(blocks)
+        if self._scratch is None or self._scratch.shape[0] < n:
+            self._scratch = torch.empty(max(n, 8), self.dx, dtype=torch.float32)
+        ok = self.lib.sluice_experts_rows(self.plan, n, (ctypes.c_int64 * n)(*[b.data_ptr() for b in blocks]), x.data_ptr(),
+                                          self._scratch.data_ptr(), w.data_ptr(), (ctypes.c_int64 * n)(*rows), int(round_bf16),
+                                          out.data_ptr(), int(out.dtype == torch.bfloat16))
+        if not ok:
+            raise RuntimeError("sluice_experts: a plan the native library does not know")

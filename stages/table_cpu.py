@@ -128,8 +128,7 @@ class CpuSteps:
         first = (block.kind, block.act_name) not in self._cpu
         kernels = cpu_experts(self._cpu, rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
         t = time.perf_counter()
-        out = kernels.run_many([self.blocks.entries[(block.layer, e)].buf for e in experts], xe)  # [n, Dx] fp32
-        y[rows] = (out.to(x_dtype).float() * w[:, None]).to(y.dtype)
+        kernels.weighed_rows([self.blocks.entries[(block.layer, e)].buf for e in experts], xe, w, x_dtype, y, rows)
         rt.stats.cpu_blocks += len(experts)
         if not first:  # the first call compiles the kernels: not a rate
             rt.cpu_rate.observe(len(experts), time.perf_counter() - t)

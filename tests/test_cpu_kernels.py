@@ -294,6 +294,36 @@ def test_run_many_is_run_block_by_block(kind, fmt):
         assert float((many[j].double() - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("swiglu", "nvfp4"), ("swiglu", "bf16")])
+def test_weighed_rows_in_the_native_call_are_torchs(kind, fmt):
+    """The hybrid path's host rows (CpuExperts.weighed_rows: the experts, their rounding to the model's dtype and their
+    weights in one native call) are `weighed_rows_ref`'s bit for bit, for bf16 and fp32 models and combine buffers, in
+    the given rows only; the must-fail side: without the rounding to bf16 the rows differ."""
+    from sluice.kernels.cpu import weighed_rows_ref
+    from sluice.kernels.cpu_native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler here: the native path is not built")
+    Dx, I = 128, 256
+    bank, offs, manifest, _ = make_bank(kind, fmt, 3, Dx, I, seed=11)
+    cpu = CpuExperts(manifest, kind, relu2 if kind == "relu2" else F.silu, compiled=False,
+                     act_name="relu2" if kind == "relu2" else "silu")
+    blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs]
+    x = torch.randn(Dx, generator=torch.Generator().manual_seed(4))
+    w, rows = torch.tensor([0.37, 0.21, 0.11]), [4, 0, 2]
+    for x_dtype in (torch.bfloat16, torch.float32):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            got, want = torch.zeros(6, Dx, dtype=out_dtype), torch.zeros(6, Dx, dtype=out_dtype)
+            cpu.weighed_rows(blocks, x, w, x_dtype, got, rows)
+            weighed_rows_ref(cpu.run_many(blocks, x), w, x_dtype, want, rows)
+            assert torch.equal(got, want) and not got[[1, 3, 5]].any() and got[rows].all()
+    unrounded = torch.zeros(6, Dx)
+    weighed_rows_ref(cpu.run_many(blocks, x), w, torch.float32, unrounded, rows)
+    rounded = torch.zeros(6, Dx)
+    cpu.weighed_rows(blocks, x, w, torch.bfloat16, rounded, rows)
+    assert not torch.equal(rounded, unrounded)
+
+
 @pytest.mark.parametrize("threads", [1, 3, 7])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("int8", [True, False])
