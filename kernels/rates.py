@@ -4,6 +4,7 @@ hybrid path balances by them; benchmarks put them beside every figure)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -36,45 +37,77 @@ def ram_read_bandwidth(nbytes: int = 1 << 30) -> float:
 
 class CpuRate:
     """The CPU's expert kernels as measured in the engine: a call over n blocks takes `call_s + n * block_s` seconds.
-    Each count n keeps a moving average of its calls' seconds (`observe`); the two parts are the least-squares line
-    through them (one count alone, or a line that slopes down: the line through 0). A figure per block alone would charge
-    a one-block call's overhead to its block, and a CPU given one block a layer would keep a slow first figure."""
+    Each count n keeps its last WINDOW calls' seconds, its figure their lower median: a call stalled by the OS or a
+    neighbour (milliseconds where 0.2 is usual) moves nothing, and a count enters the line at its second call, so one
+    stalled call of a count the balance then never gives again cannot hold the line (it did: a count of 2 timed once at
+    2.8 ms left the CPU one block a layer, 2026-12-07). Figures given (`give`: the calibration's best of a few; `set`)
+    stand for a count until it has two calls of its own. The two parts are the least-squares line through the figures,
+    weighted by their calls (one count alone, or a line that slopes down: the line through 0), fitted when read."""
 
-    DECAY = 0.8  # a count's new call weighs 0.2 in its average
+    WINDOW = 8
 
     def __init__(self) -> None:
-        self._by_n: dict[int, float] = {}  # count -> moving average of its calls' seconds
-        self._calls: dict[int, int] = {}  # count -> calls timed (what the benchmarks print beside the averages)
-        self.block_s: float | None = None  # None until a call is timed
-        self.call_s = 0.0
+        self._times: dict[int, deque[float]] = {}  # count -> its last calls' seconds
+        self._given: dict[int, float] = {}  # count -> a figure given, not timed in the engine
+        self._calls: dict[int, int] = {}  # count -> calls timed (what the benchmarks print beside the figures)
+        self._line: tuple[float | None, float] | None = None  # (block_s, call_s); None: fitted at the next read
 
     def observe(self, n: int, seconds: float) -> None:
-        old = self._by_n.get(n)
-        self._by_n[n] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        self._times.setdefault(n, deque(maxlen=self.WINDOW)).append(seconds)
         self._calls[n] = self._calls.get(n, 0) + 1
-        self._fit()
+        self._line = None
+
+    def give(self, n: int, seconds: float) -> None:
+        """A count's figure from a timing outside the engine's steps (the calibration's best of a few calls)."""
+        self._given[n] = seconds
+        self._line = None
 
     def set(self, block_s: float) -> None:
-        """A figure given, not measured (a test's, or a calibration's): per block only, earlier timings dropped."""
-        self._by_n, self._calls = {1: block_s}, {}
-        self._fit()
+        """A figure given, not measured (a test's): per block only, earlier timings dropped."""
+        self._times, self._calls, self._given, self._line = {}, {}, {1: block_s}, None
+
+    @property
+    def block_s(self) -> float | None:
+        """A block's seconds; None until a call is timed or a figure given."""
+        return self._fitted()[0]
+
+    @property
+    def call_s(self) -> float:
+        return self._fitted()[1]
 
     def by_count(self) -> dict[int, tuple[float, int]]:
-        """Each count of blocks a call was timed over -> (its moving average in seconds, how many calls)."""
-        return {n: (self._by_n[n], self._calls.get(n, 0)) for n in sorted(self._by_n)}
+        """Each count of blocks a call was timed over -> (its figure in seconds, how many calls)."""
+        return {n: (f, self._calls.get(n, 0)) for n, (f, _) in sorted(self._figures(single=True).items())}
 
     def seconds(self, n: int) -> float:
         """A call's predicted seconds over n blocks (0 for none)."""
         return self.call_s + n * self.block_s if n else 0.0
 
-    def _fit(self) -> None:
-        ns, ts = list(self._by_n), list(self._by_n.values())
-        m = len(ns)
-        mean_n, mean_t = sum(ns) / m, sum(ts) / m
-        var = sum((n - mean_n) ** 2 for n in ns)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(ns, ts)) / var if var else 0.0
+    def _figures(self, single: bool) -> dict[int, tuple[float, int]]:
+        """count -> (figure, weight): a count's lower median once it has two calls, else its given figure, else (with
+        `single`, or where nothing else is known) its one call."""
+        out = {n: (sorted(ts)[(len(ts) - 1) // 2], len(ts)) for n, ts in self._times.items() if len(ts) >= 2}
+        out.update({n: (t, 1) for n, t in self._given.items() if n not in out})
+        if single or not out:
+            out.update({n: (ts[0], 1) for n, ts in self._times.items() if n not in out})
+        return out
+
+    def _fitted(self) -> tuple[float | None, float]:
+        if self._line is None:
+            self._line = self._fit(self._figures(single=False))
+        return self._line
+
+    @staticmethod
+    def _fit(figures: dict[int, tuple[float, int]]) -> tuple[float | None, float]:
+        if not figures:
+            return None, 0.0
+        pts = [(n, t, w) for n, (t, w) in figures.items()]
+        total = sum(w for _, _, w in pts)
+        mean_n, mean_t = sum(n * w for n, _, w in pts) / total, sum(t * w for _, t, w in pts) / total
+        var = sum(w * (n - mean_n) ** 2 for n, _, w in pts)
+        slope = sum(w * (n - mean_n) * (t - mean_t) for n, t, w in pts) / var if var else 0.0
         call = mean_t - slope * mean_n
         if slope > 0 and call >= 0:
-            self.block_s, self.call_s = slope, call
-        else:  # one count, noise that slopes the line down, or a negative overhead: the line through 0
-            self.block_s, self.call_s = sum(n * t for n, t in zip(ns, ts)) / sum(n * n for n in ns), 0.0
+            return slope, call
+        # one count, noise that slopes the line down, or a negative overhead: the line through 0
+        return sum(w * n * t for n, t, w in pts) / sum(w * n * n for n, _, w in pts), 0.0

@@ -148,7 +148,7 @@ class CpuSteps:
                 t = time.perf_counter()
                 kernels.run_many(some, xe)
                 best = min(best, time.perf_counter() - t)
-            self.rt.cpu_rate.observe(len(some), best)
+            self.rt.cpu_rate.give(len(some), best)
 
     def cpu_choose(self) -> bool:
         """Before a token replayed whole: whether it runs with the CPU's share (`cpu_now`) or without it. With

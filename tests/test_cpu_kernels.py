@@ -294,7 +294,8 @@ def test_run_many_is_run_block_by_block(kind, fmt):
         assert float((many[j].double() - ref).norm() / ref.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("swiglu", "nvfp4"), ("swiglu", "bf16")])
+@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("swiglu", "nvfp4"), ("swiglu", "bf16"), ("relu2", "bf16"), ("relu2", "fp8_block"),
+                                       ("swiglu", "fp8")])
 def test_weighed_rows_in_the_native_call_are_torchs(kind, fmt):
     """The hybrid path's host rows (CpuExperts.weighed_rows: the experts, their rounding to the model's dtype and their
     weights in one native call) are `weighed_rows_ref`'s bit for bit, for bf16 and fp32 models and combine buffers, in

@@ -202,8 +202,8 @@ def test_the_cpus_rate_parts_a_calls_overhead_from_its_blocks():
     assert rate.seconds(2) == pytest.approx(0.40e-3) and rate.seconds(0) == 0
     assert balance_cpu_blocks(5, 0.12e-3, rate.block_s, rate.call_s) == 2
     assert balance_cpu_blocks(5, 0.12e-3, 0.25e-3) == 1  # the one-block figure as a rate per block
-    rate.observe(1, 0.5e-3)  # a count's average moves by a fifth of a new call
-    assert rate._by_n[1] == pytest.approx(0.30e-3)
+    rate.observe(1, 5e-3)  # one stalled call moves nothing: a count's figure is its calls' lower median
+    assert rate.by_count()[1] == (pytest.approx(0.25e-3), 4) and rate.block_s == pytest.approx(0.15e-3)
     one = CpuRate()
     one.observe(2, 0.5e-3)
     assert (one.block_s, one.call_s) == (pytest.approx(0.25e-3), 0.0)
@@ -212,3 +212,26 @@ def test_the_cpus_rate_parts_a_calls_overhead_from_its_blocks():
     down.observe(3, 0.3e-3)  # slower for fewer: noise; the line through 0 (0.5 + 0.9) / (1 + 9)
     assert (down.block_s, down.call_s) == (pytest.approx(0.14e-3), 0.0)
     assert balance_cpu_blocks(3, 0.1, 0.7, call=0.0) == 0 and balance_cpu_blocks(10, 0.1, 0.1, call=0.3) == 3
+
+
+def test_one_stalled_call_cannot_hold_the_cpus_rate():
+    """As measured on an H100 host (2026-12-07): the calibration's one and four blocks, then a layer's calls of one block
+    at 0.19 ms and one call of two stalled at 2.83 ms. The stalled count stays out of the line until its second call
+    (the calibration's four blocks stand for theirs), so a layer with 5 blocks outside VRAM still gives the CPU two. The
+    must-fail side: the line through every count's calls, the stalled one's too, charges 0.25 ms a block, which gives
+    the CPU one block a layer, so that count 2 is never timed again."""
+    from sluice.kernels.rates import CpuRate
+    from sluice.stages.h2d import balance_cpu_blocks
+
+    rate = CpuRate()
+    rate.give(1, 0.17e-3)
+    rate.give(4, 0.40e-3)
+    for _ in range(50):
+        rate.observe(1, 0.19e-3)
+    rate.observe(2, 2.83e-3)
+    assert rate.call_s == pytest.approx(0.12e-3) and rate.block_s == pytest.approx(0.07e-3)
+    assert balance_cpu_blocks(5, 0.102e-3, rate.block_s, rate.call_s) == 2
+    every = CpuRate._fit({1: (0.19e-3, 8), 2: (2.83e-3, 1), 4: (0.40e-3, 1)})
+    assert every[0] == pytest.approx(0.254e-3, rel=0.01) and balance_cpu_blocks(5, 0.102e-3, *every) == 1
+    rate.observe(2, 0.30e-3)  # its second call: the lower median of the two
+    assert rate.by_count()[2] == (pytest.approx(0.30e-3), 2)
