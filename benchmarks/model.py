@@ -269,6 +269,10 @@ def resident_roofline(d: dict, resident_ms: float | None, how: str = "GPU time")
     d[f"pcie_plus_resident_{key}_ms_per_token"] = roof = d["roofline_ms_per_token"] + resident_ms
     line = (f"roofline with the resident part ({how}): PCIe {d['roofline_ms_per_token']:.2f} + resident {resident_ms:.2f} = "
             f"{roof:.2f} ms/token; decode median {d['ms_per_token_median']:.2f} ms is {d['ms_per_token_median'] / roof:.2f} x")
+    if "hybrid_roofline_ms_per_token" in d:  # the CPU's share: its split of the RAM blocks, in series with the resident part
+        d[f"hybrid_plus_resident_{key}_ms_per_token"] = both = d["hybrid_roofline_ms_per_token"] + resident_ms
+        line += (f"\n  with the CPU's share: hybrid {d['hybrid_roofline_ms_per_token']:.2f} + resident {resident_ms:.2f} = "
+                 f"{both:.2f} ms/token; decode median {d['ms_per_token_median'] / both:.2f} x")
     unread = d.get("unread_guesses_ms_per_token", 0.0)
     if unread > 0:  # the stricter roofline: only the bytes the steps read
         strict = roof - unread

@@ -378,6 +378,9 @@ def test_resident_roofline_adds_the_resident_part_to_the_pcie_time():
     assert abs(d["pcie_plus_resident_alone_ms_per_token"] - 4.06) < 1e-9 and d["resident_gpu_ms_per_token"] == 2.58
     assert "(alone)" in line and "is 1.15 x" in line
     assert resident_roofline({"ms_per_token_median": 4.67}, None) == ""  # a CPU run: no PCIe roofline
+    hybrid = {"roofline_ms_per_token": 5.90, "hybrid_roofline_ms_per_token": 4.19, "ms_per_token_median": 12.95}
+    line = resident_roofline(hybrid, 3.50, "alone")  # the CPU's share (thirteenth set's Nano figures, a resident guess)
+    assert abs(hybrid["hybrid_plus_resident_alone_ms_per_token"] - 7.69) < 1e-9 and "= 7.69 ms/token; decode median 1.68 x" in line
     cold = {"roofline_ms_per_token": 1.02, "disk_roofline_ms_per_token": 5.56, "ms_per_token_median": 8.88,
             "ms_per_token_mean": 20.46}  # the disk reads are the run's mean, so is the mean step compared
     line = resident_roofline(cold, 2.24, "alone")
