@@ -269,8 +269,7 @@ class ExpertPlan:
         n = len(blocks)
         x = x.float().contiguous()
         y = torch.empty(n, self.dx, dtype=torch.float32)
-        if not self.lib.sluice_experts(self.plan, n, (ctypes.c_int64 * n)(*[b.data_ptr() for b in blocks]), x.data_ptr(), y.data_ptr()):
-            raise RuntimeError("sluice_experts: a plan the native library does not know")
+        self._check(self.lib.sluice_experts(self.plan, n, _addresses(blocks), x.data_ptr(), y.data_ptr()))
         return y
 
     def rows(self, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, round_bf16: bool, out: torch.Tensor,
@@ -282,8 +281,16 @@ class ExpertPlan:
         n = len(blocks)
         if self._scratch is None or self._scratch.shape[0] < n:
             self._scratch = torch.empty(max(n, 8), self.dx, dtype=torch.float32)
-        ok = self.lib.sluice_experts_rows(self.plan, n, (ctypes.c_int64 * n)(*[b.data_ptr() for b in blocks]), x.data_ptr(),
-                                          self._scratch.data_ptr(), w.data_ptr(), (ctypes.c_int64 * n)(*rows), int(round_bf16),
-                                          out.data_ptr(), int(out.dtype == torch.bfloat16))
-        if not ok:
+        self._check(self.lib.sluice_experts_rows(self.plan, n, _addresses(blocks), x.data_ptr(), self._scratch.data_ptr(),
+                                                 w.data_ptr(), (ctypes.c_int64 * n)(*rows), int(round_bf16), out.data_ptr(),
+                                                 int(out.dtype == torch.bfloat16)))
+
+    @staticmethod
+    def _check(done: int) -> None:
+        if not done:
             raise RuntimeError("sluice_experts: a plan the native library does not know")
+
+
+def _addresses(blocks: list[torch.Tensor]):
+    """The blocks' addresses as the C side's int64 array."""
+    return (ctypes.c_int64 * len(blocks))(*[b.data_ptr() for b in blocks])
