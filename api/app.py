@@ -34,7 +34,7 @@ from sluice.api.limits import Limits
 from sluice.api.memory import limit_arenas
 from sluice.api.metrics import Metrics
 from sluice.api.protocol import APIError, Params, parse_chat, parse_completion
-from sluice.api.render import chat_ids
+from sluice.api.render import chat_ids, prompt_ids
 from sluice.api.replies import TextStream, collect, reply_events, sse
 from sluice.api.requestlog import RequestLog
 from sluice.api.snapshot_disk import DiskSnapshots
@@ -247,21 +247,22 @@ def _prompt_images(s: Served, req, ids: list[int]):
 
 async def _completions(s: Served, request: Request) -> Response:
     req = parse_completion(await _json(request), s.models)
-    ids = await anyio.to_thread.run_sync(_tokenize, s, req.prompt)
-    return await _generate(s, request, ids, req.params, req.model, chat=False, thinking=False)
+    ids, total = await anyio.to_thread.run_sync(_tokenize, s, req.prompt)
+    return await _generate(s, request, ids, req.params, req.model, chat=False, thinking=False, total=total)
 
 
-def _tokenize(s: Served, text: str) -> list[int]:
-    with s.tokenizing:
-        return list(s.tokenizer(text)["input_ids"])
+def _tokenize(s: Served, text: str) -> tuple[list[int], int]:
+    with s.tokenizing:  # no more ids than `fit` reads
+        return prompt_ids(s.tokenizer, text, s.limits.context, tail=s.limits.truncate == "left")
 
 
 async def _generate(s: Served, request: Request, ids: list[int], p: Params, model: str, chat: bool, thinking: bool,
-                    images=None, key: list[int] | None = None, constraint=None, calls: ToolCallSplitter | None = None) -> Response:
-    if not ids:
+                    images=None, key: list[int] | None = None, constraint=None, calls: ToolCallSplitter | None = None,
+                    total: int | None = None) -> Response:
+    if not (ids or total):
         raise APIError(400, "the prompt is empty after tokenisation", "messages" if chat else "prompt")
     n = len(ids)
-    ids, max_tokens = s.limits.fit(ids, p.max_tokens, "messages" if chat else "prompt")
+    ids, max_tokens = s.limits.fit(ids, p.max_tokens, "messages" if chat else "prompt", total)
     if key is not None and len(ids) < n:
         key = key[n - len(ids) :]
     try:

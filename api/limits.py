@@ -49,22 +49,26 @@ class Limits:
     def fits(self, n: int, asked: int | None) -> bool:
         return n + self.room(asked) <= self.context
 
-    def fit(self, ids: list[int], asked: int | None, param: str) -> tuple[list[int], int]:
-        """(the prompt, cut from the left where `truncate` says so, and the reply's max_tokens) or a 400 naming why."""
+    def fit(self, ids: list[int], asked: int | None, param: str, total: int | None = None) -> tuple[list[int], int]:
+        """(the prompt, cut from the left where `truncate` says so, and the reply's max_tokens) or a 400 naming why.
+        total: the prompt's length where ids hold only its last context's worth, or none under "error"
+        (api/render.py `prompt_ids`)."""
+        n = len(ids) if total is None else total
         if asked is not None and asked >= self.context:
             raise APIError(400, f"max_tokens ({asked}) exceeds the context of {self.context}, leaving no room for a prompt",
                            "max_tokens", "context_length_exceeded")
-        if self.truncate == "left" and not self.fits(len(ids), asked):
+        if self.truncate == "left" and not self.fits(n, asked):
             keep = self.context - self.room(asked)
-            get_logger().info("prompt cut from the left to fit the context", tokens=len(ids), kept=keep, context=self.context)
+            get_logger().info("prompt cut from the left to fit the context", tokens=n, kept=keep, context=self.context)
             ids = ids[len(ids) - keep :]
-        if len(ids) >= self.context:
-            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {self.context} (the server "
+            n = len(ids)
+        if n >= self.context:
+            raise APIError(400, f"the prompt is {n} tokens; this model's context is {self.context} (the server "
                                 "refuses longer prompts: --truncate left cuts them instead)", param, "context_length_exceeded")
-        if asked is not None and len(ids) + asked > self.context:
-            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({asked}) exceeds the context of {self.context}",
+        if asked is not None and n + asked > self.context:
+            raise APIError(400, f"prompt ({n} tokens) + max_tokens ({asked}) exceeds the context of {self.context}",
                            "max_tokens", "context_length_exceeded")
-        return ids, min(asked or self.default_max_tokens or self.context, self.context - len(ids))
+        return ids, min(asked or self.default_max_tokens or self.context, self.context - n)
 
     def drop_messages(self, messages: list[dict], render: Callable[[list[dict]], list[int]], asked: int | None) -> list[int]:
         """A chat's prompt ids; under "left", its oldest messages after the leading system ones dropped one at a time

@@ -40,6 +40,22 @@ def chat_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
     return ids
 
 
+def prompt_ids(tokenizer, text: str, most: int, tail: bool) -> tuple[list[int], int]:
+    """(a prompt's ids, its length in tokens): the ids of the tokenizer's call where it has at most `most`, else its
+    last `most` (`tail`) or none (a prompt refused on its length alone). A fast tokenizer that neither truncates nor
+    pads is measured before its ids become a Python list: a 10 MB prompt's lists (transformers' ids and mask, then a
+    copy) held the GIL up to ~0.5 s at a time, and /health waited (2026-12-07)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        ids = list(tokenizer(text)["input_ids"])
+        n = len(ids)
+    else:
+        enc = backend.encode_batch([text])[0]  # what the call runs (special tokens added), before any list
+        n = len(enc)
+        ids = enc.ids if n <= most or tail else []  # (Encoding.truncate builds every overflow piece: slower)
+    return (ids if n <= most else ids[-most:] if tail else []), n
+
+
 def _hide_message(m: dict, hide) -> dict:
     content = m.get("content")
     if isinstance(content, list):

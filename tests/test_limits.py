@@ -36,6 +36,31 @@ def test_fit_refuses_or_cuts_and_bounds_the_reply():
             Limits(100, **bad)
 
 
+def test_fit_takes_a_long_prompts_length_with_its_last_ids_or_none():
+    """A prompt longer than the context comes as its length with its last context's worth of ids (under "left") or none
+    (api/render.py `prompt_ids`): refused naming its whole length, or cut as the whole prompt would be."""
+    strict, left = Limits(100, 10), Limits(100, 10, "left")
+    with pytest.raises(APIError, match="the prompt is 5000 tokens"):
+        strict.fit([], None, "prompt", total=5000)
+    assert left.fit(list(range(4900, 5000)), None, "prompt", total=5000) == left.fit(list(range(5000)), None, "prompt")
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bundled"])
+def test_prompt_ids_are_the_tokenizers_call(tokenizer, stores):
+    """prompt_ids gives the ids of the tokenizer's call (special-token text, unicode, a post-processor's BOS); of a
+    prompt longer than `most`, its last `most` (tail) or none, with its whole length either way."""
+    from sluice.api.render import prompt_ids
+    from sluice.models.builtin import DEFAULT_MODEL
+
+    tok = AutoTokenizer.from_pretrained(stores["nemotron_h"] if tokenizer == "char" else DEFAULT_MODEL)
+    for text in ("Hello, world!", "<|im_start|>user\nhi<|im_end|>", "caf\u00e9 \u2603 tabs\tand  spaces", "x" * 700):
+        want = list(tok(text)["input_ids"])
+        assert prompt_ids(tok, text, 10_000, tail=False) == (want, len(want))
+        assert prompt_ids(tok, text, 5, tail=True) == (want[-5:], len(want))
+        assert prompt_ids(tok, text, 5, tail=False) == (want if len(want) <= 5 else [], len(want))
+    assert len(want) > 5  # (the long one)
+
+
 def test_drop_messages_keeps_the_system_prompt_and_the_last_turn():
     render = lambda ms: [0] * sum(10 for _ in ms)  # noqa: E731  ten tokens a message
     msgs = [{"role": "system"}, {"role": "user"}, {"role": "assistant"}, {"role": "tool"}, {"role": "user"}, {"role": "user"}]
