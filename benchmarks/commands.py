@@ -50,6 +50,8 @@ def add_bench_parser(sub) -> None:
                     "to see how the kernels scale")
     bc.add_argument("--eager", action="store_true", help="without torch.compile")
     bc.add_argument("--int8", action="store_true", help="FP4 experts also with int8 activations (AVX-512 VNNI): a second row")
+    bc.add_argument("--calls", action="store_true", help="the hybrid path's calls instead: microseconds a call by its count of "
+                    "blocks, back to back, after the host's wait for ids, from cache (first --shape and --format: nano nvfp4)")
     bc.set_defaults(func=cmd_bench_cpu)
 
     from sluice.benchmarks.batch import add_batch_parser
@@ -242,6 +244,20 @@ def cmd_bench_cpu(args) -> int:
     from sluice.benchmarks.cpu_kernels import bench_cpu
     from sluice.benchmarks.kernels import FORMATS, format_table
 
+    if args.calls:
+        from sluice.benchmarks.cpu_kernels import bench_calls, format_calls
+        from sluice.benchmarks.kernels import SHAPES, expert_layout
+
+        shape, fmt = (args.shape or ["nano"])[0], (args.format or ["nvfp4"])[0]
+        if shape not in SHAPES or fmt not in FORMATS:
+            raise SystemExit(f"bench cpu --calls: unknown shape {shape!r} or format {fmt!r}")
+        block_mb = expert_layout(SHAPES[shape][0], fmt, SHAPES[shape][1], SHAPES[shape][2], "cpu")[3] / 1e6
+        for threads in args.threads or [None]:
+            if threads:
+                torch.set_num_threads(threads)
+            print(f"{shape} {fmt}, {block_mb:.2f} MB a block, threads {torch.get_num_threads()}")
+            print(format_calls(bench_calls(shape, fmt, int8=args.int8), block_mb), flush=True)
+        return 0
     for threads in args.threads or [None]:
         read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), threads, not args.eager,
                                int8=args.int8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import types
 
+import numpy as np
 import torch
 
 from sluice.benchmarks.kernels import FORMATS, SHAPES, Row, expert_layout
@@ -64,3 +65,56 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
                     rows.append(Row(f"cpu layer ({kind}{', int8' if q8 else ''}) x{A}", shape, fmt, nbytes / 1e6, dt * 1e6, gbps,
                                     "RAM read", 100 * gbps / read))
     return read, rows
+
+
+def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6), calls: int = 200, gap_us: float = 250.0,
+                int8: bool = False, bank_bytes: int = 768 << 20) -> list[tuple[str, dict[int, float]]]:
+    """The hybrid path's calls (`CpuExperts.weighed_rows`: n of a layer's blocks on one token into bf16 rows), median
+    microseconds a call by count, three ways: back to back over distinct blocks (from RAM); with the host spinning
+    `gap_us` between calls, as it does waiting for a layer's ids (the team's threads may sleep meanwhile); the same
+    blocks every call (from the CPU's caches: what is not the RAM read). The bank is pinned where CUDA is, as the
+    engine's RAM slots are (`bank_bytes` of them: more than the CPU's caches). Returns [(way, {count: us})]."""
+    kind, Dx, I, K = SHAPES[shape]
+    tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
+    block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
+    n = max(2 * max(counts), -(-bank_bytes // block_bytes))
+    bank = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    bank.view(n, block_bytes)[:] = block
+    blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
+    cpu = CpuExperts(types.SimpleNamespace(formats=fmts, slots=slots), kind,
+                     lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
+                     act_name="relu2" if kind == "relu2" else "silu", int8=int8)
+    if cpu.plan is None:
+        raise SystemExit(f"bench cpu --calls: no native plan for {shape} {fmt} on this machine")
+    x, out = torch.randn(Dx), torch.empty(K, Dx, dtype=torch.bfloat16)
+
+    def timed(count: int, gap: float, same: bool) -> float:
+        spent, at = [], 0
+        for c in range(calls):
+            if gap:
+                t = time.perf_counter()
+                while time.perf_counter() - t < gap:
+                    pass
+            some = blocks[:count] if same else [blocks[(at + j) % n] for j in range(count)]
+            at += count
+            w, rows = torch.rand(count), list(range(count))
+            t = time.perf_counter()
+            cpu.weighed_rows(some, x, w, torch.bfloat16, out, rows)
+            spent.append(time.perf_counter() - t)
+        return sorted(spent)[len(spent) // 2] * 1e6
+
+    timed(1, 0.0, True)  # the team's start
+    ways = (("back to back", 0.0, False), (f"after {gap_us:.0f} us", gap_us * 1e-6, False), ("in cache", 0.0, True))
+    return [(way, {c: timed(c, gap, same) for c in counts}) for way, gap, same in ways]
+
+
+def format_calls(ways: list[tuple[str, dict[int, float]]], block_mb: float) -> str:
+    """bench_calls' table: a row a way, a column a count, then the least-squares line (us a call + us a block)."""
+    counts = list(ways[0][1])
+    out = [f"{'us a call, median':18} " + " ".join(f"{c:>7}" for c in counts) + "   call + block   GB/s in the slope"]
+    for way, us in ways:
+        xs, ys = np.array(counts, float), np.array([us[c] for c in counts])
+        slope, icept = np.polyfit(xs, ys, 1)
+        out.append(f"{way:18} " + " ".join(f"{us[c]:7.1f}" for c in counts)
+                   + f"   {icept:5.1f} + {slope:5.1f}   {block_mb / slope * 1e3 if slope > 0 else 0:8.1f}")
+    return "\n".join(out)

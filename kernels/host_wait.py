@@ -10,6 +10,8 @@ hosts only); the kernel's volatile loads read the flag over PCIe each time; the 
 kernel. A flag never written (a host that died without raising it) ends the wait after `limit` loads (~1 us each over
 PCIe: minutes, past the host's own 60-s wait for the GPU) and sets `gave_up`, which stays set for the host to see
 (the rows the GPU then read are not this token's). `wait_for_host_ref` is the plain form: the same test, on the host.
+A pause between loads (`pause_ns`, compute's `cpu_poll_ns`; `nanosleep`, CUDA only) spaces the reads out: whether a
+tight poll slows the host's own work (the CPU's calls were slower with one graph than with segments, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -22,20 +24,25 @@ LIMIT = 1 << 28  # loads before the wait gives up: a few minutes at ~1 us a load
 
 
 @triton.jit
-def _wait_kernel(flag, want, gave_up, limit):
+def _wait_kernel(flag, want, gave_up, limit, pause, PAUSE: tl.constexpr):
     target = tl.load(want)
     seen = tl.load(flag, volatile=True)
     n = 0
     while (seen < target) & (n < limit):
+        if PAUSE:  # the warp sleeps ~`pause` ns (not pure: kept in the loop)
+            tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, $1;", "=r,r", [pause], dtype=tl.int32, is_pure=False,
+                                      pack=1)
         seen = tl.load(flag, volatile=True)
         n += 1
     tl.store(gave_up, 1, mask=seen < target)  # set only: a later wait that ends in time leaves it for the host to see
 
 
-def wait_for_host(flag: torch.Tensor, want: torch.Tensor, gave_up: torch.Tensor, limit: int = LIMIT) -> None:
+def wait_for_host(flag: torch.Tensor, want: torch.Tensor, gave_up: torch.Tensor, limit: int = LIMIT, pause_ns: int = 0) -> None:
     """Queue on the current stream a wait until flag [1] int64 (pinned host memory) >= want [1] int64 (on the device);
-    gave_up [1] int32 (on the device) is set to 1 where `limit` loads passed first (and left as it was otherwise)."""
-    _wait_kernel[(1,)](flag, want, gave_up, limit, num_warps=1)
+    gave_up [1] int32 (on the device) is set to 1 where `limit` loads passed first (and left as it was otherwise);
+    pause_ns between loads on CUDA (the limit's loads fewer by as much: the same minutes)."""
+    pause = pause_ns if want.device.type == "cuda" else 0
+    _wait_kernel[(1,)](flag, want, gave_up, max(1, limit * 1000 // (1000 + pause)), pause, PAUSE=pause > 0, num_warps=1)
 
 
 def wait_for_host_ref(flag: torch.Tensor, want: torch.Tensor) -> bool:

@@ -45,6 +45,7 @@ class ComputeTableKnobs:
     cpu_wait: str = "host"  # a whole step with the CPU's share: host (a graph segment a MoE layer, replayed by the host:
     # faster in the one run that timed both, BENCHMARKS.md 12-07) | device (one graph; the GPU waits at each MoE layer
     # for a flag the host writes after its rows: kernels/host_wait.py)
+    cpu_poll_ns: int = 0  # cpu_wait: device: the GPU's pause between reads of the host's flag (0: reads back to back)
     cpu_threads: int = 0  # the CPU experts' native threads; 0: all cores but two
     cpu_compile: bool = True  # the CPU experts without a native kernel through torch.compile (else eager torch ops)
     cpu_int8: bool = False  # the CPU's FP4 experts with activations rounded to int8 per scale group (stages/compute.py)
@@ -58,6 +59,8 @@ class ComputeTableKnobs:
                                 f"to 512, WARPS 1, 2, 4, 8 or 16 (e.g. 64x128x4), got {self.rows_tile!r}")
         if self.cpu_wait not in ("device", "host"):
             raise ScheduleError(f"stage 'compute': 'cpu_wait' must be device or host, got {self.cpu_wait!r}")
+        if self.cpu_poll_ns > 100_000:  # a longer sleep is a stall of the GPU, no pause
+            raise ScheduleError(f"stage 'compute': 'cpu_poll_ns' must be at most 100000, got {self.cpu_poll_ns!r}")
         if not 0.0 <= self.cpu_share <= 1.0:
             raise ScheduleError(f"stage 'compute': 'cpu_share' must be between 0 and 1, got {self.cpu_share!r}")
 

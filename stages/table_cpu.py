@@ -257,7 +257,7 @@ class CpuSteps:
 
         def finish() -> torch.Tensor:
             if in_graph:
-                wait_for_host(b.flag, self._cpu_dev[1], self._cpu_gave_up[0])
+                wait_for_host(b.flag, self._cpu_dev[1], self._cpu_gave_up[0], pause_ns=self.knobs.cpu_poll_ns)
             b.y_dev.copy_(b.y, non_blocking=True)
             return mix(b.y_dev)
         return CpuTurn(host, finish, release, in_graph)
@@ -307,7 +307,8 @@ class CpuSteps:
                 self._cpu_gave_up = (torch.zeros(1, dtype=torch.int32, device=x.device),
                                      streams.host_buffer(("cpu gave up",), torch.Size([1]), torch.int32).zero_())
             if self._waits_on_device():  # compiled now (0 >= 0: no wait), not in a graph's capture
-                wait_for_host(b.flag, torch.zeros(1, dtype=torch.int64, device=x.device), self._cpu_gave_up[0])
+                wait_for_host(b.flag, torch.zeros(1, dtype=torch.int64, device=x.device), self._cpu_gave_up[0],
+                              pause_ns=self.knobs.cpu_poll_ns)
         return b
 
     def _await_seq(self, seq: torch.Tensor, value: int) -> None:

@@ -105,6 +105,23 @@ def test_bench_cpu_one_table_per_thread_count(capsys):
     assert len(rows) == 2 and all(float(r.split()[5]) > 0 for r in rows)
 
 
+def test_bench_cpu_calls_fit_a_call_and_a_block():
+    """`bench cpu --calls`' figures: a call's microseconds by count three ways, and the line through them; the table
+    names each way and the fitted parts (a made-up curve of 100 us a call and 50 a block reads back as such)."""
+    from sluice.benchmarks.cpu_kernels import bench_calls, format_calls
+    from sluice.kernels.cpu_native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler here: no native calls to time")
+    ways = bench_calls("qwen3-30b", "nvfp4", counts=(1, 2), calls=3, gap_us=10, bank_bytes=0)
+    assert [w for w, _ in ways] == ["back to back", "after 10 us", "in cache"]
+    assert all(set(us) == {1, 2} and min(us.values()) > 0 for _, us in ways)
+    text = format_calls([("made up", {1: 150.0, 2: 200.0, 4: 300.0})], block_mb=5.0)
+    assert "100.0 +  50.0" in text and "100.0" in text.splitlines()[1].split()[-1]
+    with pytest.raises(SystemExit, match="unknown shape 'nope'"):
+        main(["bench", "cpu", "--calls", "--shape", "nope"])
+
+
 def test_bench_kernels_sweep_names_its_kernels(capsys):
     """A kernel name `bench kernels --sweep --only` does not know is refused by name, before any GPU is looked for."""
     with pytest.raises(SystemExit) as e:

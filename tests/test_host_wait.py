@@ -29,14 +29,21 @@ def test_the_wait_ends_at_the_hosts_number_and_gives_up_without_it():
     want.fill_(3)
     wait_for_host(flag, want, gave_up, limit=50)
     assert int(gave_up[0]) == 1
+    gave_up.zero_()  # with a pause between loads (a sleep on CUDA): the same ends
+    wait_for_host(flag, want, gave_up, limit=50, pause_ns=500)
+    assert int(gave_up[0]) == 0
+    want.fill_(4)
+    wait_for_host(flag, want, gave_up, limit=50, pause_ns=500)
+    assert int(gave_up[0]) == 1
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a host thread and a GPU stream at once: CUDA")
-def test_what_the_host_wrote_before_the_flag_is_what_the_gpu_copies_after_the_wait():
+@pytest.mark.parametrize("pause_ns", [0, 2000])  # reads back to back, and with the warp's sleep between them
+def test_what_the_host_wrote_before_the_flag_is_what_the_gpu_copies_after_the_wait(pause_ns):
     flag, rows = torch.zeros(1, dtype=torch.int64).pin_memory(), torch.zeros(4096).pin_memory()
     want, gave_up = torch.ones(1, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
     torch.cuda.synchronize()
-    wait_for_host(flag, want, gave_up)
+    wait_for_host(flag, want, gave_up, pause_ns=pause_ns)
     got = rows.to(DEVICE, non_blocking=True)  # queued after the wait: must see the rows the host wrote
 
     def host():

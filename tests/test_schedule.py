@@ -64,6 +64,7 @@ def test_serial_waits_and_overlap_streams():
         (with_table("fetch", {"prefetch": True, "readers": 8, "min_recall": 0.5}), "stage 'fetch': unknown key 'min_recall'"),
         (with_table("compute", {"fp4_matvec": "bytes"}), "stage 'compute': 'fp4_matvec' must be one of auto"),
         (with_table("compute", {"cpu_wait": "gpu"}), "stage 'compute': 'cpu_wait' must be device or host, got 'gpu'"),
+        (with_table("compute", {"cpu_poll_ns": 200000}), "stage 'compute': 'cpu_poll_ns' must be at most 100000, got 200000"),
         (with_stage("fetch", {"via": "disk"}), "stage 'fetch': 'via' must be one of cache, table, got 'disk'"),
         (with_table("fetch", {"after": ["route"]}), "stage 'fetch': unknown key 'after' \\(allowed: via, vram, "),
         ({"name": "t", "stages": {**TABLE["stages"], "combine": {"stream": "copy"}}},
