@@ -256,7 +256,8 @@ def cmd_bench_cpu(args) -> int:
             if threads:
                 torch.set_num_threads(threads)
             print(f"{shape} {fmt}, {block_mb:.2f} MB a block, threads {torch.get_num_threads()}")
-            print(format_calls(bench_calls(shape, fmt, int8=args.int8), block_mb), flush=True)
+            ways, h2d = bench_calls(shape, fmt, int8=args.int8)
+            print(format_calls(ways, block_mb, h2d), flush=True)
         return 0
     for threads in args.threads or [None]:
         read, rows = bench_cpu(tuple(args.shape or ("nano", "qwen3-30b")), tuple(args.format or FORMATS), threads, not args.eager,

@@ -68,12 +68,14 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
 
 
 def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6), calls: int = 200, gap_us: float = 250.0,
-                int8: bool = False, bank_bytes: int = 768 << 20) -> list[tuple[str, dict[int, float]]]:
+                int8: bool = False, bank_bytes: int = 768 << 20) -> tuple[list[tuple[str, dict[int, float]]], dict]:
     """The hybrid path's calls (`CpuExperts.weighed_rows`: n of a layer's blocks on one token into bf16 rows), median
-    microseconds a call by count, three ways: back to back over distinct blocks (from RAM); with the host spinning
-    `gap_us` between calls, as it does waiting for a layer's ids (the team's threads may sleep meanwhile); the same
-    blocks every call (from the CPU's caches: what is not the RAM read). The bank is pinned where CUDA is, as the
-    engine's RAM slots are (`bank_bytes` of them: more than the CPU's caches). Returns [(way, {count: us})]."""
+    microseconds a call by count: back to back over distinct blocks (from RAM); with the host spinning `gap_us`
+    between calls, as it does waiting for a layer's ids (the team's threads may sleep meanwhile); the same blocks every
+    call (from the CPU's caches: what is not the RAM read); and where CUDA is, back to back while pinned-to-device
+    copies read RAM too, as PCIe's share of the blocks does in the engine (whether the two share the host's RAM
+    bandwidth). The bank is pinned where CUDA is, as the engine's RAM slots are (`bank_bytes` of them: more than the
+    CPU's caches). Returns ([(way, {count: us})], {"alone" | count: the copies' GB/s alone | beside that count's calls})."""
     kind, Dx, I, K = SHAPES[shape]
     tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
     block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
@@ -87,10 +89,14 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
     if cpu.plan is None:
         raise SystemExit(f"bench cpu --calls: no native plan for {shape} {fmt} on this machine")
     x, out = torch.randn(Dx), torch.empty(K, Dx, dtype=torch.bfloat16)
+    copies = _Copies(torch.device("cuda")) if torch.cuda.is_available() else None
+    h2d = {"alone": copies.alone} if copies else {}
 
-    def timed(count: int, gap: float, same: bool) -> float:
+    def timed(count: int, gap: float, same: bool, beside: bool = False) -> float:
         spent, at = [], 0
-        for c in range(calls):
+        done = copies.start(calls * count * 2e-4) if beside else None  # ~twice the calls' time, which run till the end
+        more = (lambda: len(spent) < calls) if done is None else (lambda: not done.query())
+        while more():
             if gap:
                 t = time.perf_counter()
                 while time.perf_counter() - t < gap:
@@ -101,15 +107,47 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
             t = time.perf_counter()
             cpu.weighed_rows(some, x, w, torch.bfloat16, out, rows)
             spent.append(time.perf_counter() - t)
+        if beside:
+            h2d[count] = copies.rate()
         return sorted(spent)[len(spent) // 2] * 1e6
 
     timed(1, 0.0, True)  # the team's start
-    ways = (("back to back", 0.0, False), (f"after {gap_us:.0f} us", gap_us * 1e-6, False), ("in cache", 0.0, True))
-    return [(way, {c: timed(c, gap, same) for c in counts}) for way, gap, same in ways]
+    ways = [("back to back", 0.0, False, False), (f"after {gap_us:.0f} us", gap_us * 1e-6, False, False), ("in cache", 0.0, True, False)]
+    if copies:
+        ways.append(("beside H2D copies", 0.0, False, True))
+    return [(way, {c: timed(c, gap, same, beside) for c in counts}) for way, gap, same, beside in ways], h2d
 
 
-def format_calls(ways: list[tuple[str, dict[int, float]]], block_mb: float) -> str:
-    """bench_calls' table: a row a way, a column a count, then the least-squares line (us a call + us a block)."""
+class _Copies:
+    """Pinned-to-device copies of `nbytes` queued on a side stream: their rate alone, and while the host works."""
+
+    def __init__(self, device: torch.device, nbytes: int = 256 << 20):
+        self.src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.stream, self.nbytes = torch.cuda.Stream(device), nbytes
+        self.start(0.0)  # the first copies: not a rate
+        self.alone = self.rate()
+
+    def start(self, seconds: float):
+        """Queue about `seconds` of copies (at least eight) at the rate seen alone; returns the event after the last."""
+        self.k = max(8, int(seconds * getattr(self, "alone", 0.0) * 1e9 / self.nbytes))
+        self.first, self.last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            self.first.record()
+            for _ in range(self.k):
+                self.dst.copy_(self.src, non_blocking=True)
+            self.last.record()
+        return self.last
+
+    def rate(self) -> float:
+        """GB/s of the copies queued last (waits for them)."""
+        self.last.synchronize()
+        return self.k * self.nbytes / (self.first.elapsed_time(self.last) * 1e-3) / 1e9
+
+
+def format_calls(ways: list[tuple[str, dict[int, float]]], block_mb: float, h2d: dict | None = None) -> str:
+    """bench_calls' table: a row a way, a column a count, then the least-squares line (us a call + us a block); then the
+    copies' rate alone and beside each count's calls, where CUDA timed them."""
     counts = list(ways[0][1])
     out = [f"{'us a call, median':18} " + " ".join(f"{c:>7}" for c in counts) + "   call + block   GB/s in the slope"]
     for way, us in ways:
@@ -117,4 +155,7 @@ def format_calls(ways: list[tuple[str, dict[int, float]]], block_mb: float) -> s
         slope, icept = np.polyfit(xs, ys, 1)
         out.append(f"{way:18} " + " ".join(f"{us[c]:7.1f}" for c in counts)
                    + f"   {icept:5.1f} + {slope:5.1f}   {block_mb / slope * 1e3 if slope > 0 else 0:8.1f}")
+    if h2d:
+        out.append(f"{'H2D copies GB/s':18} " + " ".join(f"{h2d[c]:7.1f}" for c in counts if c in h2d)
+                   + f"   (alone {h2d['alone']:.1f}): PCIe's reads beside the calls")
     return "\n".join(out)

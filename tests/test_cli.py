@@ -108,16 +108,21 @@ def test_bench_cpu_one_table_per_thread_count(capsys):
 def test_bench_cpu_calls_fit_a_call_and_a_block():
     """`bench cpu --calls`' figures: a call's microseconds by count three ways, and the line through them; the table
     names each way and the fitted parts (a made-up curve of 100 us a call and 50 a block reads back as such)."""
+    import torch
+
     from sluice.benchmarks.cpu_kernels import bench_calls, format_calls
     from sluice.kernels.cpu_native import native_kernels
 
     if native_kernels() is None:
         pytest.skip("no C compiler here: no native calls to time")
-    ways = bench_calls("qwen3-30b", "nvfp4", counts=(1, 2), calls=3, gap_us=10, bank_bytes=0)
-    assert [w for w, _ in ways] == ["back to back", "after 10 us", "in cache"]
+    ways, h2d = bench_calls("qwen3-30b", "nvfp4", counts=(1, 2), calls=3, gap_us=10, bank_bytes=0)
+    assert set(h2d) == ({"alone", 1, 2} if torch.cuda.is_available() else set())
+    assert [w for w, _ in ways][:3] == ["back to back", "after 10 us", "in cache"]
     assert all(set(us) == {1, 2} and min(us.values()) > 0 for _, us in ways)
     text = format_calls([("made up", {1: 150.0, 2: 200.0, 4: 300.0})], block_mb=5.0)
     assert "100.0 +  50.0" in text and "100.0" in text.splitlines()[1].split()[-1]
+    text = format_calls([("made up", {1: 150.0, 2: 200.0})], 5.0, {"alone": 54.0, 1: 40.0, 2: 30.0})
+    assert text.splitlines()[-1].split()[3:5] == ["40.0", "30.0"] and "(alone 54.0)" in text
     with pytest.raises(SystemExit, match="unknown shape 'nope'"):
         main(["bench", "cpu", "--calls", "--shape", "nope"])
 
