@@ -95,7 +95,8 @@ class Table(StreamedSteps, CpuSteps):
         self._cpu_bufs: dict = {}  # cpu_share, split on the device: MoE index -> its buffers (stages/table_cpu.py)
         self._cpu_outside: dict[int, int] = {}  # ... MoE index -> its blocks outside VRAM at its last step
         self._cpu_seq = 0  # ... the token's number
-        self._cpu_dev: tuple | None = None  # ... on the device: (each layer's count, the token's number, the zero block's offset)
+        self._cpu_dev: tuple | None = None  # ... on the device: (each layer's counts by blocks outside VRAM, the token's
+        # number, the zero block's offset)
         store, dev = rt.store, rt.device
         self.layers = list(store.moe_layers)  # MoE index -> model layer
         self.index = {layer: i for i, layer in enumerate(self.layers)}
@@ -108,7 +109,8 @@ class Table(StreamedSteps, CpuSteps):
                          staging=triton and knobs.predict and not self.stream_ram, stream_ram=self.stream_ram)
         self.num_experts, self.block_bytes = store.manifest.num_experts, store.block_bytes
         if self.cpu_share:
-            self._cpu_dev = (torch.zeros(len(self.layers), dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev),
+            self._cpu_dev = (torch.zeros(len(self.layers), store.manifest.top_k + 1, dtype=torch.int64, device=dev),
+                             torch.zeros(1, dtype=torch.int64, device=dev),
                              torch.full((), self._zero_offset(), dtype=torch.int64, device=dev))
         self.vram_served = torch.zeros((), dtype=torch.int64, device=dev)  # one-token steps' blocks read from VRAM
         self.staged_served = torch.zeros((), dtype=torch.int64, device=dev)  # ... read from the staging bank

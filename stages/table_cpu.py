@@ -18,8 +18,10 @@ is the streaming schedules' within rounding, not bit for bit. Two forms:
 
 How many: `cpu_share` of the blocks outside VRAM (a credit carried across layers, so a share of 0.25 sends one block
 in four), or with `cpu_balance` the count that finishes both soonest from the measured rates: the CPU's seconds a
-block and a call (its own timings: kernels/rates.py `CpuRate`) and a block's bytes over the host-to-device rate. In a whole step, each
-layer's count for a token comes from the blocks its step had outside VRAM the token before.
+block and a call (its own timings: kernels/rates.py `CpuRate`) and a block's bytes over the host-to-device rate. In a
+whole step the device picks each layer's count from a row made before the token (`cpu_counts`: the count for each
+number of blocks outside VRAM) by the number this token has: under uniform routing a layer's number moves token to token
+(3 to 6 of 6 at 8 GiB), which the count of the token before followed a token late.
 
 Which tokens (`cpu_choose`, balanced): a token replayed whole runs with the CPU's share only while the split saves more
 than its turns cost (a wait on the device, or a segment's end), else the step captured without the CPU's share
@@ -220,13 +222,14 @@ class CpuSteps:
     # -- the split made on the device (a whole step) --------------------------------------------------------------------
 
     def cpu_split(self, v: dict, t) -> None:
-        """In a step's fetch part: the CPU takes the lowest-ranked routed blocks outside VRAM, up to the layer's count
-        for this token (`cpu_token_begins`); their offsets point at the zero block; the ids, weights, expert input and
-        masks go to pinned memory, then the token's number (the host waits for it: `cpu_turn`)."""
+        """In a step's fetch part: the CPU takes the lowest-ranked routed blocks outside VRAM, as many as the layer's row
+        of counts (`cpu_token_begins`) gives for the number outside VRAM; their offsets point at the zero block; the
+        ids, weights, expert input and masks go to pinned memory, then the token's number (the host waits for it:
+        `cpu_turn`)."""
         i, ids = t.i, v["ids"][0]
         ram = 1 - self.tier.in_vram[i][ids]
-        later = ram.flip(0).cumsum(0).flip(0)  # blocks outside VRAM from each rank on
-        cpu = (ram > 0) & (later <= self._cpu_dev[0][i])
+        later = ram.flip(0).cumsum(0).flip(0)  # blocks outside VRAM from each rank on (later[0]: all of them)
+        cpu = (ram > 0) & (later <= self._cpu_dev[0][i].gather(0, later[:1]))
         v["offs"] = torch.where(cpu, self._cpu_dev[2], v["offs"])
         v["cpu_mask"] = cpu
         b = self._cpu_buffers(i, t.block, v["xe"].shape[1], v["x"])
@@ -263,8 +266,8 @@ class CpuSteps:
         return CpuTurn(host, finish, release, in_graph)
 
     def cpu_token_begins(self) -> None:
-        """Before a token's first MoE layer, once a step has split on the device: each layer's count for the device
-        split (from the blocks its last step had outside VRAM), and the token's number."""
+        """Before a token's first MoE layer, once a step has split on the device: each layer's row of counts for the
+        device split (`cpu_counts`), and the token's number."""
         if not self._cpu_bufs:
             return
         gave_up, seen = self._cpu_gave_up
@@ -272,24 +275,30 @@ class CpuSteps:
             raise SluiceError("the GPU stopped waiting for the CPU's rows of a MoE layer (no flag from the host in "
                               "minutes): the tokens since then are not the model's")
         seen.copy_(gave_up, non_blocking=True)
-        counts = self.rt.streams.host_buffer(("cpu counts",), torch.Size([len(self.layers)]), torch.int64)
-        counts.numpy()[:] = self.cpu_counts(self.rt.store.manifest.top_k)
+        K = self.rt.store.manifest.top_k
+        counts = self.rt.streams.host_buffer(("cpu counts",), torch.Size([len(self.layers), K + 1]), torch.int64)
+        counts.numpy()[:] = self.cpu_counts(K)
         self._cpu_seq += 1
         counts_dev, seq_dev, _ = self._cpu_dev
         counts_dev.copy_(counts, non_blocking=True)
         seq_dev.fill_(self._cpu_seq)
 
-    def cpu_counts(self, K: int) -> list[int]:
-        """Each MoE layer's count of CPU blocks for this token (from the blocks it had outside VRAM at its last step
-        with the share, K where none yet). Where the balance gives the CPU none anywhere, its rate may be stale (one
-        slow first timing, and a CPU given no blocks is never timed again): the layers with two blocks outside VRAM or
-        more give it two, which re-times it (each layer's call feeds its rate)."""
+    def cpu_counts(self, K: int) -> list[list[int]]:
+        """Each MoE layer's row of CPU counts for this token, its entry n the count where n of its K routed blocks are
+        outside VRAM. Balanced, every layer's row is the balance's (`_cpu_count`). Where that gives the CPU none at the
+        numbers the layers had at their last step with the share (K where none yet), its rate may be stale (one slow
+        first timing, and a CPU given no blocks is never timed again): two wherever two or more are outside, which
+        re-times it (each layer's call feeds its rate). A fixed share: the layer's count from its last number (a
+        credit carried across layers), at most the blocks outside."""
         outside = [self._cpu_outside.get(i, K) for i in range(len(self.layers))]
-        counts = [self._cpu_count(n) for n in outside]
-        self._cpu_forced = not any(counts) and self._balanced()
+        if not self._balanced():
+            self._cpu_forced = False
+            return [[min(n, c) for n in range(K + 1)] for c in [self._cpu_count(n) for n in outside]]
+        row = [self._cpu_count(n) for n in range(K + 1)]
+        self._cpu_forced = not any(row[n] for n in outside)
         if self._cpu_forced:
-            counts = [2 if n >= 2 else 0 for n in outside]
-        return counts
+            row = [2 if n >= 2 else 0 for n in range(K + 1)]
+        return [row] * len(self.layers)
 
     def _cpu_buffers(self, i: int, block, dx: int, x: torch.Tensor) -> _LayerBuffers:
         """MoE index i's buffers for the device split (made by a sequence's first, layer-by-layer step: pinned memory

@@ -64,13 +64,13 @@ def test_a_wait_that_gave_up_stops_the_next_token():
     from sluice.stages.table_cpu import CpuSteps
 
     seen = torch.zeros(1, dtype=torch.int32)
-    counts = torch.zeros(2, dtype=torch.int64)
+    counts = torch.zeros(2, 3, dtype=torch.int64)
     t = CpuSteps.__new__(CpuSteps)
     t.__dict__.update(_cpu_bufs={0: None}, _cpu_gave_up=(torch.zeros(1, dtype=torch.int32), seen), _cpu_seq=4,
-                      _cpu_dev=(torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None),
+                      _cpu_dev=(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None),
                       rt=SimpleNamespace(store=SimpleNamespace(manifest=SimpleNamespace(top_k=2)),
                                          streams=SimpleNamespace(host_buffer=lambda key, shape, dtype: counts)),
-                      layers=[0, 1], cpu_counts=lambda K: [1, 1])
+                      layers=[0, 1], cpu_counts=lambda K: [[0, 1, 1]] * 2)
     t.cpu_token_begins()
     assert t._cpu_seq == 5
     seen[0] = 1

@@ -177,12 +177,44 @@ def test_a_cpu_given_no_blocks_is_timed_again():
     slow = _Rule({i: 5 - (i % 5 == 4) * 4 for i in range(23)}, cpu_s=0.7e-3)  # 5 blocks outside VRAM, every fifth 1
     assert not any(balance_cpu_blocks(n, 0.10e-3, 0.7e-3) for n in slow.cpu._cpu_outside.values())
     assert slow.tokens(1) == [True]  # at once, not at the next probe: the counts below re-time the CPU
-    assert slow.cpu.cpu_counts(6) == [0 if i % 5 == 4 else 2 for i in range(23)] and slow.cpu._cpu_forced
+    assert slow.cpu.cpu_counts(6) == [[0, 0, 2, 2, 2, 2, 2]] * 23 and slow.cpu._cpu_forced  # by the blocks outside VRAM
     assert slow.tokens(1) == [True]  # not yet re-timed (the CPU's rows of such counts do it: `_cpu_rows`)
     slow.cpu._cpu_retimed = True
     assert slow.tokens(PROBE + 1) == [False] * PROBE + [True]  # still slow once re-timed: only the probes
     fast = _Rule({i: 5 for i in range(23)})
-    assert fast.cpu.cpu_counts(6) == [balance_cpu_blocks(5, 0.10e-3, 0.18e-3)] * 23 == [2] * 23
+    assert fast.cpu.cpu_counts(6) == [[balance_cpu_blocks(n, 0.10e-3, 0.18e-3) for n in range(7)]] * 23
+    assert fast.cpu.cpu_counts(6)[0][5] == 2 and not fast.cpu._cpu_forced
+
+
+def test_the_device_split_takes_the_count_for_this_tokens_blocks_outside_vram():
+    """A whole step's split on the device gives the CPU the lowest-ranked routed blocks outside VRAM, as many as the
+    layer's row of counts says for how many are outside this token (the row [0, 0, 1, 1, 2, 2, 3]: 6 outside -> 3, 2
+    -> 1), their offsets pointed at the zero block. The must-fail side: one count a layer made from the token before
+    (3, when it had 6 outside) sends both of this token's 2 to the CPU and none over PCIe."""
+    from types import SimpleNamespace
+
+    from sluice.stages.table_cpu import CpuSteps
+
+    K, dx = 6, 4
+    in_vram = torch.zeros(1, 8, dtype=torch.int64)
+    bufs = SimpleNamespace(pack=torch.zeros(4 * K + dx), seq=torch.zeros(1, dtype=torch.int64))
+    t = CpuSteps.__new__(CpuSteps)
+    t.__dict__.update(tier=SimpleNamespace(in_vram=in_vram), _cpu_buffers=lambda i, block, dx, x: bufs)
+
+    def split(row, vram):
+        t._cpu_dev = (torch.tensor([row]), torch.tensor([7]), torch.tensor(-1))
+        in_vram.zero_()
+        in_vram[0, vram] = 1
+        v = {"ids": torch.arange(K)[None], "offs": torch.arange(100, 100 + K), "weights": torch.ones(1, K),
+             "xe": torch.zeros(1, dx), "x": torch.zeros(1, dx)}
+        t.cpu_split(v, SimpleNamespace(i=0, block=None))
+        assert int(bufs.seq[0]) == 7 and bufs.pack[-K:].tolist() == [0.0 if k in vram else 1.0 for k in range(K)]
+        return v["cpu_mask"].tolist(), v["offs"].tolist()
+
+    balanced = [0, 0, 1, 1, 2, 2, 3]
+    assert split(balanced, []) == ([False] * 3 + [True] * 3, [100, 101, 102, -1, -1, -1])
+    assert split(balanced, [0, 1, 2, 3]) == ([False] * 5 + [True], [100, 101, 102, 103, 104, -1])
+    assert split([3] * 7, [0, 1, 2, 3])[0] == [False] * 4 + [True] * 2  # a count of the token before
 
 
 def test_the_cpus_rate_parts_a_calls_overhead_from_its_blocks():
