@@ -52,12 +52,13 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     device table, some pointing at VRAM slots (the tier filled every 2 steps; emulated in host memory on a CPU),
     the rest at RAM slots; prompts copy RAM blocks two at a time into a staging bank. Greedy tokens are the reference's and the logits are the streaming overlap schedule's
     bit for bit (same kernels, same bytes, same sum); a table pointing one expert at another's block diverges."""
-    ref_tokens = refs.greedy(variant, PROMPT, 12)
+    n = 12 if DEVICE != "cpu" else 8  # interpreted on a CPU: fewer steps (the tier still refreshed 3 times)
+    ref_tokens = refs.greedy(variant, PROMPT, n)
     schedule = direct_schedule(tmp_path, backend="triton", refresh=2, prompt_group=2)
     overlap = triton_schedule(tmp_path, "overlap", backend="triton")
 
     def decode(engine):
-        return greedy_logits(engine, PROMPT, 12)
+        return greedy_logits(engine, PROMPT, n)
 
     with sluice.load(stores[variant], device=DEVICE, schedule=overlap, vram_slots=6) as engine:
         streamed = decode(engine)
@@ -67,7 +68,7 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
         stage = table_of(engine)
         assert 0 < io["blocks"]["vram"] and 0 < io["blocks"]["ram"]
         assert int(stage.tier.in_vram.sum()) == len(stage.tier.slot_of) > 0
-        assert len(stage.tier.slot_of) <= io["vram_fills"] <= 6 * (11 // 2)  # every block in a slot was copied in, 6 per refresh at most
+        assert len(stage.tier.slot_of) <= io["vram_fills"] <= 6 * ((n - 1) // 2)  # every block in a slot was copied in, 6 per refresh at most
         # a wrong table: expert 0's entry of the first MoE layer pointing at expert 1's block
         stage.tier.table[:, 0] = stage.tier.table[:, 1]
         stage.tier.vram, stage.tier.landing = None, None  # no tier update puts it right

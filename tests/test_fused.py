@@ -123,8 +123,9 @@ def test_router_matches_its_reference(T, D, E, K):
         assert not torch.equal(sigmoid_router(x, weight, torch.zeros_like(bias) - bias * 50, K, 2.5, True)[1], ids)
 
 
-@pytest.mark.parametrize("N,K,dtype,bias", [(262, 520, torch.bfloat16, False), (37, 300, torch.float32, True),
-                                             (130, 70, torch.float16, False), (5, 1000, torch.bfloat16, True)])
+# on a CPU (the programs interpreted) 38 and 34 rows for 262 and 130: the same ragged edges at every tile
+@pytest.mark.parametrize("N,K,dtype,bias", [(38 if DEVICE == "cpu" else 262, 520, torch.bfloat16, False), (37, 300, torch.float32, True),
+                                             (34 if DEVICE == "cpu" else 130, 70, torch.float16, False), (5, 1000, torch.bfloat16, True)])
 def test_gemv_matches_its_reference(N, K, dtype, bias):
     """One row through the one-launch linear: within one rounding of the output type of the fp32 reference (fp32: of its
     sum's order), at tiles
@@ -194,7 +195,8 @@ def test_fused_nemotron_h_matches_transformers(static_kv, stores, refs, monkeypa
                      schedule="direct", static_kv=static_kv) as engine:  # the Mamba step's residual add in its out_proj's too
         names = {type(m).__name__ for m in engine.model.hf.modules()}
         assert {"RMSNorm", "Gemv", "Relu2MLP"} <= names and not names & {"NemotronHRMSNorm", "Linear", "NemotronHMLP"}
-        check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops", n=8)  # the same kernels each step: 8 of them
+        # the same kernels each step: 8 of them (4 on a CPU, each ~3 s interpreted)
+        check_golden(engine, "nemotron_h", refs, "nemotron_h fused ops", n=8 if DEVICE != "cpu" else 4)
     # one-token steps' attention through the kernel, masked over a static cache's window (a growing cache's mask is
     # transformers' choice: None on a CPU, a mask on CUDA; either way through the kernel)
     assert ran and (static_kv is None or all(ran))

@@ -144,14 +144,16 @@ TRITON_CORE = {("nemotron_h_latent", "zero-skip"), ("qwen3_moe", "overlap")}
 
 @pytest.mark.parametrize("variant, base", [pytest.param(*c, marks=() if c in TRITON_CORE else pytest.mark.slow) for c in TRITON_CASES])
 def test_triton_kernels_match_transformers(variant, base, stores, refs, tmp_path):
-    """The same golden check through the Triton expert kernels (interpreted on a CPU)."""
+    """The same golden check through the Triton expert kernels (interpreted on a CPU: fewer decode steps there, each
+    through the same kernels)."""
+    n = 32 if DEVICE != "cpu" else 12
     schedule = triton_schedule(tmp_path, base, backend="triton")
     with sluice.load(stores[variant], device=DEVICE, schedule=schedule, ram_cache=ram_sizes(stores[variant])[1]) as engine:
-        check_golden(engine, variant, refs, f"{variant}/{base}/triton")
+        check_golden(engine, variant, refs, f"{variant}/{base}/triton", n=n)
         s = engine.rt.stats.snapshot()
     if base == "zero-skip" and VARIANTS[variant][0] == "nemotron_h":
         # counted per decode step; random weights leave almost no all-zero group (skipping itself: test_kernels)
-        assert 0 < s["live_groups"] <= s["total_groups"] == 31 * 3 * 4 * (32 // 16)  # 31 decode steps
+        assert 0 < s["live_groups"] <= s["total_groups"] == (n - 1) * 3 * 4 * (32 // 16)  # n - 1 decode steps
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (run with SLUICE_TEST_DEVICE=cuda)")
