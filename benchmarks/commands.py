@@ -255,7 +255,7 @@ def cmd_bench_cpu(args) -> int:
         for threads in args.threads or [None]:
             if threads:
                 torch.set_num_threads(threads)
-            print(f"{shape} {fmt}, {block_mb:.2f} MB a block, threads {torch.get_num_threads()}")
+            print(f"{shape} {fmt}{', int8 activations' if args.int8 else ''}, {block_mb:.2f} MB a block, threads {torch.get_num_threads()}")
             ways, h2d = bench_calls(shape, fmt, int8=args.int8)
             print(format_calls(ways, block_mb, h2d), flush=True)
         return 0

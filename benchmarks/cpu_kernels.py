@@ -88,6 +88,8 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
                      act_name="relu2" if kind == "relu2" else "silu", int8=int8)
     if cpu.plan is None:
         raise SystemExit(f"bench cpu --calls: no native plan for {shape} {fmt} on this machine")
+    if int8 and not cpu.int8:
+        raise SystemExit("bench cpu --calls --int8: int8 activations need AVX-512 VNNI and FP4 weights, not here")
     x, out = torch.randn(Dx), torch.empty(K, Dx, dtype=torch.bfloat16)
     copies = _Copies(torch.device("cuda")) if torch.cuda.is_available() else None
     h2d = {"alone": copies.alone} if copies else {}

@@ -125,6 +125,9 @@ def test_bench_cpu_calls_fit_a_call_and_a_block():
     assert text.splitlines()[-1].split()[3:5] == ["40.0", "30.0"] and "(alone 54.0)" in text
     with pytest.raises(SystemExit, match="unknown shape 'nope'"):
         main(["bench", "cpu", "--calls", "--shape", "nope"])
+    if not native_kernels().sluice_q8_available():  # int8 asked for where it cannot run: said, not timed as fp32
+        with pytest.raises(SystemExit, match="need AVX-512 VNNI"):
+            bench_calls("qwen3-30b", "nvfp4", counts=(1,), calls=1, int8=True, bank_bytes=0)
 
 
 def test_bench_kernels_sweep_names_its_kernels(capsys):
