@@ -51,9 +51,9 @@ class Tracer:
         self._read_id = 0
 
     @contextlib.contextmanager
-    def span(self, name: str, layer: int, stream: str | None = None):
-        """A stage's host span (and with `stream` its GPU span) around what it wraps; nothing inside a graph's capture,
-        whose parts time themselves (`phase`)."""
+    def span(self, name: str, layer: int, stream: str | None = None, **args):
+        """A stage's host span (and with `stream` its GPU span) around what it wraps, with `args` in its host record
+        (e.g. the CPU's blocks in a call); nothing inside a graph's capture, whose parts time themselves (`phase`)."""
         if not self.enabled or capturing():
             yield
             return
@@ -62,17 +62,18 @@ class Tracer:
         try:
             yield
         finally:
-            self._host(name, layer, t, _now_us() - t)
+            self._host(name, layer, t, _now_us() - t, **args)
             if start_ev is not None:
                 self._pending_gpu.append((name, stream, layer, start_ev, self.streams.record(stream, timing=True)))
 
-    def _host(self, name: str, layer: int, t: float, dur: float) -> None:
+    def _host(self, name: str, layer: int, t: float, dur: float, **args) -> None:
         """A host span of stage `name` from t, dur us long: in the Chrome trace, the totals and the JSON lines."""
-        self._add(name, f"host/{name}", t, dur, layer=layer)
+        self._add(name, f"host/{name}", t, dur, layer=layer, **args)
         self.totals[name][0] += 1
         self.totals[name][1] += dur
         if self._log is not None:
-            self._log.info("stage", stage=name, layer=layer, step=self.step, host_us=round(dur, 1), start_us=round(t - self._t0, 1))
+            self._log.info("stage", stage=name, layer=layer, step=self.step, host_us=round(dur, 1), start_us=round(t - self._t0, 1),
+                           **args)
 
     @contextlib.contextmanager
     def phase(self, name: str, layer: int, stream: str, marks: list):

@@ -115,7 +115,7 @@ class CpuSteps:
         mask_host = streams.host_buffer(("cpu mask", i), torch.Size([K]), torch.bool)
         mask_host.zero_()
         if cpu:
-            with tracer.span("compute:cpu", layer=block.layer):  # a host span: the CPU's share in the trace
+            with tracer.span("compute:cpu", layer=block.layer, blocks=len(cpu)):  # a host span: the CPU's share in the trace
                 self._cpu_rows(block, [routed[k] for k in cpu], xe, w[cpu], li.x.dtype, b.y, cpu)
             mask_host[cpu] = True
         with streams.use(self.stream):
@@ -253,7 +253,7 @@ class CpuSteps:
             self._cpu_outside[i] = int(np.count_nonzero(pack[-K:] > 0.5))  # for the next token's count
             if rows:  # xe is read in place: the next token's copy into the pack comes after the next replay
                 w = torch.from_numpy(pack[K : 2 * K][rows])
-                with self.rt.tracer.span("compute:cpu", layer=block.layer):  # a host span: the CPU's share in the trace
+                with self.rt.tracer.span("compute:cpu", layer=block.layer, blocks=len(rows)):  # a host span: the CPU's share
                     self._cpu_rows(block, pack[:K][rows].astype(np.int64).tolist(), torch.from_numpy(pack[2 * K : -2 * K]),
                                    w, b.x_dtype, b.y, rows)
             release()  # after the rows: stores in order (IN_ORDER), so the GPU that sees the flag sees them

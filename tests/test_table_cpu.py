@@ -86,6 +86,7 @@ def test_cpu_share_in_a_whole_step(cpu_wait, stores, refs, tmp_path, monkeypatch
     spans = [json.loads(line) for line in (tmp_path / "t.json.jsonl").read_text().splitlines()]
     steps = {line["step"] for line in spans if line.get("stage") == "compute:cpu"}
     assert set(range(2, STEPS)) <= steps  # the CPU's share in the replayed steps' trace, not only a sequence's first step
+    assert sum(line["blocks"] for line in spans if line.get("stage") == "compute:cpu") == after  # each call's blocks
     assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, STEPS)
     assert_logits_close(variant, got, want, f"the CPU's share in a whole step (cpu_wait: {cpu_wait})")
 
