@@ -10,8 +10,8 @@ hosts only); the kernel's volatile loads read the flag over PCIe each time; the 
 kernel. A flag never written (a host that died without raising it) ends the wait after `limit` loads (~1 us each over
 PCIe: minutes, past the host's own 60-s wait for the GPU) and sets `gave_up`, which stays set for the host to see
 (the rows the GPU then read are not this token's). `wait_for_host_ref` is the plain form: the same test, on the host.
-A pause between loads (`pause_ns`, compute's `cpu_poll_ns`; `nanosleep`, CUDA only) spaces the reads out: whether a
-tight poll slows the host's own work (the CPU's calls were slower with one graph than with segments, 2026-12-07).
+A pause between loads (`pause_ns`, compute's `cpu_poll_ns`; `nanosleep`, CUDA only) spaces the reads out, in case a
+tight poll slows the host's own work (on the one host that timed it, it did not: BENCHMARKS.md, fourteenth set).
 """
 
 from __future__ import annotations

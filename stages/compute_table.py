@@ -42,9 +42,9 @@ class ComputeTableKnobs:
     cpu_share: float = 0.0  # fraction of a one-token step's blocks outside VRAM that the CPU computes from their RAM
     # slots while the GPU reads the rest (the ids come to the host: one wait a MoE layer; stages/table_cpu.py)
     cpu_balance: bool = False  # the CPU's count follows the measured CPU and PCIe rates (cpu_share until measured)
-    cpu_wait: str = "host"  # a whole step with the CPU's share: host (a graph segment a MoE layer, replayed by the host:
-    # faster in the one run that timed both, BENCHMARKS.md 12-07) | device (one graph; the GPU waits at each MoE layer
-    # for a flag the host writes after its rows: kernels/host_wait.py)
+    cpu_wait: str = "host"  # a whole step with the CPU's share: host (a graph segment a MoE layer, replayed by the host)
+    # | device (one graph; the GPU waits at each MoE layer for a flag the host writes after its rows: kernels/host_wait.py);
+    # the two within their spread run to run (BENCHMARKS.md, fourteenth set)
     cpu_poll_ns: int = 0  # cpu_wait: device: the GPU's pause between reads of the host's flag (0: reads back to back)
     cpu_threads: int = 0  # the CPU experts' native threads; 0: all cores but two
     cpu_compile: bool = True  # the CPU experts without a native kernel through torch.compile (else eager torch ops)
