@@ -34,6 +34,7 @@ def kernels():
     from sluice.kernels.router import _scores_kernel, _select_kernel, _softmax_select_kernel
 
     parts = {"part": "*fp32", "w": "*fp32", "y": "*fp32", "live": "*i32", "live_total": "*i64", "Dx": "i32", "A": "i32"}
+    wait = {"flag": "*i64", "want": "*i64", "gave_up": "*i32", "limit": "i32", "pause": "i32"}
     return {
         "weigh_parts": (_weigh_parts_kernel, parts, dict(S=32, XDT=tl.bfloat16, YDT=tl.float32, SUM=False, BD=32, BL=64)),
         "weigh_parts summed": (_weigh_parts_kernel, {**parts, "y": "*bf16"},
@@ -80,13 +81,14 @@ def kernels():
                                 dict(G=16, D=128, BD=128, BW=64, HAS_MASK=True, DT=tl.bfloat16)),
         "embed gather": (_gather_kernel, {"table": "*bf16", "ids": "*i64", "out": "*bf16", "V": "i32", "D": "i32"},
                          dict(B=1024)),
-        "host wait": (_wait_kernel, {"flag": "*i64", "want": "*i64", "gave_up": "*i32", "limit": "i32"}, {}),
+        "host wait": (_wait_kernel, wait, dict(PAUSE=False)),
+        "host wait paused": (_wait_kernel, wait, dict(PAUSE=True)),  # its nanosleep: inline PTX, never run interpreted
     }
 
 
 NAMES = ["weigh_parts", "weigh_parts summed", "gemv", "gemv fp16", "gemv pdl", "rms_norm", "rms_norm round first",
          "router scores", "router logits", "softmax select", "mamba gate norm", "router select", "add3", "kv append",
-         "one-query attention", "norm rope", "rope", "ordered sum", "host wait", "embed gather", "must fail"]
+         "one-query attention", "norm rope", "rope", "ordered sum", "host wait", "host wait paused", "embed gather", "must fail"]
 
 
 def must_fail():
