@@ -39,8 +39,7 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
             blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
             nbytes = sum(s.nbytes for s in slots)
             for q8 in (False, True) if int8 and fmt in ("nvfp4", "mxfp4") else (False,):
-                cpu = CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
-                                 compiled=compiled, act_name="relu2" if kind == "relu2" else "silu", int8=q8)  # as the engine builds it
+                cpu = _experts(manifest, kind, compiled, q8)
                 if q8 and not cpu.int8:
                     continue  # no AVX-512 VNNI here
                 cpu.run(blocks[0], x)  # compile
@@ -67,6 +66,12 @@ def bench_cpu(shapes=("nano", "qwen3-30b"), formats=FORMATS, threads: int | None
     return read, rows
 
 
+def _experts(manifest, kind: str, compiled: bool, int8: bool) -> CpuExperts:
+    """The CPU expert kernels of a layout as the engine builds them (its activation named, so a native plan runs)."""
+    return CpuExperts(manifest, kind, lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
+                      compiled=compiled, act_name="relu2" if kind == "relu2" else "silu", int8=int8)
+
+
 def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6), calls: int = 200, gap_us: float = 250.0,
                 int8: bool = False, bank_bytes: int = 768 << 20) -> tuple[list[tuple[str, dict[int, float]]], dict]:
     """The hybrid path's calls (`CpuExperts.weighed_rows`: n of a layer's blocks on one token into bf16 rows), median
@@ -83,9 +88,7 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
     bank = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     bank.view(n, block_bytes)[:] = block
     blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
-    cpu = CpuExperts(types.SimpleNamespace(formats=fmts, slots=slots), kind,
-                     lambda v: torch.relu(v) ** 2 if kind == "relu2" else torch.nn.functional.silu(v),
-                     act_name="relu2" if kind == "relu2" else "silu", int8=int8)
+    cpu = _experts(types.SimpleNamespace(formats=fmts, slots=slots), kind, True, int8)
     if cpu.plan is None:
         raise SystemExit(f"bench cpu --calls: no native plan for {shape} {fmt} on this machine")
     if int8 and not cpu.int8:
@@ -126,13 +129,13 @@ class _Copies:
     def __init__(self, device: torch.device, nbytes: int = 256 << 20):
         self.src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.stream, self.nbytes = torch.cuda.Stream(device), nbytes
+        self.stream, self.nbytes, self.alone = torch.cuda.Stream(device), nbytes, 0.0
         self.start(0.0)  # the first copies: not a rate
         self.alone = self.rate()
 
     def start(self, seconds: float):
         """Queue about `seconds` of copies (at least eight) at the rate seen alone; returns the event after the last."""
-        self.k = max(8, int(seconds * getattr(self, "alone", 0.0) * 1e9 / self.nbytes))
+        self.k = max(8, int(seconds * self.alone * 1e9 / self.nbytes))
         self.first, self.last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             self.first.record()
