@@ -3,6 +3,9 @@ layer's top-k in one native call), against the memory read rate measured in the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import types
 
@@ -79,7 +82,8 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
     between calls, as it does waiting for a layer's ids (the team's threads may sleep meanwhile); the same blocks every
     call (from the CPU's caches: what is not the RAM read); and where CUDA is, back to back while pinned-to-device
     copies read RAM too, as PCIe's share of the blocks does in the engine (whether the two share the host's RAM
-    bandwidth). The bank is pinned where CUDA is, as the engine's RAM slots are (`bank_bytes` of them: more than the
+    bandwidth); and beside spinning processes, one more than the cores the team leaves free, so a thread of the team
+    shares a core (as with a busy neighbour: a static split waits for that thread). The bank is pinned where CUDA is, as the engine's RAM slots are (`bank_bytes` of them: more than the
     CPU's caches). Returns ([(way, {count: us})], {"alone" | count: the copies' GB/s alone | beside that count's calls})."""
     kind, Dx, I, K = SHAPES[shape]
     tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
@@ -96,6 +100,16 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
     x, out = torch.randn(Dx), torch.empty(K, Dx, dtype=torch.bfloat16)
     copies = _Copies(torch.device("cuda")) if torch.cuda.is_available() else None
     h2d = {"alone": copies.alone} if copies else {}
+
+    def way(gap: float, same: bool, beside: bool, busy: int) -> dict[int, float]:
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        time.sleep(0.3 if busy else 0.0)  # their interpreters started and spinning
+        try:
+            return {c: timed(c, gap, same, beside) for c in counts}
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
 
     def timed(count: int, gap: float, same: bool, beside: bool = False) -> float:
         spent, at = [], 0
@@ -117,10 +131,13 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
         return sorted(spent)[len(spent) // 2] * 1e6
 
     timed(1, 0.0, True)  # the team's start
-    ways = [("back to back", 0.0, False, False), (f"after {gap_us:.0f} us", gap_us * 1e-6, False, False), ("in cache", 0.0, True, False)]
+    busy = max(1, (os.cpu_count() or 1) - torch.get_num_threads() + 1)
+    ways = [("back to back", 0.0, False, False, 0), (f"after {gap_us:.0f} us", gap_us * 1e-6, False, False, 0),
+            ("in cache", 0.0, True, False, 0)]
     if copies:
-        ways.append(("beside H2D copies", 0.0, False, True))
-    return [(way, {c: timed(c, gap, same, beside) for c in counts}) for way, gap, same, beside in ways], h2d
+        ways.append(("beside H2D copies", 0.0, False, True, 0))
+    ways.append((f"beside {busy} busy", 0.0, False, False, busy))
+    return [(name, way(*how)) for name, *how in ways], h2d
 
 
 class _Copies:

@@ -65,6 +65,17 @@ static void init_scales(void) {
 #define prefetch(p) __builtin_prefetch((p), 0, 3)
 
 
+/* the rows one grab of a dynamic `omp for` takes: eight grabs a thread, so a thread the host slows (a neighbour, a
+ * busy core) does fewer rows rather than holding the call (the GPU machine's calls ran ~1.7 x slower in some runs) */
+static inline long team_chunk(long items, int T) {
+    const long c = items / (8L * T);
+    return c > 1 ? c : 1;
+}
+
+/* the runs a team of T splits G k-major scale groups into: four a thread, taken as threads come free (team_chunk's
+ * reason); each run sums into buffers of its own, added in run order, so a result depends on T, not on who ran what */
+static inline long team_runs(long G, int T) { return G < 4L * T ? G : 4L * T; }
+
 void sluice_set_threads(int n) {
     init_scales();
     if (n > 0)
@@ -158,7 +169,7 @@ static inline float fp4_row(const uint8_t *row, const uint8_t *srow, const float
 void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
     init_scales();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, team_chunk(N, omp_get_max_threads()))
     for (long n = 0; n < N; n++)
         y[n] = fp4_row(p + n * K2, s + n * s_stride, xe, xo, K2, half, e8m0);
 }
@@ -190,14 +201,13 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 #ifdef __AVX512BW__
 #include <stdlib.h>
 
-/* per calling thread: the OpenMP team's partial sums and accumulators, [2 * threads * N] floats */
+/* per calling thread: the OpenMP team's partial sums and accumulators */
 static __thread float *rows_buf;
 static __thread long rows_cap;
 
-/* the calling thread's rows_buf for a team of T threads over N outputs, or NULL when it cannot be had (the
- * team's threads see their own rows_buf: pass them this pointer) */
-static float *team_buf(int T, long N) {
-    long need = 2L * T * N;
+/* the calling thread's rows_buf, at least `need` floats, or NULL when it cannot be had (the team's threads see their
+ * own rows_buf: pass them this pointer) */
+static float *team_buf(long need) {
     if (need > rows_cap) {
         free(rows_buf);
         rows_buf = aligned_alloc(64, (size_t)need * sizeof(float));
@@ -251,34 +261,34 @@ static inline void fp4_kgroup(float *acc, float *part, const uint8_t *p, const u
     }
 }
 
-/* k-major by rows: each thread takes a run of scale groups and streams their rows whole (contiguous
- * bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), keeping all N
- * outputs' partial sums in L1 (part, per group) and its running sums (acc); the threads' sums are
- * added at the end. N a multiple of 16. */
+/* k-major by rows: the scale groups in team_runs' runs, each taken by whichever thread is free, its rows streamed
+ * whole (contiguous bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), all N outputs'
+ * partial sums in L1 (part, per group and thread) and the run's own running sums (acc); the runs' sums are added in
+ * run order at the end, so the outputs do not depend on which thread took which run. N a multiple of 16. */
 static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
-    int T = omp_get_max_threads();
-    float *buf = team_buf(T, N);
+    const int T = omp_get_max_threads();
+    const long G = (K2 + half - 1) / half, R = team_runs(G, T);
+    float *buf = team_buf((R + T) * N);  /* each run's sums, then each thread's scratch */
     if (!buf)
         return 0;
-    long G = (K2 + half - 1) / half;
-    int used = T;
 #pragma omp parallel num_threads(T)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp single
-        used = nt;
-        float *acc = buf + 2L * t * N, *part = acc + N;
-        for (long n = 0; n < N; n++)
-            acc[n] = 0.0f;
-        for (long g = G * t / nt; g < G * (t + 1) / nt; g++)
-            fp4_kgroup(acc, part, p, s + g * s_stride, xe, xo, N, g * half, g * half + half < K2 ? g * half + half : K2, e8m0);
+        float *part = buf + (R + omp_get_thread_num()) * N;
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < R; u++) {
+            float *acc = buf + u * N;
+            for (long n = 0; n < N; n++)
+                acc[n] = 0.0f;
+            for (long g = G * u / R; g < G * (u + 1) / R; g++)
+                fp4_kgroup(acc, part, p, s + g * s_stride, xe, xo, N, g * half, g * half + half < K2 ? g * half + half : K2, e8m0);
+        }
     }
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n += 16) {
         __m512 v = _mm512_loadu_ps(buf + n);
-        for (int t = 1; t < used; t++)
-            v = _mm512_add_ps(v, _mm512_loadu_ps(buf + 2L * t * N + n));
+        for (long u = 1; u < R; u++)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(buf + u * N + n));
         _mm512_storeu_ps(y + n, v);
     }
     return 1;
@@ -424,7 +434,7 @@ static inline void fp8_chunk(const uint8_t *w, const uint8_t *s, long s_stride, 
 void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
                        long N, long K, float *y) {
     init_scales();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, team_chunk(N, omp_get_max_threads()))
     for (long n = 0; n < N; n++)
         y[n] = fp8_row(w + n * K, s, s_stride, block, e8m0, x, n, K);
 }
@@ -432,7 +442,7 @@ void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
 void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
                        long N, long K, float *y) {
     init_scales();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
     for (long n0 = 0; n0 < N; n0 += 64)
         fp8_chunk(w, s, s_stride, block, e8m0, x, N, K, n0, y);
 }
@@ -603,7 +613,7 @@ static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, co
                            const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
     float sc[Q8_SEG] __attribute__((aligned(64)));
     const q8_consts k = q8_nconsts(half);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, team_chunk(N, omp_get_num_threads()))
     for (long n = 0; n < N; n++)
         y[n] = q8_nrow(&k, p + n * K2, s + n * s_stride, qe, qo, xs_lane, corr, K2, K2 / half, e8m0, sc);
 }
@@ -690,35 +700,37 @@ static inline void q8_kunpermute(float *const *parts, int nparts, long n0, float
                 y[n0 + 16 * b + 4 * i + j] = sum[16 * i + 4 * b + j];
 }
 
-/* q8_kmajor's work for the calling thread of a parallel region: its run of groups into buf (sized by team_buf for the
- * team), a barrier, then its share of the outputs summed over the team's threads. */
-static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
-                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
-    long G = K2 / half;
-    const int used = omp_get_num_threads();
-    const int t = omp_get_thread_num();
-    float *acc = buf + 2L * t * N;
-    for (long n = 0; n < N; n++)
-        acc[n] = 0.0f;
-    for (long g = G * t / used; g < G * (t + 1) / used; g++)
-        q8_kgroup(acc, p, s + g * s_stride, qe, qo, xs_lane, corr, N, g * half, half, e8m0);
-#pragma omp barrier
-    float *parts[used];
-    for (int u = 0; u < used; u++)
-        parts[u] = buf + 2L * u * N;
+/* q8_kmajor's work for the calling thread of a parallel region: runs of groups (R of them, team_runs) into buf [R, N],
+ * each run to whichever thread is free, then a share of the outputs summed over the runs in run order. */
+static void q8_kmajor_team(float *buf, long R, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe,
+                           const int8_t *qo, const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0,
+                           float *y) {
+    const long G = K2 / half;
+#pragma omp for schedule(dynamic, 1)
+    for (long u = 0; u < R; u++) {
+        float *acc = buf + u * N;
+        for (long n = 0; n < N; n++)
+            acc[n] = 0.0f;
+        for (long g = G * u / R; g < G * (u + 1) / R; g++)
+            q8_kgroup(acc, p, s + g * s_stride, qe, qo, xs_lane, corr, N, g * half, half, e8m0);
+    }
+    float *parts[R];
+    for (long u = 0; u < R; u++)
+        parts[u] = buf + u * N;
 #pragma omp for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64)  /* the threads' sums added and put in output order */
-        q8_kunpermute(parts, used, n0, 1.0f, y);
+    for (long n0 = 0; n0 < N; n0 += 64)  /* the runs' sums added and put in output order */
+        q8_kunpermute(parts, (int)R, n0, 1.0f, y);
 }
 
 static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
                      const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
-    int T = omp_get_max_threads();
-    float *buf = team_buf(T, N);
+    const int T = omp_get_max_threads();
+    const long R = team_runs(K2 / half, T);
+    float *buf = team_buf(R * N);
     if (!buf)
         return 0;
 #pragma omp parallel num_threads(T)
-    q8_kmajor_team(buf, p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
+    q8_kmajor_team(buf, R, p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
     return 1;
 }
 #endif
@@ -824,13 +836,13 @@ static inline void bf16_chunk(const uint16_t *w, const float *x, long N, long K,
 }
 
 void sluice_bf16_nmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, team_chunk(N, omp_get_max_threads()))
     for (long n = 0; n < N; n++)
         y[n] = bf16_row(w + n * K, x, K);
 }
 
 void sluice_bf16_kmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
     for (long n0 = 0; n0 < N; n0 += 64)
         bf16_chunk(w, x, N, K, n0, y);
 }
@@ -926,21 +938,24 @@ static inline void *carve(size_t *at, size_t bytes) {
 #ifdef __AVX512BW__
 /* A layer's n ReLU^2 FP4 experts on one token in one parallel region, with int8 activations (int8) or fp32: x
  * quantized once (int8); every expert's up rows in one `omp for`; each expert's activation (quantized by group); the
- * n experts' down groups split into one run per thread (a run crossing from one expert into the next keeps a partial
- * sum for each); then each expert's partial sums added in thread order, times its down_s2. Four barriers a layer
+ * n experts' down groups split into R runs, four a thread (a run crossing from one expert into the next keeps a partial
+ * sum for each); then each expert's partial sums added in run order, times its down_s2. Four barriers a layer
  * where expert by expert took four an expert, and the down projection's groups spread over the team whatever their
- * count per expert (one expert's 116 over 16 threads left some threads an eighth more than others). Per expert the
- * arithmetic is the single expert's (relu2_expert_q8_fused, sluice_fp4_relu2_expert), with n = 1 the same split too,
- * but for which threads' zero sums are added. 0 where it cannot run. */
+ * count per expert (one expert's 116 over 16 threads left some threads an eighth more than others). Rows and runs go
+ * to whichever thread is free (a thread the host slows does fewer; with static shares the whole call waited for it),
+ * and each run sums into buffers of its own, so the outputs do not depend on which thread took which run. Per expert
+ * the arithmetic is the single expert's (relu2_expert_q8_fused, sluice_fp4_relu2_expert) up to fp32 summation
+ * order. 0 where it cannot run. */
 static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y, int int8) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
     if (n < 1 || Dx % 64 || K2u % half || K2d % half || half % 4 || (int8 && (!Q8_LAYERS || K2u % 64)))
         return 0;
     const int T = omp_get_max_threads();
-    const long Gd = K2d / half, Gall = n * Gd, chunks = Dx / 64;
-    const long span = n;  /* a thread's run of down groups may touch every expert (a team smaller than T included) */
-    if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * (size_t)T * (span + 1) * Dx + 64 * 11))
+    const long Gd = K2d / half, Gall = n * Gd, chunks = Dx / 64, rows = team_chunk(n * I, T);
+    const long R = team_runs(Gall, T), L = (Gall + R - 1) / R;  /* runs, and the longest run's groups */
+    const long span = (L + Gd - 2) / Gd + 1 < n ? (L + Gd - 2) / Gd + 1 : n;  /* the experts one run touches, at most */
+    if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * ((size_t)R * span + T) * Dx + 64 * 11))
         return 0;
     size_t at = 0;
     int8_t *xq = carve(&at, 2 * K2u);
@@ -949,7 +964,7 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
     int8_t *hq = carve(&at, 2 * n * K2d);
     float *hs = carve(&at, n * K2d);
     int32_t *hc = carve(&at, n * K2d);
-    float *acc = carve(&at, 4 * (size_t)T * span * Dx), *parts = carve(&at, 4 * (size_t)T * Dx);
+    float *acc = carve(&at, 4 * (size_t)R * span * Dx), *parts = carve(&at, 4 * (size_t)T * Dx);
     (void)xq, (void)xs, (void)xc, (void)hq, (void)hs, (void)hc;
     const uint8_t *uw[n], *us[n], *dw[n], *ds[n];
     long ust[n], dst[n];
@@ -970,7 +985,7 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
                 q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
         }
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, rows)
         for (long r = 0; r < n * I; r++) {
             const long e = r / I, i = r % I;
 #if Q8_LAYERS
@@ -991,10 +1006,11 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
                          hc + e * (K2d / 4));
 #endif
         }
-        const int t = omp_get_thread_num(), used = omp_get_num_threads();
-        const long a = Gall * t / used, b = Gall * (t + 1) / used;
-        float *mine = acc + (size_t)t * span * Dx;
-        if (a < b) {
+        const int t = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < R; u++) {  /* run u: groups a .. b of all, into its own sums (R <= Gall: never empty) */
+            const long a = Gall * u / R, b = Gall * (u + 1) / R;
+            float *mine = acc + (size_t)u * span * Dx;
             memset(mine, 0, sizeof(float) * (size_t)((b - 1) / Gd - a / Gd + 1) * Dx);
             for (long gg = a; gg < b; gg++) {
                 const long e = gg / Gd, g = gg % Gd;
@@ -1010,15 +1026,14 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
                            g * half + half, e8m0);
             }
         }
-#pragma omp barrier
 #pragma omp for schedule(static)
         for (long c = 0; c < n * chunks; c++) {
             const long e = c / chunks, n0 = c % chunks * 64;
-            float *from[used];
+            float *from[R];
             int np = 0;
-            for (int u = 0; u < used; u++) {  /* the threads whose runs took groups of expert e, in thread order */
-                const long ua = Gall * u / used, ub = Gall * (u + 1) / used;
-                if (ua < ub && ua < (e + 1) * Gd && ub > e * Gd)
+            for (long u = 0; u < R; u++) {  /* the runs that took groups of expert e, in run order */
+                const long ua = Gall * u / R, ub = Gall * (u + 1) / R;
+                if (ua < (e + 1) * Gd && ub > e * Gd)
                     from[np++] = acc + (size_t)u * span * Dx + (e - ua / Gd) * Dx;
             }
 #if Q8_LAYERS
@@ -1041,8 +1056,8 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
 
 /* A layer's n SwiGLU FP4 experts (plain SiLU) on one token in one parallel region, int8 activations or fp32: x
  * quantized once (int8); every expert's gate and up rows in one `omp for`; silu(g) * u (quantized by group) per
- * expert; every expert's down rows in one `omp for`. Each output is one row's dot, so the result is
- * sluice_fp4_swiglu_expert's bit for bit whatever the split. 0 where it cannot run. */
+ * expert; every expert's down rows in one `omp for`, rows to whichever thread is free (team_chunk). Each output is one
+ * row's dot, so the result is sluice_fp4_swiglu_expert's bit for bit whatever the split. 0 where it cannot run. */
 static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y, int int8) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
@@ -1078,7 +1093,7 @@ static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const 
                 q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
         }
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, team_chunk(2 * n * I, T))
         for (long r = 0; r < 2 * n * I; r++) {  /* expert e's gate rows at gu[2 e I ..], its up rows after them */
             const long e = r / (2 * I), i = r % I;
             const int j = r % (2 * I) < I ? 2 : 0;
@@ -1108,7 +1123,7 @@ static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const 
                          hc + e * (K2d / 4));
 #endif
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, team_chunk(n * Dx, T))
         for (long r = 0; r < n * Dx; r++) {
             const long e = r / Dx, i = r % Dx;
 #if Q8_LAYERS
@@ -1154,7 +1169,7 @@ static inline float dense_scaled(const dense_proj *p, float v, long n) {
 static void dense_team(const dense_proj *ps, int n, const float *x, long xstride, long N, long K, float *y) {
     if (ps[0].kmajor) {
         const long chunks = (N + 63) / 64;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (long c = 0; c < n * chunks; c++) {
             const long e = c / chunks, n0 = c % chunks * 64, end = n0 + 64 < N ? n0 + 64 : N;
             const dense_proj *p = ps + e;
@@ -1167,7 +1182,7 @@ static void dense_team(const dense_proj *ps, int n, const float *x, long xstride
                 ye[i] = dense_scaled(p, ye[i], i);
         }
     } else {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, team_chunk(n * N, omp_get_num_threads()))
         for (long r = 0; r < n * N; r++) {
             const long e = r / N, i = r % N;
             const dense_proj *p = ps + e;

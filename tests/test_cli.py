@@ -117,7 +117,8 @@ def test_bench_cpu_calls_fit_a_call_and_a_block():
         pytest.skip("no C compiler here: no native calls to time")
     ways, h2d = bench_calls("qwen3-30b", "nvfp4", counts=(1, 2), calls=3, gap_us=10, bank_bytes=0)
     assert set(h2d) == ({"alone", 1, 2} if torch.cuda.is_available() else set())
-    assert [w for w, _ in ways][:3] == ["back to back", "after 10 us", "in cache"]
+    assert [w for w, _ in ways][:3] == ["back to back", "after 10 us", "in cache"] and ways[-1][0].startswith("beside")
+    assert ways[-1][0].endswith(" busy") and int(ways[-1][0].split()[1]) >= 1
     assert all(set(us) == {1, 2} and min(us.values()) > 0 for _, us in ways)
     text = format_calls([("made up", {1: 150.0, 2: 200.0, 4: 300.0})], block_mb=5.0)
     assert "100.0 +  50.0" in text and "100.0" in text.splitlines()[1].split()[-1]

@@ -332,7 +332,8 @@ def test_fp4_layer_is_its_experts(int8, fmt, threads):
     """A layer's ReLU^2 FP4 experts in one parallel region (cpu_native.c relu2_layer: down groups split over the team
     across expert boundaries), with int8 or fp32 activations, give each block's own run() up to fp32 summation order,
     for team sizes whose runs cross expert boundaries at different groups, and a block given twice gives the same
-    output twice."""
+    output twice; a call repeated gives the same bits (runs go to whichever thread is free, each into sums of its own,
+    added in run order)."""
     from sluice.kernels.cpu_native import native_kernels
 
     lib = native_kernels()
@@ -349,6 +350,7 @@ def test_fp4_layer_is_its_experts(int8, fmt, threads):
     assert many.shape == (5, Dx)
     assert torch.allclose(many, one, rtol=1e-5, atol=1e-6 * float(one.abs().max()))
     assert not torch.equal(many[0], many[1])
+    assert all(torch.equal(cpu.run_many(blocks, x), many) for _ in range(8))
     for j, a in enumerate([2, 0, 3, 1, 2]):
         ref = expert_ref("relu2", x[None].double(), {k: v.double() for k, v in dense[a].items()}, relu2)[0]
         err = float((many[j].double() - ref).norm() / ref.norm())
