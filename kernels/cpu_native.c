@@ -76,6 +76,15 @@ static inline long team_chunk(long items, int T) {
  * reason); each run sums into buffers of its own, added in run order, so a result depends on T, not on who ran what */
 static inline long team_runs(long G, int T) { return G < 4L * T ? G : 4L * T; }
 
+/* run u of R over G groups: its sums (buf + u * N) zeroed and returned, its groups [*g0, *g1) */
+static inline float *team_run(float *buf, long u, long R, long G, long N, long *g0, long *g1) {
+    float *acc = buf + u * N;
+    memset(acc, 0, sizeof(float) * (size_t)N);
+    *g0 = G * u / R;
+    *g1 = G * (u + 1) / R;
+    return acc;
+}
+
 void sluice_set_threads(int n) {
     init_scales();
     if (n > 0)
@@ -277,10 +286,9 @@ static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const 
         float *part = buf + (R + omp_get_thread_num()) * N;
 #pragma omp for schedule(dynamic, 1)
         for (long u = 0; u < R; u++) {
-            float *acc = buf + u * N;
-            for (long n = 0; n < N; n++)
-                acc[n] = 0.0f;
-            for (long g = G * u / R; g < G * (u + 1) / R; g++)
+            long g0, g1;
+            float *acc = team_run(buf, u, R, G, N, &g0, &g1);
+            for (long g = g0; g < g1; g++)
                 fp4_kgroup(acc, part, p, s + g * s_stride, xe, xo, N, g * half, g * half + half < K2 ? g * half + half : K2, e8m0);
         }
     }
@@ -708,10 +716,9 @@ static void q8_kmajor_team(float *buf, long R, const uint8_t *p, const uint8_t *
     const long G = K2 / half;
 #pragma omp for schedule(dynamic, 1)
     for (long u = 0; u < R; u++) {
-        float *acc = buf + u * N;
-        for (long n = 0; n < N; n++)
-            acc[n] = 0.0f;
-        for (long g = G * u / R; g < G * (u + 1) / R; g++)
+        long g0, g1;
+        float *acc = team_run(buf, u, R, G, N, &g0, &g1);
+        for (long g = g0; g < g1; g++)
             q8_kgroup(acc, p, s + g * s_stride, qe, qo, xs_lane, corr, N, g * half, half, e8m0);
     }
     float *parts[R];
