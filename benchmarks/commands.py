@@ -118,8 +118,8 @@ def cmd_bench_model(args) -> int:
             if line:
                 print(line)
             if lengths and max(lengths) > 1:
-                print(f"profile of a {max(lengths)}-token prompt, per prompt token:")
-                print(profile_prefill(engine, max(lengths)))
+                print(f"profile of a {max(lengths)}-token prompt on an empty VRAM tier (as the table's first column), per prompt token:")
+                print(profile_prefill(engine, max(lengths), empty=True))
     del engine  # the second engine opens with this one's GPU memory given back (a VRAM budget counts it)
     if args.resident_alone:
         line = resident_roofline(r["decode"], _resident_alone(args), "alone")

@@ -188,6 +188,24 @@ def test_profile_table_lists_gpu_ops_by_time_per_token():
     assert lines[3].split()[-1] == "op3" and lines[4].split()[:2] == ["0.150", "3.0"]  # op2 + op1: 300 us, 6 calls
 
 
+def test_copy_timeline_finds_where_pcie_idles():
+    """bench --profile's copies' timeline: busy time as the union of the host-to-device copies, gaps of 50 us or more
+    between them, and the GPU's kernel time inside each gap; other events (a device-to-host copy, host ops) count
+    for nothing, and a profile without copies gives no line."""
+    from sluice.benchmarks.profile import copy_timeline
+
+    X = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [X("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", ts, dur) for ts, dur in ((0, 100), (80, 70), (180, 100), (1280, 120))]
+    events += [X("kernel", "_grouped_gemm_kernel", 400, 600), X("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 300, 900),
+               X("cpu_op", "aten::copy_", 150, 1000)]
+    lines = copy_timeline(events).splitlines()
+    # copies [0, 150] (two, overlapping), [180, 280], [1280, 1400]: busy 370 us of 1400; a 30-us gap is under the bound
+    assert "busy 0.37 ms of 1.40 ms" in lines[0] and "(26%)" in lines[0]
+    assert "1 gaps of 50 us or more: 1.00 ms" in lines[0] and "kernels running 0.60 ms" in lines[0]
+    assert lines[1].split() == ["gap", "at", "0.28", "ms:", "1.000", "ms,", "kernels", "0.600", "ms", "of", "it"]
+    assert copy_timeline([e for e in events if "HtoD" not in e["name"]]) == ""
+
+
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a VRAM budget sizes the GPU slot bank")
 def test_vram_budget_sizes_the_slot_bank(stores):
     """The slot bank gets what the budget leaves after the resident part and the reserve; a budget too small
