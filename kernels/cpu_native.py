@@ -55,7 +55,8 @@ def native_kernels():
                 cpu += next((line for line in f if line.startswith("flags")), "")
         except OSError:
             pass
-        key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags, cpu]).encode()).hexdigest()[:16]
+        parts = [src, *sorted(src.with_name("native").glob("*.[ch]"))]  # the unit and the parts it includes
+        key = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + " ".join([cc, *flags, cpu]).encode()).hexdigest()[:16]
         out = sluice_home() / "build" / f"cpu_native-{key}.so"
         try:
             if not out.is_file():

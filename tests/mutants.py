@@ -83,18 +83,18 @@ MUTANTS = {
         "the last expert's block swapped with expert 0's in every layer of the store"),
     # the scalar tail of the n-major FP4 row (K/2 not a multiple of the vector step) reads the nibbles the wrong way
     "nibbles-tail-nmajor": Mutant(
-        "kernels/cpu_native.c",
+        "kernels/native/fp4.c",
         "            part += e2m1(b & 15) * xe[j] + e2m1(b >> 4) * xo[j];",
         "            part += e2m1(b >> 4) * xe[j] + e2m1(b & 15) * xo[j];",
         ("tests/test_cpu_kernels.py::test_native_fp4_scalar_tail[nmajor-e4m3-24x40]",),
-        "nibbles swapped in the n-major FP4 kernel's scalar tail (cpu_native.c fp4_row)"),
+        "nibbles swapped in the n-major FP4 kernel's scalar tail (native/fp4.c fp4_row)"),
     # the scalar tail of the k-major FP4 rows (outputs not a multiple of the vector width) likewise
     "nibbles-tail-kmajor": Mutant(
-        "kernels/cpu_native.c",
+        "kernels/native/fp4.c",
         "                    part[i] += e2m1(c & 15) * a + e2m1(c >> 4) * b;",
         "                    part[i] += e2m1(c >> 4) * a + e2m1(c & 15) * b;",
         tuple(f"tests/test_cpu_kernels.py::test_native_fp4_scalar_tail[kmajor-{s}]" for s in ("e4m3-13x16", "e8m0-13x32")),
-        "nibbles swapped in the k-major FP4 kernel's scalar tail (cpu_native.c fp4_kmajor)"),
+        "nibbles swapped in the k-major FP4 kernel's scalar tail (native/fp4.c sluice_fp4_kmajor)"),
 }
 
 

@@ -149,7 +149,7 @@ def test_native_fp4_every_scale_byte(kmajor, e8m0):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-# (layout, scale kind, N outputs, K2 bytes a row): sizes off the vector widths so that cpu_native.c's scalar tails run:
+# (layout, scale kind, N outputs, K2 bytes a row): sizes off the vector widths so that the native kernels' scalar tails run:
 # n-major rows whose K2 is not a multiple of AVX-512's 16 bytes (fp4_row's tail; 8 is all tail), or of more than the
 # 512 groups AVX2 takes; k-major outputs not a multiple of 8 (AVX2) or 16 (AVX-512: kmajor_rows), fp4_kmajor's tail
 TAILS = [("nmajor", "e4m3", 24, 40), ("nmajor", "e4m3", 5, 8), ("nmajor", "e4m3", 3, 8 * 520),
@@ -270,7 +270,7 @@ def test_run_many_is_run_block_by_block(kind, fmt):
     """A layer's blocks on one token in one native call (CpuExperts.run_many: the hybrid path's one-token steps) give
     each block's own run(), in the order given, and match the reference: bit for bit where each output is one row's
     or one chunk's sum; up to fp32 summation order for a ReLU^2 FP4 or FP8 layer, whose re-laid down is split over the
-    threads by runs of scale groups or row tiles across expert boundaries (cpu_native.c relu2_layer, fp8_krows_team)."""
+    threads by runs of scale groups or row tiles across expert boundaries (native/layers.c relu2_layer, native/dense.c fp8_krows_team)."""
     from sluice.kernels.cpu_native import native_kernels
 
     if native_kernels() is None:
@@ -329,7 +329,7 @@ def test_weighed_rows_in_the_native_call_are_torchs(kind, fmt):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("int8", [True, False])
 def test_fp4_layer_is_its_experts(int8, fmt, threads):
-    """A layer's ReLU^2 FP4 experts in one parallel region (cpu_native.c relu2_layer: down groups split over the team
+    """A layer's ReLU^2 FP4 experts in one parallel region (native/layers.c relu2_layer: down groups split over the team
     across expert boundaries), with int8 or fp32 activations, give each block's own run() up to fp32 summation order,
     for team sizes whose runs cross expert boundaries at different groups, and a block given twice gives the same
     output twice; a call repeated gives the same bits (runs go to whichever thread is free, each into sums of its own,
@@ -359,7 +359,7 @@ def test_fp4_layer_is_its_experts(int8, fmt, threads):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_int8_swiglu_layer_is_its_experts(threads):
-    """A layer's SwiGLU FP4 experts with int8 activations in one parallel region (cpu_native.c swiglu_layer): each
+    """A layer's SwiGLU FP4 experts with int8 activations in one parallel region (native/layers.c swiglu_layer): each
     output is one row's dot, so every block's output is its own int8 run()'s bit for bit, in the order given."""
     from sluice.kernels.cpu_native import native_kernels
 

@@ -20,7 +20,8 @@ def test_wheel_contents(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for pkg in ("pipeline", "stages", "kernels", "storage", "models", "schedules"):
         assert f"sluice/{pkg}/__init__.py" in names, pkg
-    assert {"sluice/cli.py", "sluice/schedules/serial.yaml", "sluice/schedules/overlap.yaml", "sluice/kernels/cpu_native.c"} <= names
+    assert {"sluice/cli.py", "sluice/schedules/serial.yaml", "sluice/schedules/overlap.yaml", "sluice/kernels/cpu_native.c",
+            "sluice/kernels/native/common.h", "sluice/kernels/native/fp4.c"} <= names  # the C unit and the parts it includes
     assert not any(n.startswith(("sluice/tests/", "sluice/.venv")) for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "sluice = sluice.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

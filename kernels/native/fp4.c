@@ -1,0 +1,192 @@
+/* FP4 (NVFP4 / MXFP4) matvecs with fp32 activations: n-major rows, k-major (re-laid) downs.
+ * A part of kernels/cpu_native.c's one translation unit, included in order: it sees the parts before it. */
+
+
+/* one n-major FP4 row (K2 bytes, its group scales at srow) . x, x given as its even and odd elements */
+static inline float fp4_row(const uint8_t *row, const uint8_t *srow, const float *xe, const float *xo, long K2, int half,
+                            int e8m0) {
+    float acc = 0.0f;
+    long g0 = 0, g = 0;
+#if defined(__AVX512BW__)
+    {  /* 16 bytes (32 codes, one or two scale groups) a step; codes looked up as floats by permutes */
+        const __m512 table = _mm512_loadu_ps(E2M1);
+        const float *lut = SCALES[e8m0 != 0];
+        __m512 vacc = _mm512_setzero_ps();
+        for (; g0 + 16 <= K2; g0 += 16) {
+            if (!(g0 & 63))
+                prefetch(row + g0 + PF_ROW);
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g0)));
+            __m512 lo = _mm512_permutexvar_ps(c, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+            __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + g0), _mm512_mul_ps(lo, _mm512_loadu_ps(xe + g0)));
+            __m512 sv = half == 16 ? _mm512_set1_ps(lut[srow[g0 / 16]])
+                                   : _mm512_insertf32x8(_mm512_set1_ps(lut[srow[g0 / 8]]), _mm256_set1_ps(lut[srow[g0 / 8 + 1]]), 1);
+            vacc = _mm512_fmadd_ps(t, sv, vacc);
+        }
+        g = g0 / half;
+        acc = _mm512_reduce_add_ps(vacc);
+    }
+#elif defined(__AVX2__)
+    {
+        const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
+        __m256 vacc = _mm256_setzero_ps();
+        float sc[512];  /* the row's group scales, decoded up front (x 0.5: the table holds 2 x E2M1) */
+        long G = K2 / half < 512 ? K2 / half : 512;
+        for (long i = 0; i < G; i++)
+            sc[i] = 0.5f * scale_f32(srow[i], e8m0);
+        for (; g0 + half <= K2 && g < G; g0 += half, g++) {  /* whole groups of 8 or 16 bytes */
+            __m256 scale = _mm256_set1_ps(sc[g]);
+            for (long j = g0; j < g0 + half; j += 8) {
+                __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + j));
+                vacc = _mm256_fmadd_ps(dot8(bytes, xe + j, xo + j, table, low4), scale, vacc);
+            }
+        }
+        acc = hsum(vacc);
+    }
+#endif
+    for (; g0 < K2; g0 += half, g++) {
+        long end = g0 + half < K2 ? g0 + half : K2;
+        float part = 0.0f;
+        for (long j = g0; j < end; j++) {
+            int b = row[j];
+            part += e2m1(b & 15) * xe[j] + e2m1(b >> 4) * xo[j];
+        }
+        acc += part * scale_f32(srow[g], e8m0);
+    }
+    return acc;
+}
+
+void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
+                       long N, long K2, int half, int e8m0, float *y) {
+    init_scales();
+#pragma omp parallel for schedule(dynamic, team_chunk(N, omp_get_max_threads()))
+    for (long n = 0; n < N; n++)
+        y[n] = fp4_row(p + n * K2, s + n * s_stride, xe, xo, K2, half, e8m0);
+}
+
+#define CHUNK 256
+
+#ifdef __AVX512BW__
+/* one k-major FP4 scale group (rows j .. end of p, [K2, N] bytes; its N scale bytes at sr) added into acc [N]:
+ * part [N] is scratch. N a multiple of 16. */
+static inline void fp4_kgroup(float *acc, float *part, const uint8_t *p, const uint8_t *sr, const float *xe, const float *xo,
+                              long N, long j, long end, int e8m0) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    for (long n = 0; n < N; n++)
+        part[n] = 0.0f;
+    for (; j + 1 < end; j += 2) {  /* two rows a pass: each output's partial sum loaded and stored once */
+        const uint8_t *r0 = p + j * N, *r1 = r0 + N;
+        const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
+        const __m512 a1 = _mm512_set1_ps(xe[j + 1]), b1 = _mm512_set1_ps(xo[j + 1]);
+        for (long n = 0; n < N; n += 16) {
+            if (!(n & 63)) {
+                prefetch(r0 + n + PF_KROW);
+                prefetch(r1 + n + PF_KROW);
+            }
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+            __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + n)));
+            __m512 v = _mm512_loadu_ps(part + n);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c1, table), a1, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), table), b1, v);
+            _mm512_storeu_ps(part + n, v);
+        }
+    }
+    for (; j < end; j++) {
+        const uint8_t *r0 = p + j * N;
+        const __m512 a0 = _mm512_set1_ps(xe[j]), b0 = _mm512_set1_ps(xo[j]);
+        for (long n = 0; n < N; n += 16) {
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+            __m512 v = _mm512_loadu_ps(part + n);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(c0, table), a0, v);
+            v = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), b0, v);
+            _mm512_storeu_ps(part + n, v);
+        }
+    }
+    for (long n = 0; n < N; n += 16) {  /* the group's scales, 16 bytes decoded in registers */
+        __m128i b = _mm_loadu_si128((const __m128i *)(sr + n));
+        __m512 sv = e8m0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23))
+                         : _mm512_mul_ps(e4m3x16(sr + n), _mm512_set1_ps(256.0f));
+        _mm512_storeu_ps(acc + n, _mm512_fmadd_ps(_mm512_loadu_ps(part + n), sv, _mm512_loadu_ps(acc + n)));
+    }
+}
+
+/* k-major by rows: the scale groups in team_runs' runs, each taken by whichever thread is free, its rows streamed
+ * whole (contiguous bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), all N outputs'
+ * partial sums in L1 (part, per group and thread) and the run's own running sums (acc); the runs' sums are added in
+ * run order at the end, so the outputs do not depend on which thread took which run. N a multiple of 16. */
+static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
+                       long N, long K2, int half, int e8m0, float *y) {
+    const int T = omp_get_max_threads();
+    const long G = (K2 + half - 1) / half, R = team_runs(G, T);
+    float *buf = team_buf((R + T) * N);  /* each run's sums, then each thread's scratch */
+    if (!buf)
+        return 0;
+#pragma omp parallel num_threads(T)
+    {
+        float *part = buf + (R + omp_get_thread_num()) * N;
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < R; u++) {
+            long g0, g1;
+            float *acc = team_run(buf, u, R, G, N, &g0, &g1);
+            for (long g = g0; g < g1; g++)
+                fp4_kgroup(acc, part, p, s + g * s_stride, xe, xo, N, g * half, g * half + half < K2 ? g * half + half : K2, e8m0);
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n += 16) {
+        __m512 v = _mm512_loadu_ps(buf + n);
+        for (long u = 1; u < R; u++)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(buf + u * N + n));
+        _mm512_storeu_ps(y + n, v);
+    }
+    return 1;
+}
+#endif
+
+void sluice_fp4_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
+                       long N, long K2, int half, int e8m0, float *y) {
+    init_scales();
+#ifdef __AVX512BW__
+    if (N % 16 == 0 && kmajor_rows(p, s, s_stride, xe, xo, N, K2, half, e8m0, y))
+        return;
+#endif
+#pragma omp parallel for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += CHUNK) {
+        long w = N - n0 < CHUNK ? N - n0 : CHUNK;
+        float acc[CHUNK], part[CHUNK];
+        for (long i = 0; i < w; i++)
+            acc[i] = 0.0f;
+        for (long g0 = 0, g = 0; g0 < K2; g0 += half, g++) {
+            long end = g0 + half < K2 ? g0 + half : K2;
+            for (long i = 0; i < w; i++)
+                part[i] = 0.0f;
+            for (long j = g0; j < end; j++) {
+                const uint8_t *r = p + j * N + n0;
+                float a = xe[j], b = xo[j];
+                long i = 0;
+#ifdef __AVX2__
+                const __m128i table = e2m1x2_table(), low4 = _mm_set1_epi8(15);
+                const __m256 va = _mm256_set1_ps(0.5f * a), vb = _mm256_set1_ps(0.5f * b);
+                for (; i + 8 <= w; i += 8) {  /* 8 outputs: their codes in 8 bytes of this input row */
+                    __m128i bytes = _mm_loadl_epi64((const __m128i *)(r + i));
+                    __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4));
+                    __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+                    __m256 v = _mm256_loadu_ps(part + i);
+                    v = _mm256_fmadd_ps(i8_ps(lo), va, v);
+                    _mm256_storeu_ps(part + i, _mm256_fmadd_ps(i8_ps(hi), vb, v));
+                }
+#endif
+                for (; i < w; i++) {
+                    int c = r[i];
+                    part[i] += e2m1(c & 15) * a + e2m1(c >> 4) * b;
+                }
+            }
+            const uint8_t *sr = s + g * s_stride + n0;
+            for (long i = 0; i < w; i++)
+                acc[i] += part[i] * scale_f32(sr[i], e8m0);
+        }
+        for (long i = 0; i < w; i++)
+            y[n0 + i] = acc[i];
+    }
+}
