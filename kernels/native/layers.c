@@ -39,6 +39,15 @@ static inline void plan_proj(const int64_t *plan, int j, const uint8_t *base, co
 #define Q8_LAYERS 0
 #endif
 
+#if Q8_LAYERS
+/* x quantized per scale group once for a layer's experts, by the calling team (an `omp for`: ends in a barrier) */
+static inline void q8_team_x(const float *xe, const float *xo, long K2u, int half, int8_t *xq, float *xs, int32_t *xc) {
+#pragma omp for schedule(static)
+    for (long g0 = 0; g0 < K2u; g0 += half)
+        q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
+}
+#endif
+
 #ifdef __AVX512BW__
 /* A layer's n ReLU^2 FP4 experts on one token in one parallel region, with int8 activations (int8) or fp32: x
  * quantized once (int8); every expert's up rows in one `omp for`; each expert's activation (quantized by group); the
@@ -83,11 +92,8 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
 #if Q8_LAYERS
         float sc[Q8_SEG] __attribute__((aligned(64)));
         const q8_consts k = q8_nconsts(half);
-        if (int8) {
-#pragma omp for schedule(static)
-            for (long g0 = 0; g0 < K2u; g0 += half)
-                q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
-        }
+        if (int8)
+            q8_team_x(xe, xo, K2u, half, xq, xs, xc);
 #endif
 #pragma omp for schedule(dynamic, rows)
         for (long r = 0; r < n * I; r++) {
@@ -191,11 +197,8 @@ static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const 
 #if Q8_LAYERS
         float sc[Q8_SEG] __attribute__((aligned(64)));
         const q8_consts k = q8_nconsts(half);
-        if (int8) {
-#pragma omp for schedule(static)
-            for (long g0 = 0; g0 < K2u; g0 += half)
-                q8_group(xe, xo, g0, half, xq, xq + K2u, xs, xc);
-        }
+        if (int8)
+            q8_team_x(xe, xo, K2u, half, xq, xs, xc);
 #endif
 #pragma omp for schedule(dynamic, team_chunk(2 * n * I, T))
         for (long r = 0; r < 2 * n * I; r++) {  /* expert e's gate rows at gu[2 e I ..], its up rows after them */
