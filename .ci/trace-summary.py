@@ -18,13 +18,11 @@ for n, us in sorted(by_count.items(), key=lambda kv: str(kv[0])):
     print(f"  {n} blocks: {len(us):5} calls, median {statistics.median(us):7.1f} us, slowest tenth from {sorted(us)[9 * len(us) // 10]:7.1f} us")
 slow = sorted(by_layer.items(), key=lambda kv: -statistics.median(kv[1]))[:5]
 print("  layers with the slowest median call: " + ", ".join(f"{layer} ({statistics.median(us):.0f} us)" for layer, us in slow))
-gpu = collections.defaultdict(float)
+gpu, host = collections.defaultdict(float), collections.defaultdict(float)
 for r in rows:
     if r.get("event") == "gpu":
         gpu[r["stage"]] += r["gpu_us"]
-host = collections.defaultdict(float)
-for r in rows:
-    if r.get("event") == "stage":
+    elif r.get("event") == "stage":
         host[r["stage"]] += r["host_us"]
 print("ms a step, by stage:  " + "  ".join(f"{k} host {host.get(k, 0) / steps / 1000:.2f} gpu {gpu.get(k, 0) / steps / 1000:.2f}"
                                            for k in sorted(set(gpu) | set(host))))

@@ -83,8 +83,8 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
     call (from the CPU's caches: what is not the RAM read); and where CUDA is, back to back while pinned-to-device
     copies read RAM too, as PCIe's share of the blocks does in the engine (whether the two share the host's RAM
     bandwidth); and beside spinning processes, one more than the cores the team leaves free, so a thread of the team
-    shares a core (as with a busy neighbour: a static split waits for that thread). The bank is pinned where CUDA is, as the engine's RAM slots are (`bank_bytes` of them: more than the
-    CPU's caches). Returns ([(way, {count: us})], {"alone" | count: the copies' GB/s alone | beside that count's calls})."""
+    shares a core (as with a busy neighbour: a static split waits for that thread). The bank is pinned where CUDA is,
+    as the engine's RAM slots are (`bank_bytes` of them: more than the CPU's caches). Returns ([(way, {count: us})], {"alone" | count: the copies' GB/s alone | beside that count's calls})."""
     kind, Dx, I, K = SHAPES[shape]
     tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
     block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))

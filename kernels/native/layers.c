@@ -57,7 +57,7 @@ static inline void q8_team_x(const float *xe, const float *xo, long K2u, int hal
  * count per expert (one expert's 116 over 16 threads left some threads an eighth more than others). Rows and runs go
  * to whichever thread is free (a thread the host slows does fewer; with static shares the whole call waited for it),
  * and each run sums into buffers of its own, so the outputs do not depend on which thread took which run. Per expert
- * the arithmetic is the single expert's (relu2_expert_q8_fused, sluice_fp4_relu2_expert) up to fp32 summation
+ * the arithmetic is the single expert's (sluice_fp4_relu2_expert_q8, sluice_fp4_relu2_expert) up to fp32 summation
  * order. 0 where it cannot run. */
 static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y, int int8) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
