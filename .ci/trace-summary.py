@@ -1,4 +1,4 @@
-"""On the GPU machine (.ci/gpu-day PART=dyn): a `--trace` run's stage lines (FILE.jsonl) summed up: the CPU's calls
+"""On the GPU machine (.ci/gpu-day PART=day): a `--trace` run's stage lines (FILE.jsonl) summed up: the CPU's calls
 (`compute:cpu` host spans) by their count of blocks and by layer, and each stage's GPU time per token, so a slow run's
 time shows where it went.   python3 .ci/trace-summary.py TRACE.json.jsonl"""
 import collections

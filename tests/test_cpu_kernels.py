@@ -332,8 +332,8 @@ def test_fp4_layer_is_its_experts(int8, fmt, threads):
     """A layer's ReLU^2 FP4 experts in one parallel region (native/layers.c relu2_layer: down groups split over the team
     across expert boundaries), with int8 or fp32 activations, give each block's own run() up to fp32 summation order,
     for team sizes whose runs cross expert boundaries at different groups, and a block given twice gives the same
-    output twice; a call repeated gives the same bits (runs go to whichever thread is free, each into sums of its own,
-    added in run order)."""
+    output twice; a call repeated gives the same bits (each thread's run sums into its own buffers, added in thread
+    order)."""
     from sluice.kernels.cpu_native import native_kernels
 
     lib = native_kernels()

@@ -65,13 +65,13 @@ static inline void bf16_chunk(const uint16_t *w, const float *x, long N, long K,
 }
 
 void sluice_bf16_nmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
-#pragma omp parallel for schedule(dynamic, team_chunk(N, omp_get_max_threads()))
+#pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++)
         y[n] = bf16_row(w + n * K, x, K);
 }
 
 void sluice_bf16_kmajor(const uint16_t *w, const float *x, long N, long K, float *y) {
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(static)
     for (long n0 = 0; n0 < N; n0 += 64)
         bf16_chunk(w, x, N, K, n0, y);
 }

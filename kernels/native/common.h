@@ -53,26 +53,6 @@ static void init_scales(void) {
 #define prefetch(p) __builtin_prefetch((p), 0, 3)
 
 
-/* the rows one grab of a dynamic `omp for` takes: eight grabs a thread, so a thread the host slows (a neighbour, a
- * busy core) does fewer rows rather than holding the call (the GPU machine's calls ran ~1.7 x slower in some runs) */
-static inline long team_chunk(long items, int T) {
-    const long c = items / (8L * T);
-    return c > 1 ? c : 1;
-}
-
-/* the runs a team of T splits G k-major scale groups into: four a thread, taken as threads come free (team_chunk's
- * reason); each run sums into buffers of its own, added in run order, so a result depends on T, not on who ran what */
-static inline long team_runs(long G, int T) { return G < 4L * T ? G : 4L * T; }
-
-/* run u of R over G groups: its sums (buf + u * N) zeroed and returned, its groups [*g0, *g1) */
-static inline float *team_run(float *buf, long u, long R, long G, long N, long *g0, long *g1) {
-    float *acc = buf + u * N;
-    memset(acc, 0, sizeof(float) * (size_t)N);
-    *g0 = G * u / R;
-    *g1 = G * (u + 1) / R;
-    return acc;
-}
-
 void sluice_set_threads(int n) {
     init_scales();
     if (n > 0)
@@ -132,13 +112,14 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 #endif
 
 #ifdef __AVX512BW__
-/* per calling thread: the OpenMP team's partial sums and accumulators */
+/* per calling thread: the OpenMP team's partial sums and accumulators, [2 * threads * N] floats */
 static __thread float *rows_buf;
 static __thread long rows_cap;
 
-/* the calling thread's rows_buf, at least `need` floats, or NULL when it cannot be had (the team's threads see their
- * own rows_buf: pass them this pointer) */
-static float *team_buf(long need) {
+/* the calling thread's rows_buf for a team of T threads over N outputs, or NULL when it cannot be had (the
+ * team's threads see their own rows_buf: pass them this pointer) */
+static float *team_buf(int T, long N) {
+    long need = 2L * T * N;
     if (need > rows_cap) {
         free(rows_buf);
         rows_buf = aligned_alloc(64, (size_t)need * sizeof(float));

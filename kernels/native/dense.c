@@ -31,7 +31,7 @@ static inline float dense_scaled(const dense_proj *p, float v, long n) {
 static void dense_team(const dense_proj *ps, int n, const float *x, long xstride, long N, long K, float *y) {
     if (ps[0].kmajor) {
         const long chunks = (N + 63) / 64;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
         for (long c = 0; c < n * chunks; c++) {
             const long e = c / chunks, n0 = c % chunks * 64, end = n0 + 64 < N ? n0 + 64 : N;
             const dense_proj *p = ps + e;
@@ -44,7 +44,7 @@ static void dense_team(const dense_proj *ps, int n, const float *x, long xstride
                 ye[i] = dense_scaled(p, ye[i], i);
         }
     } else {
-#pragma omp for schedule(dynamic, team_chunk(n * N, omp_get_num_threads()))
+#pragma omp for schedule(static)
         for (long r = 0; r < n * N; r++) {
             const long e = r / N, i = r % N;
             const dense_proj *p = ps + e;

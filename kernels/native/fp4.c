@@ -58,7 +58,7 @@ static inline float fp4_row(const uint8_t *row, const uint8_t *srow, const float
 void sluice_fp4_nmajor(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
     init_scales();
-#pragma omp parallel for schedule(dynamic, team_chunk(N, omp_get_max_threads()))
+#pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++)
         y[n] = fp4_row(p + n * K2, s + n * s_stride, xe, xo, K2, half, e8m0);
 }
@@ -111,33 +111,34 @@ static inline void fp4_kgroup(float *acc, float *part, const uint8_t *p, const u
     }
 }
 
-/* k-major by rows: the scale groups in team_runs' runs, each taken by whichever thread is free, its rows streamed
- * whole (contiguous bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), all N outputs'
- * partial sums in L1 (part, per group and thread) and the run's own running sums (acc); the runs' sums are added in
- * run order at the end, so the outputs do not depend on which thread took which run. N a multiple of 16. */
+/* k-major by rows: each thread takes a run of scale groups and streams their rows whole (contiguous
+ * bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), keeping all N
+ * outputs' partial sums in L1 (part, per group) and its running sums (acc); the threads' sums are
+ * added at the end. N a multiple of 16. */
 static int kmajor_rows(const uint8_t *p, const uint8_t *s, long s_stride, const float *xe, const float *xo,
                        long N, long K2, int half, int e8m0, float *y) {
-    const int T = omp_get_max_threads();
-    const long G = (K2 + half - 1) / half, R = team_runs(G, T);
-    float *buf = team_buf((R + T) * N);  /* each run's sums, then each thread's scratch */
+    int T = omp_get_max_threads();
+    float *buf = team_buf(T, N);
     if (!buf)
         return 0;
+    long G = (K2 + half - 1) / half;
+    int used = T;
 #pragma omp parallel num_threads(T)
     {
-        float *part = buf + (R + omp_get_thread_num()) * N;
-#pragma omp for schedule(dynamic, 1)
-        for (long u = 0; u < R; u++) {
-            long g0, g1;
-            float *acc = team_run(buf, u, R, G, N, &g0, &g1);
-            for (long g = g0; g < g1; g++)
-                fp4_kgroup(acc, part, p, s + g * s_stride, xe, xo, N, g * half, g * half + half < K2 ? g * half + half : K2, e8m0);
-        }
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+        used = nt;
+        float *acc = buf + 2L * t * N, *part = acc + N;
+        for (long n = 0; n < N; n++)
+            acc[n] = 0.0f;
+        for (long g = G * t / nt; g < G * (t + 1) / nt; g++)
+            fp4_kgroup(acc, part, p, s + g * s_stride, xe, xo, N, g * half, g * half + half < K2 ? g * half + half : K2, e8m0);
     }
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n += 16) {
         __m512 v = _mm512_loadu_ps(buf + n);
-        for (long u = 1; u < R; u++)
-            v = _mm512_add_ps(v, _mm512_loadu_ps(buf + u * N + n));
+        for (int t = 1; t < used; t++)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(buf + 2L * t * N + n));
         _mm512_storeu_ps(y + n, v);
     }
     return 1;

@@ -93,7 +93,7 @@ static inline void fp8_chunk(const uint8_t *w, const uint8_t *s, long s_stride, 
 void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
                        long N, long K, float *y) {
     init_scales();
-#pragma omp parallel for schedule(dynamic, team_chunk(N, omp_get_max_threads()))
+#pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++)
         y[n] = fp8_row(w + n * K, s, s_stride, block, e8m0, x, n, K);
 }
@@ -101,7 +101,7 @@ void sluice_fp8_nmajor(const uint8_t *w, const uint8_t *s, long s_stride, long b
 void sluice_fp8_kmajor(const uint8_t *w, const uint8_t *s, long s_stride, long block, int e8m0, const float *x,
                        long N, long K, float *y) {
     init_scales();
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(static)
     for (long n0 = 0; n0 < N; n0 += 64)
         fp8_chunk(w, s, s_stride, block, e8m0, x, N, K, n0, y);
 }

@@ -51,24 +51,22 @@ static inline void q8_team_x(const float *xe, const float *xo, long K2u, int hal
 #ifdef __AVX512BW__
 /* A layer's n ReLU^2 FP4 experts on one token in one parallel region, with int8 activations (int8) or fp32: x
  * quantized once (int8); every expert's up rows in one `omp for`; each expert's activation (quantized by group); the
- * n experts' down groups split into R runs, four a thread (a run crossing from one expert into the next keeps a partial
- * sum for each); then each expert's partial sums added in run order, times its down_s2. Four barriers a layer
+ * n experts' down groups split into one run per thread (a run crossing from one expert into the next keeps a partial
+ * sum for each); then each expert's partial sums added in thread order, times its down_s2. Four barriers a layer
  * where expert by expert took four an expert, and the down projection's groups spread over the team whatever their
- * count per expert (one expert's 116 over 16 threads left some threads an eighth more than others). Rows and runs go
- * to whichever thread is free (a thread the host slows does fewer; with static shares the whole call waited for it),
- * and each run sums into buffers of its own, so the outputs do not depend on which thread took which run. Per expert
- * the arithmetic is the single expert's (sluice_fp4_relu2_expert_q8, sluice_fp4_relu2_expert) up to fp32 summation
- * order. 0 where it cannot run. */
+ * count per expert (one expert's 116 over 16 threads left some threads an eighth more than others). Static shares:
+ * rows and runs to whichever thread was free timed the same in the engine and stalled calls beside busy cores
+ * (BENCHMARKS.md, sixteenth set). Per expert the arithmetic is the single expert's (sluice_fp4_relu2_expert_q8,
+ * sluice_fp4_relu2_expert) up to fp32 summation order. 0 where it cannot run. */
 static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y, int int8) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
     if (n < 1 || Dx % 64 || K2u % half || K2d % half || half % 4 || (int8 && (!Q8_LAYERS || K2u % 64)))
         return 0;
     const int T = omp_get_max_threads();
-    const long Gd = K2d / half, Gall = n * Gd, chunks = Dx / 64, rows = team_chunk(n * I, T);
-    const long R = team_runs(Gall, T), L = (Gall + R - 1) / R;  /* runs, and the longest run's groups */
-    const long span = (L + Gd - 2) / Gd + 1 < n ? (L + Gd - 2) / Gd + 1 : n;  /* the experts one run touches, at most */
-    if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * ((size_t)R * span + T) * Dx + 64 * 11))
+    const long Gd = K2d / half, Gall = n * Gd, chunks = Dx / 64;
+    const long span = n;  /* a thread's run of down groups may touch every expert (a team smaller than T included) */
+    if (!layer_scratch((size_t)(4 * K2u + 4 * n * I + 8 * n * K2d + 4 * n * K2d) + 4 * (size_t)T * (span + 1) * Dx + 64 * 11))
         return 0;
     size_t at = 0;
     int8_t *xq = carve(&at, 2 * K2u);
@@ -77,7 +75,7 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
     int8_t *hq = carve(&at, 2 * n * K2d);
     float *hs = carve(&at, n * K2d);
     int32_t *hc = carve(&at, n * K2d);
-    float *acc = carve(&at, 4 * (size_t)R * span * Dx), *parts = carve(&at, 4 * (size_t)T * Dx);
+    float *acc = carve(&at, 4 * (size_t)T * span * Dx), *parts = carve(&at, 4 * (size_t)T * Dx);
     (void)xq, (void)xs, (void)xc, (void)hq, (void)hs, (void)hc;
     const uint8_t *uw[n], *us[n], *dw[n], *ds[n];
     long ust[n], dst[n];
@@ -95,7 +93,7 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
         if (int8)
             q8_team_x(xe, xo, K2u, half, xq, xs, xc);
 #endif
-#pragma omp for schedule(dynamic, rows)
+#pragma omp for schedule(static)
         for (long r = 0; r < n * I; r++) {
             const long e = r / I, i = r % I;
 #if Q8_LAYERS
@@ -116,11 +114,10 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
                          hc + e * (K2d / 4));
 #endif
         }
-        const int t = omp_get_thread_num();
-#pragma omp for schedule(dynamic, 1)
-        for (long u = 0; u < R; u++) {  /* run u: groups a .. b of all, into its own sums (R <= Gall: never empty) */
-            const long a = Gall * u / R, b = Gall * (u + 1) / R;
-            float *mine = acc + (size_t)u * span * Dx;
+        const int t = omp_get_thread_num(), used = omp_get_num_threads();
+        const long a = Gall * t / used, b = Gall * (t + 1) / used;
+        float *mine = acc + (size_t)t * span * Dx;
+        if (a < b) {
             memset(mine, 0, sizeof(float) * (size_t)((b - 1) / Gd - a / Gd + 1) * Dx);
             for (long gg = a; gg < b; gg++) {
                 const long e = gg / Gd, g = gg % Gd;
@@ -136,14 +133,15 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
                            g * half + half, e8m0);
             }
         }
+#pragma omp barrier
 #pragma omp for schedule(static)
         for (long c = 0; c < n * chunks; c++) {
             const long e = c / chunks, n0 = c % chunks * 64;
-            float *from[R];
+            float *from[used];
             int np = 0;
-            for (long u = 0; u < R; u++) {  /* the runs that took groups of expert e, in run order */
-                const long ua = Gall * u / R, ub = Gall * (u + 1) / R;
-                if (ua < (e + 1) * Gd && ub > e * Gd)
+            for (int u = 0; u < used; u++) {  /* the threads whose runs took groups of expert e, in thread order */
+                const long ua = Gall * u / used, ub = Gall * (u + 1) / used;
+                if (ua < ub && ua < (e + 1) * Gd && ub > e * Gd)
                     from[np++] = acc + (size_t)u * span * Dx + (e - ua / Gd) * Dx;
             }
 #if Q8_LAYERS
@@ -166,8 +164,8 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
 
 /* A layer's n SwiGLU FP4 experts (plain SiLU) on one token in one parallel region, int8 activations or fp32: x
  * quantized once (int8); every expert's gate and up rows in one `omp for`; silu(g) * u (quantized by group) per
- * expert; every expert's down rows in one `omp for`, rows to whichever thread is free (team_chunk). Each output is one
- * row's dot, so the result is sluice_fp4_swiglu_expert's bit for bit whatever the split. 0 where it cannot run. */
+ * expert; every expert's down rows in one `omp for`. Each output is one row's dot, so the result is
+ * sluice_fp4_swiglu_expert's bit for bit whatever the split. 0 where it cannot run. */
 static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const float *xe, const float *xo, float *y, int int8) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
@@ -200,7 +198,7 @@ static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const 
         if (int8)
             q8_team_x(xe, xo, K2u, half, xq, xs, xc);
 #endif
-#pragma omp for schedule(dynamic, team_chunk(2 * n * I, T))
+#pragma omp for schedule(static)
         for (long r = 0; r < 2 * n * I; r++) {  /* expert e's gate rows at gu[2 e I ..], its up rows after them */
             const long e = r / (2 * I), i = r % I;
             const int j = r % (2 * I) < I ? 2 : 0;
@@ -230,7 +228,7 @@ static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const 
                          hc + e * (K2d / 4));
 #endif
         }
-#pragma omp for schedule(dynamic, team_chunk(n * Dx, T))
+#pragma omp for schedule(static)
         for (long r = 0; r < n * Dx; r++) {
             const long e = r / Dx, i = r % Dx;
 #if Q8_LAYERS

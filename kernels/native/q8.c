@@ -140,7 +140,7 @@ static void q8_nmajor_team(const uint8_t *p, const uint8_t *s, long s_stride, co
                            const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
     float sc[Q8_SEG] __attribute__((aligned(64)));
     const q8_consts k = q8_nconsts(half);
-#pragma omp for schedule(dynamic, team_chunk(N, omp_get_num_threads()))
+#pragma omp for schedule(static)
     for (long n = 0; n < N; n++)
         y[n] = q8_nrow(&k, p + n * K2, s + n * s_stride, qe, qo, xs_lane, corr, K2, K2 / half, e8m0, sc);
 }
@@ -227,36 +227,35 @@ static inline void q8_kunpermute(float *const *parts, int nparts, long n0, float
                 y[n0 + 16 * b + 4 * i + j] = sum[16 * i + 4 * b + j];
 }
 
-/* q8_kmajor's work for the calling thread of a parallel region: runs of groups (R of them, team_runs) into buf [R, N],
- * each run to whichever thread is free, then a share of the outputs summed over the runs in run order. */
-static void q8_kmajor_team(float *buf, long R, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe,
-                           const int8_t *qo, const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0,
-                           float *y) {
-    const long G = K2 / half;
-#pragma omp for schedule(dynamic, 1)
-    for (long u = 0; u < R; u++) {
-        long g0, g1;
-        float *acc = team_run(buf, u, R, G, N, &g0, &g1);
-        for (long g = g0; g < g1; g++)
-            q8_kgroup(acc, p, s + g * s_stride, qe, qo, xs_lane, corr, N, g * half, half, e8m0);
-    }
-    float *parts[R];
-    for (long u = 0; u < R; u++)
-        parts[u] = buf + u * N;
+/* q8_kmajor's work for the calling thread of a parallel region: its run of groups into buf (sized by team_buf for the
+ * team), a barrier, then its share of the outputs summed over the team's threads. */
+static void q8_kmajor_team(float *buf, const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
+                           const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
+    long G = K2 / half;
+    const int used = omp_get_num_threads();
+    const int t = omp_get_thread_num();
+    float *acc = buf + 2L * t * N;
+    for (long n = 0; n < N; n++)
+        acc[n] = 0.0f;
+    for (long g = G * t / used; g < G * (t + 1) / used; g++)
+        q8_kgroup(acc, p, s + g * s_stride, qe, qo, xs_lane, corr, N, g * half, half, e8m0);
+#pragma omp barrier
+    float *parts[used];
+    for (int u = 0; u < used; u++)
+        parts[u] = buf + 2L * u * N;
 #pragma omp for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64)  /* the runs' sums added and put in output order */
-        q8_kunpermute(parts, (int)R, n0, 1.0f, y);
+    for (long n0 = 0; n0 < N; n0 += 64)  /* the threads' sums added and put in output order */
+        q8_kunpermute(parts, used, n0, 1.0f, y);
 }
 
 static int q8_kmajor(const uint8_t *p, const uint8_t *s, long s_stride, const int8_t *qe, const int8_t *qo,
                      const float *xs_lane, const int32_t *corr, long N, long K2, int half, int e8m0, float *y) {
-    const int T = omp_get_max_threads();
-    const long R = team_runs(K2 / half, T);
-    float *buf = team_buf(R * N);
+    int T = omp_get_max_threads();
+    float *buf = team_buf(T, N);
     if (!buf)
         return 0;
 #pragma omp parallel num_threads(T)
-    q8_kmajor_team(buf, R, p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
+    q8_kmajor_team(buf, p, s, s_stride, qe, qo, xs_lane, corr, N, K2, half, e8m0, y);
     return 1;
 }
 #endif
