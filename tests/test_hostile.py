@@ -75,11 +75,13 @@ def test_an_empty_stop_string_is_ignored(guarded):
     assert r["choices"][0]["message"]["content"] and r["usage"]["completion_tokens"] == 6
 
 
-def test_health_answers_while_a_big_prompt_is_tokenised(stores):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_health_answers_while_a_big_prompt_is_tokenised(stores, path):
     s = LiveServer(stores["nemotron_h_latent"], context=512, max_body=16 << 20)
     try:
-        body = json.dumps({"model": MODEL, "prompt": "word " * (2 << 20), "max_tokens": 1})
-        t = threading.Thread(target=lambda: _post(s, "/v1/completions", body))
+        text = "word " * (2 << 20)
+        body = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 1}) if path == "/v1/completions" else _chat_body(text)
+        t = threading.Thread(target=lambda: _post(s, path, body))
         start = time.perf_counter()
         t.start()
         time.sleep(0.5)

@@ -47,14 +47,17 @@ def test_fit_takes_a_long_prompts_length_with_its_last_ids_or_none():
 
 @pytest.mark.parametrize("tokenizer", ["char", "bundled"])
 def test_prompt_ids_are_the_tokenizers_call(tokenizer, stores):
-    """prompt_ids gives the ids of the tokenizer's call (special-token text, unicode, a post-processor's BOS); of a
-    prompt longer than `most`, its last `most` (tail) or none, with its whole length either way."""
+    """prompt_ids gives the ids of the tokenizer's call (special-token text, unicode, a post-processor's BOS), also after
+    a call that split special tokens; of a prompt longer than `most`, its last `most` (tail) or none, with its whole
+    length either way."""
     from sluice.api.render import prompt_ids
     from sluice.models.builtin import DEFAULT_MODEL
 
     tok = AutoTokenizer.from_pretrained(stores["nemotron_h"] if tokenizer == "char" else DEFAULT_MODEL)
-    for text in ("Hello, world!", "<|im_start|>user\nhi<|im_end|>", "caf\u00e9 \u2603 tabs\tand  spaces", "x" * 700):
-        want = list(tok(text)["input_ids"])
+    texts = ("Hello, world!", "<|im_start|>user\nhi<|im_end|>", "caf\u00e9 \u2603 tabs\tand  spaces", "x" * 700)
+    wants = [list(tok(text)["input_ids"]) for text in texts]
+    tok("<|im_start|>", split_special_tokens=True)  # (a chat's user text: leaves the backend splitting special tokens)
+    for text, want in zip(texts, wants):
         assert prompt_ids(tok, text, 10_000, tail=False) == (want, len(want))
         assert prompt_ids(tok, text, 5, tail=True) == (want[-5:], len(want))
         assert prompt_ids(tok, text, 5, tail=False) == (want if len(want) <= 5 else [], len(want))
