@@ -1,7 +1,8 @@
 """`sluice bench model`: decode and prefill speed of a whole model through the engine, with the I/O behind it.
 
-Prefill: a fresh sequence per prompt length (random token ids), timed end to end, twice: on an empty VRAM tier,
-then with other ids on the tier the first left (prompts fill its free slots: the direct schedule). Decode: a
+Prefill: a fresh sequence per prompt length (random token ids), timed end to end, twice: on the VRAM tier as the
+engine opened it (blocks spread over the layers, `vram_fill`; empty without it), then with other ids on the tier the
+first left (prompts fill its free slots: the direct schedule). Decode: a
 32-token prompt, then `decode_tokens` greedy steps, each timed (the sampled id reaching the host
 is the step's sync). Untimed runs of the same shapes come first, so that Triton's compiles and the CUDA
 graph captures a process does once are not timed; with `warm` they also leave the RAM cache filled,
@@ -72,7 +73,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     for n in prompt_lengths:
         prefill(n)  # a first prompt of this length compiles its kernels (grouped GEMM tiles, Mamba runs): untimed
         engine.empty_vram() if warm else engine.drop_caches()
-        out["prefill"][n] = prefill(n)  # on an empty VRAM tier
+        out["prefill"][n] = prefill(n)  # on the VRAM tier as opened
         out["prefill"][n]["next"] = prefill(n)  # other ids, on the tier as that prompt left it
     prompt = torch.randint(3, vocab, (32,), generator=g).tolist()
     engine.generate(prompt, decode_tokens if warm else min(decode_tokens, 4))
@@ -196,7 +197,7 @@ def routing_line(r: dict) -> str:
 
 
 def format_bench(r: dict, block_bytes: int) -> str:
-    lines = [routing_line(r),f"{'prompt':>8} {'prefill s':>10} {'tok/s':>10}   (a prompt on an empty VRAM tier; the next prompt, on the tier it left)"]
+    lines = [routing_line(r),f"{'prompt':>8} {'prefill s':>10} {'tok/s':>10}   (a prompt on the VRAM tier as opened; the next prompt, on the tier it left)"]
     for n, p in r["prefill"].items():
         nxt = p["next"]
         lines.append(f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}   next: {nxt['s']:.3f} s, {nxt['tok_s']:.1f} tok/s, "
@@ -326,7 +327,7 @@ def format_compare(results: list[tuple[str, dict]], block_bytes: int, ram_read: 
         rates.append(f"pinned host-to-device {min(h2d):.1f}-{max(h2d):.1f} GB/s")
     cpu = [(n, r["cpu_gbps"]) for n, r in results if r.get("cpu_gbps")]
     rates += [f"{n}: CPU experts {g:.2f} GB/s" for n, g in cpu]
-    lines.append("prefill tok/s: a prompt on an empty VRAM tier / the next prompt (other ids) on the tier it left; drive: the "
+    lines.append("prefill tok/s: a prompt on the VRAM tier as opened / the next prompt (other ids) on the tier it left; drive: the "
                  "share of the decode time with a block read on the drive")
     lines += [f"{name}: decode {read_times(r['decode'])}" for name, r in results if r["decode"]["disk_busy_ms_per_token"]]
     lines.append(f"measured in this run: {', '.join(rates)}; block {block_bytes:,} bytes")

@@ -84,10 +84,11 @@ class CpuRate:
         return self.call_s + n * self.block_s if n else 0.0
 
     def _figures(self, single: bool) -> dict[int, tuple[float, int]]:
-        """count -> (figure, weight): a count's lower median once it has two calls, else its given figure, else (with
-        `single`, or where nothing else is known) its one call."""
+        """count -> (figure, weight): a count's lower median once it has two calls, else its given figure (while the
+        counts timed do not belie it), else (with `single`, or where nothing else is known) its one call."""
         out = {n: (sorted(ts)[(len(ts) - 1) // 2], len(ts)) for n, ts in self._times.items() if len(ts) >= 2}
-        out.update({n: (t, 1) for n, t in self._given.items() if n not in out})
+        timed = dict(out)
+        out.update({n: (t, 1) for n, t in self._given.items() if n not in out and _plausible(n, t, timed)})
         if single or not out:
             out.update({n: (ts[0], 1) for n, ts in self._times.items() if n not in out})
         return out
@@ -111,3 +112,11 @@ class CpuRate:
             return slope, call
         # one count, noise that slopes the line down, or a negative overhead: the line through 0
         return sum(w * n * t for n, t, w in pts) / sum(w * n * n for n, _, w in pts), 0.0
+
+
+def _plausible(n: int, t: float, timed: dict[int, tuple[float, int]]) -> bool:
+    """Whether a given figure for a call of n blocks fits the counts the engine timed: no faster than a call of fewer
+    blocks, no slower than one of more, nor than the calls of m blocks that would do its n (a calibration stalled as
+    a whole gave 16.8 ms for one block and for four, where the engine's calls of two took 0.40: the line through them
+    gave the CPU 1.4 blocks a token, H200 2026-12-07)."""
+    return all(-(-n // m) * tm >= t and (t <= tm if n < m else t >= tm if n > m else True) for m, (tm, _) in timed.items())

@@ -29,6 +29,9 @@ class FetchTableKnobs:
     margin: float = 1.0  # a block replaces a VRAM one only when its decayed count beats that one's by more than this
     noise: float = 1.5  # ... and by this many times the counts' noise, sqrt of the two counts (Poisson): under uniform
     # routing counts differ by chance alone, and swaps on them copied ~8% of a token's PCIe bytes (BENCHMARKS.md)
+    vram_fill: bool = True  # at open (and when emptied) the tier's free slots take blocks spread evenly over the MoE
+    # layers, so that a first prompt finds it as full as a later one does (needs hold: true); false: empty until prompts
+    # and refreshes fill it
     hold: bool = True  # every block read into pinned RAM at open and held; false: RAM is an LRU cache filled from disk
     prefetch: bool = True  # hold: false: one-token steps also read the next MoE layer's guessed blocks (its router on
     # this layer's input) that neither tier holds from disk, as guesses (only while no demand read is queued or running)

@@ -28,9 +28,11 @@ class H2DTableKnobs:
     # instead of over PCIe; 0: off (blocks outside VRAM read in place)
     prompt_group: int = 8  # prompts: RAM blocks copied to VRAM this many at a time, double-buffered (0: read in place)
     prompt_fill: bool = True  # prompts: a RAM block copied while the VRAM tier has a free slot is copied into the slot and stays
-    prompt_ahead: int = 32  # prompts: the next MoE layer's blocks, guessed by its router on this layer's input, copied
+    prompt_ahead: int = 128  # prompts: the next MoE layer's blocks, guessed by its router on this layer's input, copied
     # while this layer computes: into free tier slots (as many as are free), then up to this many into a bank of
-    # 2 x this many of the tier's slots (at most half of them), which one-token steps lend back to the tier; 0: off
+    # 2 x this many of the tier's slots (at most half of them), which one-token steps take back into the tier with the
+    # blocks in it; 0: off. 128 (a whole layer of 128 experts) against 32: Nano's 512- and 2048-token prompts 12% faster
+    # at 8 GiB (BENCHMARKS.md, 2026-12-07, H200)
 
     def __post_init__(self):
         if self.prompt_ahead < 0:
@@ -129,7 +131,8 @@ class H2DTable(Stage):
         """Copy the next MoE layer's blocks that its router, run on this layer's input, chose for the step's tokens
         (`guess`, most chosen first), behind the copies already queued: into free VRAM tier slots, else into the
         lookahead bank's half for its parity (once the compute that last read it is done). That layer reads them from
-        there once they land; a guess it did not route to was a wasted copy."""
+        there once they land; a guess it did not route to was a wasted copy. The bank's blocks join the hot set when
+        one-token steps take the bank back (storage/vram_tier.py `lend_bank`)."""
         table, guess = self.table, v["guess"]
         if guess is None:
             return
@@ -161,6 +164,7 @@ class H2DTable(Stage):
                 copy_blocks([(tier.vram.arena.slot(slot), src.buf) for _, slot, src in moves], table.block_bytes)
                 landed = streams.record("copy")
             tier.read_by([src for _, _, src in moves], landed)
+            tier.bank_copied([(i, e, slot) for e, slot, _ in moves if (i, e) not in tier.slot_of], landed)
         except BaseException:
             table.unfill(filled)
             raise

@@ -181,8 +181,8 @@ class Table(StreamedSteps, CpuSteps):
     # -- the VRAM tier (storage/vram_tier.py)  ---------------------------------------------------
 
     def empty_vram(self) -> None:
-        """Point every table entry back at its RAM slot and free the VRAM tier's slots (the host has synchronized:
-        no copy is in flight); `sluice bench model` times a prompt on an empty tier with it."""
+        """Point every table entry back at its RAM slot and leave the VRAM tier as at open (the host has synchronized:
+        no copy is in flight); `sluice bench model` times a prompt on the tier as opened with it."""
         if self.tier.vram is not None:
             self.ahead = None  # its moves are in the tier's slot_of: pointed back with the rest
             self.tier.empty()

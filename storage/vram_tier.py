@@ -9,12 +9,13 @@ read over PCIe themselves. `in_vram` marks the entries that point at VRAM and `u
 block, both on the GPU, where one-token steps update them without the host.
 
 The tier's slots, in order: the hot set's own; the one-token staging bank (2 x S, `token_ahead`); the prompts'
-lookahead bank (2 x A, `prompt_ahead`), lent to the hot set between prompts.
+lookahead bank (2 x A, `prompt_ahead`), lent to the hot set between prompts with the blocks a prompt left in it.
 
 Every `refresh` one-token steps the host reads the counts (decayed by `decay` each time), and the most used blocks
 that the hot set lacks are copied into its slots on the copy stream, in place of the least used: chosen once the
 token's steps are queued (`after_queued`), so that the host's part runs while the GPU computes. A bank with a slot
-for every block takes them all at open and keeps them (`holds_all`).
+for every block takes them all at open and keeps them (`holds_all`); a smaller one is filled at open with blocks spread
+evenly over the layers (`vram_fill`), which refreshes then replace by use.
 
 Invariants:
 - The table points at a slot only in stream order: a leaving block's entry goes back to its RAM slot (on the tier's
@@ -25,7 +26,8 @@ Invariants:
   prompt copies into them (`reclaim_bank`).
 - Under `stream_ram` (blocks read from disk into a RAM cache, not all held) no step reads the table: the host finds
   every offset; a RAM entry a copy reads carries the copy's event (`busy`) so that its slot is not refilled first.
-- `empty` runs only after the host synchronized: no copy in flight, every entry back at RAM, every slot free.
+- `empty` runs only after the host synchronized: no copy in flight, every entry back at RAM, every slot free (then
+  filled as at open, with `vram_fill`).
 """
 
 from __future__ import annotations
@@ -61,33 +63,44 @@ class VramTier:
         self._steps = 0
         self._counts: np.ndarray | None = None  # a deferred refresh's counts (`between_tokens`, `after_queued`)
         cap = vram.capacity if vram is not None else 0
-        # a bank that holds every block holds them for good (`hold_all`): no refreshes, no staging, no lookahead bank
+        # a bank that holds every block holds them for good (`take` at open): no refreshes, no staging, no lookahead bank
         self.holds_all = vram is not None and not stream_ram and cap >= n * E
         banks, staging = banks and not self.holds_all, staging and not self.holds_all
         a = min(knobs.prompt_ahead, cap // 4) if banks else 0
         self.ahead_bank = [list(range(cap - 2 * a, cap - a)), list(range(cap - a, cap))]  # prompts', by the layer's parity
         self.ahead_read: list = [None, None]  # per bank half: the event after the compute that last read it
         self.bank_lent = False  # between prompts the bank's slots serve the hot set too (`lend_bank`, `reclaim_bank`)
+        self.bank_holds: dict[int, tuple[int, int]] = {}  # while reclaimed: bank slot -> the block (i, e) copied into it
+        self.bank_landed = None  # ... the event after the last of those copies
         rest = cap - 2 * a
         self.S = min(knobs.token_ahead, rest // 8) if staging else 0  # one-token staging: 2 x S slots before the bank
         self.stage0 = rest - 2 * self.S  # the first staging slot
         self.free = self._own_slots()
+        # every block in RAM from open (not stream_ram): the free slots can take some now
+        self.fills = vram is not None and not stream_ram and knobs.vram_fill
         if self.holds_all:
-            self.hold_all()
+            self.take([(i, e) for i in range(n) for e in range(E)])  # for good: never refreshed, kept through `empty`
+        else:
+            self.fill()
 
-    def hold_all(self) -> None:
-        """Every block copied into a slot of its own, the table pointed at them once the copies landed (at open: the
-        blocks are held in RAM). Kept through `empty` and never refreshed: a budget that holds every block spends
-        nothing on moving them."""
-        streams, n, E = self.rt.streams, *self.table.shape
-        moves = []
+    def fill(self) -> None:
+        """`vram_fill`: the free hot-set slots take blocks spread evenly over the MoE layers, expert ids in order: a
+        first prompt (every block of a layer under uniform routing) and first tokens find the tier as full as later ones
+        do, where an empty tier left its slots unused until prompts or refreshes filled them."""
+        if self.fills and self.free:
+            n, E = self.table.shape
+            self.take([(i, e) for e in range(E) for i in range(n)][: len(self.free)])
+
+    def take(self, picks: list[tuple[int, int]]) -> None:
+        """Blocks (i, e) copied from their RAM slots into free slots, the table pointed at them once the copies landed
+        (at open or after `empty`: nothing reads the slots yet)."""
+        streams, moves = self.rt.streams, []
         with streams.use("copy"):
-            for i in range(n):
-                for e in range(E):
-                    slot = self.free.pop()
-                    self.vram.arena.slot(slot).copy_(self.resident(self.layers[i], e).buf, non_blocking=True)
-                    self.slot_of[(i, e)] = slot
-                    moves.append((i, e, slot))
+            for i, e in picks:
+                slot = self.free.pop()
+                self.vram.arena.slot(slot).copy_(self.resident(self.layers[i], e).buf, non_blocking=True)
+                self.slot_of[(i, e)] = slot
+                moves.append((i, e, slot))
             landed = streams.record("copy")
         streams.wait(self.stream, landed)
         self.point(moves, vram=True)
@@ -128,21 +141,40 @@ class VramTier:
 
     def empty(self) -> None:
         """Point every table entry back at its RAM slot and free every slot (the host has synchronized: no copy is in
-        flight); a tier that holds every block keeps them."""
+        flight), then fill it as at open (`vram_fill`); a tier that holds every block keeps them."""
         if self.vram is None or self.holds_all:
             return
         self.landing = None  # its moves are in slot_of: pointed back below with the rest
         self.point([(i, e, slot) for (i, e), slot in self.slot_of.items()], vram=False)
         self.slot_of.clear()
         self.free = self._own_slots()
-        self.bank_lent = False
+        self.bank_lent, self.bank_holds = False, {}
+        self.fill()
 
     def lend_bank(self) -> None:
-        """One-token steps: the lookahead bank's slots join the free slots (taken after the others)."""
+        """One-token steps: the lookahead bank's slots join the hot set, those holding a block the prompt copied there
+        (a block it lacks) with the block, pointed at once the copies landed; the rest join the free slots (taken after
+        the others). A prompt's last layers' blocks stay in VRAM where a bank left empty would wait for refreshes."""
         bank = self.ahead_bank[0] + self.ahead_bank[1]
-        if bank and not self.bank_lent:
-            self.free[:0] = bank[::-1]
-            self.bank_lent = True
+        if not bank or self.bank_lent:
+            return
+        keep = []
+        for slot, key in self.bank_holds.items():
+            if key not in self.slot_of:
+                self.slot_of[key] = slot
+                keep.append((*key, slot))
+        if keep:
+            self.rt.streams.wait(self.stream, self.bank_landed)
+            self.point(keep, vram=True)
+        held = {slot for _, _, slot in keep}
+        self.free[:0] = [slot for slot in bank[::-1] if slot not in held]
+        self.bank_lent, self.bank_holds = True, {}
+
+    def bank_copied(self, moves: list[tuple[int, int, int]], landed) -> None:
+        """A prompt's copies ahead (i, e, slot) into bank slots, landing with `landed`: what `lend_bank` keeps."""
+        for i, e, slot in moves:
+            self.bank_holds[slot] = (i, e)
+        self.bank_landed = landed
 
     def reclaim_bank(self) -> None:
         """A prompt's step: the bank's slots leave the hot set, the blocks in them pointed back at RAM; the bank's copies
@@ -155,6 +187,8 @@ class VramTier:
         for i, e, _ in leave:
             del self.slot_of[(i, e)]
         self.point(leave, vram=False)
+        self.bank_holds = {slot: (i, e) for i, e, slot in leave}  # still there until a copy ahead overwrites them
+        self.bank_landed = None  # copied in before the events the bank's copies wait for (`ahead_read`)
         self.ahead_read = [self.rt.streams.record(self.stream)] * 2
         self.bank_lent = False
 

@@ -69,7 +69,7 @@ def test_bench_model_profiles_decode_and_a_prompt(stores, capsys):
     assert main(["bench", "model", "--model", str(stores["nemotron_h"]), "--device", "cpu", "--prompt-lengths", "4,8",
                  "--decode-tokens", "2", "--profile"]) == 0
     text = capsys.readouterr().out
-    assert "profile of a 8-token prompt on an empty VRAM tier (as the table's first column), per prompt token:" in text
+    assert "profile of a 8-token prompt on the VRAM tier as opened (as the table's first column), per prompt token:" in text
     assert text.count("cProfile wall") == 2
     assert "(extend)" in text.split("profile of a 8-token prompt")[1]  # the prompts, not the decode steps
 

@@ -54,7 +54,7 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
     bit for bit (same kernels, same bytes, same sum); a table pointing one expert at another's block diverges."""
     n = 12 if DEVICE != "cpu" else 8  # interpreted on a CPU: fewer steps (the tier still refreshed 3 times)
     ref_tokens = refs.greedy(variant, PROMPT, n)
-    schedule = direct_schedule(tmp_path, backend="triton", refresh=2, prompt_group=2)
+    schedule = direct_schedule(tmp_path, backend="triton", refresh=2, prompt_group=2, vram_fill=False)  # refreshes fill it
     overlap = triton_schedule(tmp_path, "overlap", backend="triton")
 
     def decode(engine):
@@ -68,7 +68,8 @@ def test_direct_table_reads_vram_and_ram_blocks(variant, stores, refs, tmp_path)
         stage = table_of(engine)
         assert 0 < io["blocks"]["vram"] and 0 < io["blocks"]["ram"]
         assert int(stage.tier.in_vram.sum()) == len(stage.tier.slot_of) > 0
-        assert len(stage.tier.slot_of) <= io["vram_fills"] <= 6 * ((n - 1) // 2)  # every block in a slot was copied in, 6 per refresh at most
+        # every block in a slot was copied in (by a refresh, or ahead of a prompt's layer), 6 per refresh at most
+        assert len(stage.tier.slot_of) <= io["vram_fills"] + io["vram_prefetches"] and io["vram_fills"] <= 6 * ((n - 1) // 2)
         # a wrong table: expert 0's entry of the first MoE layer pointing at expert 1's block
         stage.tier.table[:, 0] = stage.tier.table[:, 1]
         stage.tier.vram, stage.tier.landing = None, None  # no tier update puts it right
@@ -87,7 +88,7 @@ def test_one_token_steps_read_the_next_layers_guesses_from_staging(variant, stor
     import sluice.stages.h2d_table as direct_mod
 
     ref_tokens = refs.greedy(variant, PROMPT, 8)
-    knobs = dict(backend="triton", refresh=1000, prompt_fill=False, prompt_ahead=0)
+    knobs = dict(backend="triton", refresh=1000, prompt_fill=False, prompt_ahead=0, vram_fill=False)
     off, on = direct_schedule(tmp_path, "off", token_ahead=0, **knobs), direct_schedule(tmp_path, "on", token_ahead=3, **knobs)
     with sluice.load(stores[variant], device=DEVICE, schedule=off, vram_slots=24) as engine:
         plain = greedy_logits(engine, PROMPT, 8)
@@ -205,10 +206,11 @@ def test_prompt_fills_free_vram_slots(stores, tmp_path):
     bank, and they stay: the next prompt reads them from VRAM. The logits are those of prompts through the staging
     bank alone (and of RAM blocks read in place, `prompt_group: 0`), bit for bit; `empty_vram` points the table back at
     RAM and frees every slot."""
-    fill = direct_schedule(tmp_path, backend="triton", prompt_group=2, prompt_ahead=0)
-    staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False, prompt_ahead=0)
+    fill = direct_schedule(tmp_path, backend="triton", prompt_group=2, prompt_ahead=0, vram_fill=False)
+    staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False, prompt_ahead=0,
+                            vram_fill=False)
     other = [5, 9, 14, 3, 7, 21, 11, 2, 30, 17, 8]
-    in_place = direct_schedule(tmp_path, "in-place", backend="triton", prompt_group=0, prompt_ahead=0)
+    in_place = direct_schedule(tmp_path, "in-place", backend="triton", prompt_group=0, prompt_ahead=0, vram_fill=False)
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=5) as engine:
         ref = [engine.forward(PROMPT), engine.forward(other)]
         assert engine.rt.stats.vram_fills == 0
@@ -234,14 +236,39 @@ def test_prompt_fills_free_vram_slots(stores, tmp_path):
     assert torch.equal(first, ref[0]) and torch.equal(second, ref[1]) and torch.equal(again, ref[1])
 
 
+def test_the_tier_is_filled_at_open(stores, tmp_path):
+    """`vram_fill` (the default): at open the tier's slots take blocks spread evenly over the MoE layers (expert ids in
+    order), the table pointing at them, so that a first prompt reads them from VRAM, with the logits of a prompt on an
+    empty tier bit for bit; `empty_vram` leaves the tier as at open. Without it the tier opens empty and a first prompt
+    reads nothing from VRAM (the must-fail side)."""
+    opened = direct_schedule(tmp_path, "opened", backend="triton", prompt_group=2, prompt_ahead=0)
+    empty = direct_schedule(tmp_path, "empty", backend="triton", prompt_group=2, prompt_ahead=0, vram_fill=False)
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=empty, vram_slots=5) as engine:
+        assert not table_of(engine).tier.slot_of
+        ref = engine.forward(PROMPT)
+        assert engine.rt.stats.blocks["vram"] == 0
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=opened, vram_slots=5) as engine:
+        tier, bb = table_of(engine).tier, engine.store.block_bytes
+        n, E = len(engine.store.moe_layers), engine.store.manifest.num_experts
+        spread = sorted([(i, e) for e in range(E) for i in range(n)][:5])
+        assert sorted(tier.slot_of) == spread and not tier.free and int(tier.in_vram.sum()) == 5
+        assert all(tier.table[i, e].item() == slot * bb for (i, e), slot in tier.slot_of.items())
+        before = engine.rt.stats.snapshot()
+        first = engine.forward(PROMPT)
+        assert engine.rt.stats.since(before)["blocks"]["vram"] > 0
+        engine.empty_vram()
+        assert sorted(tier.slot_of) == spread and not tier.free
+    assert torch.equal(first, ref)
+
+
 def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypatch):
     """`prompt_ahead`: while a prompt's layer computes, the next MoE layer's blocks that its router picks on this
     layer's input are copied ahead, into free VRAM tier slots, else into a bank of 2 x prompt_ahead slots taken from
     the tier; the next layer reads them from there. The logits are those of prompts without it, bit for bit, on an
-    empty tier and on a full one; one-token steps lend the bank's slots to the tier and the next prompt takes them
-    back; a copy ahead of the wrong block changes the logits."""
+    empty tier and on a full one; one-token steps lend the bank's slots to the tier with the blocks a prompt left in
+    them, and the next prompt takes them back; a copy ahead of the wrong block changes the logits."""
     staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False, prompt_ahead=0)
-    ahead = direct_schedule(tmp_path, "ahead", backend="triton", prompt_group=2, prompt_ahead=2, refresh=2)
+    ahead = direct_schedule(tmp_path, "ahead", backend="triton", prompt_group=2, prompt_ahead=2, refresh=2, vram_fill=False)
     other = [5, 9, 14, 3, 7, 21, 11, 2, 30, 17, 8]
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=9) as engine:
         ref = [engine.forward(PROMPT), engine.forward(other)]
@@ -255,6 +282,11 @@ def test_prompt_copies_the_next_layers_guesses_ahead(stores, tmp_path, monkeypat
         io2 = engine.rt.stats.since(io)
         assert 0 < io2["vram_prefetch_hits"] <= io2["vram_prefetches"] <= 2 * (len(engine.store.moe_layers) - 1)
         assert io2["vram_fills"] == 0 and sorted(stage.tier.slot_of.values()) == [0, 1, 2, 3, 4]
+        held, bb = dict(stage.tier.bank_holds), engine.store.block_bytes
+        assert held and set(held) <= {5, 6, 7, 8}
+        stage.tier.lend_bank()  # as the next one-token step does: the blocks the prompt left in the bank stay in VRAM
+        assert all(stage.tier.slot_of[key] == slot and stage.tier.table[key].item() == slot * bb for slot, key in held.items())
+        assert sorted(stage.tier.free[: 4 - len(held)]) == sorted({5, 6, 7, 8} - set(held))
         engine.generate(PROMPT, 6)  # one-token steps: the tier's refreshes fill the lent bank
         assert stage.tier.bank_lent and {5, 6, 7, 8} & set(stage.tier.slot_of.values())
         third = engine.forward(other)
@@ -322,7 +354,7 @@ def test_vram_refresh_swaps_only_for_a_clear_gain(stores, tmp_path):
     """Free slots take the most used blocks; a block outside then replaces the least used inside only when its
     decayed count beats that one's by more than `margin` (ties and near-ties cost no copies) plus `noise` times the
     square root of both counts (a gain within chance costs no copy)."""
-    schedule = direct_schedule(tmp_path, backend="triton", margin=1.0, decay=0.5, noise=0.0)
+    schedule = direct_schedule(tmp_path, backend="triton", margin=1.0, decay=0.5, noise=0.0, vram_fill=False)
     with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=schedule, vram_slots=2) as engine:
         tier = table_of(engine).tier
         tier.uses.zero_()

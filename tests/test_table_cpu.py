@@ -268,3 +268,24 @@ def test_one_stalled_call_cannot_hold_the_cpus_rate():
     assert every[0] == pytest.approx(0.254e-3, rel=0.01) and balance_cpu_blocks(5, 0.102e-3, *every) == 1
     rate.observe(2, 0.30e-3)  # its second call: the lower median of the two
     assert rate.by_count()[2] == (pytest.approx(0.30e-3), 2)
+
+
+def test_a_stalled_calibration_yields_to_the_engines_calls():
+    """As measured on an H200 host (2026-12-07): the calibration's best of three stalled as a whole (16.8 ms for one
+    block and for four), then the engine's calls of two blocks took 0.40 ms. A given figure that the counts timed belie
+    (one block slower than two; four slower than two calls of two) leaves the line: 0.20 ms a block, and a layer with 5
+    blocks outside VRAM gives the CPU two. The must-fail side: the line through the stalled figures charges 1.84 ms a
+    block and gives the CPU none."""
+    from sluice.kernels.rates import CpuRate
+    from sluice.stages.h2d import balance_cpu_blocks
+
+    rate = CpuRate()
+    rate.give(1, 16.784e-3)
+    rate.give(4, 16.782e-3)
+    assert rate.block_s == pytest.approx((16.784e-3 + 4 * 16.782e-3) / 17)  # nothing timed: the given figures stand
+    for _ in range(8):
+        rate.observe(2, 0.401e-3)
+    assert (rate.block_s, rate.call_s) == (pytest.approx(0.2005e-3), 0.0)
+    assert balance_cpu_blocks(5, 0.102e-3, rate.block_s, rate.call_s) == 2
+    stalled = CpuRate._fit({1: (16.784e-3, 1), 2: (0.401e-3, 8), 4: (16.782e-3, 1)})
+    assert stalled[0] == pytest.approx(1.84e-3, rel=0.01) and balance_cpu_blocks(5, 0.102e-3, *stalled) == 0
