@@ -51,6 +51,20 @@ def disk_bandwidth(engine, blocks: int = 128) -> float:
         reader.close()
 
 
+def _whole_counts(engine) -> tuple[int, int] | None:
+    """(replays, captures) of the engine's whole one-token steps so far; None without them."""
+    whole = engine.whole
+    return (whole.replays, whole.captures) if whole is not None else None
+
+
+def _step_kind(before: tuple[int, int] | None, after: tuple[int, int] | None) -> str:
+    """How a timed step ran: captured (a whole step this process had not captured: the untimed runs should have), a
+    replay, layer by layer (a state's first sight, or whole steps stopped); "" without whole steps."""
+    if before is None or after is None:
+        return ""
+    return "captured" if after[1] > before[1] else "replayed" if after[0] > before[0] else "layer by layer"
+
+
 def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm: bool = True, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
@@ -82,13 +96,15 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     seq = engine.new_sequence()
     logits = engine.extend(seq, prompt)
     before, flushes = engine.rt.stats.snapshot(), allocator_flushes(engine.device)
-    times = []
+    times, kinds = [], []  # kinds: how each step ran (replayed whole, captured, or layer by layer: `_step_kind`)
     token = int(logits[-1].argmax())
     with gc_pauses() as pauses:
         for _ in range(decode_tokens):
+            seen = _whole_counts(engine)
             t = time.perf_counter()
             token = int(engine.extend(seq, [token])[-1].argmax())
             times.append(time.perf_counter() - t)
+            kinds.append(_step_kind(seen, _whole_counts(engine)))
     io = engine.rt.stats.since(before)
     engine.release(seq)
     n, block = decode_tokens, engine.store.block_bytes
@@ -99,7 +115,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     steps = [round(1000 * t, 3) for t in times]  # in order: a step that slows down for good shows where it began
     times = sorted(times)
     d = out["decode"] = {
-        "tokens": n, "step_ms": steps, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
+        "tokens": n, "step_ms": steps, "step_kinds": kinds, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
         "ms_first_token": 1000 * first, "ms_per_token_mean_after_first": 1000 * (sum(times) - first) / max(n - 1, 1),
         "tok_s": n / sum(times), "blocks_per_token": per_tier, "bytes_per_token": {t: v * block for t, v in per_tier.items()},
         "hit_rate": 1 - io["blocks"]["disk"] / total if total else None,
@@ -231,7 +247,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
                      f"{block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s of expert bytes)")
     slow = sorted(range(len(d["step_ms"])), key=lambda k: -d["step_ms"][k])[:3]
     gcs = d.get("gc_pauses_ms", [])
-    lines.append("  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" for k in slow)
+    kinds = d.get("step_kinds") or [""] * len(d["step_ms"])
+    lines.append("  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" + (f" ({kinds[k]})" if kinds[k] else "") for k in slow)
                  + (f"; VRAM tier refreshes {d['refreshes']}, {d['refresh_host_ms']:.2f} ms each on the host (of which "
                     f"{d['refresh_wait_ms']:.2f} waiting for the GPU's counts)"
                     if d.get("refreshes") else "")

@@ -134,10 +134,14 @@ def test_bench_model_reports_io(stores):
     d = r["decode"]
     assert r["prefill"][8]["tok_s"] > 0 and d["tokens"] == 4 and d["tok_s"] > 0
     assert len(d["step_ms"]) == 4 and abs(d["ms_first_token"] - d["step_ms"][0]) < 1e-3
+    # how each timed step ran: whole steps (replayed: the untimed runs captured them) where the engine has them
+    assert d["step_kinds"] == (["replayed"] * 4 if engine.whole is not None else [""] * 4), d["step_kinds"]
     assert sum(d["blocks_per_token"].values()) == 3 * 4  # 3 MoE layers x top-4, every decode step
     assert "decode:" in text and "hit rate" in text
     d.update(cpu_blocks_per_token=2.0, cpu_ms_per_block=0.15, cpu_ms_per_call=0.1, cpu_calls={1: [0.25, 3], 4: [0.7, 3]})
     assert "the CPU's calls: 1 blocks 0.250 ms (3 timed), 4 blocks 0.700 ms (3 timed)" in format_bench(r, 1 << 20)
+    d.update(step_ms=[9.0, 85.7, 9.1, 9.2], step_kinds=["replayed", "captured", "replayed", "layer by layer"])
+    assert "slowest steps: #1 85.7 ms (captured), #3 9.2 ms (layer by layer), #2 9.1 ms (replayed)" in format_bench(r, 1 << 20)
 
 
 def test_bench_model_cold_times_from_empty_caches(stores):
