@@ -119,4 +119,4 @@ def _plausible(n: int, t: float, timed: dict[int, tuple[float, int]]) -> bool:
     blocks, no slower than one of more, nor than the calls of m blocks that would do its n (a calibration stalled as
     a whole gave 16.8 ms for one block and for four, where the engine's calls of two took 0.40: the line through them
     gave the CPU 1.4 blocks a token, H200 2026-12-07)."""
-    return all(-(-n // m) * tm >= t and (t <= tm if n < m else t >= tm if n > m else True) for m, (tm, _) in timed.items())
+    return all(-(-n // m) * tm >= t and (t <= tm if n < m else t >= tm) for m, (tm, _) in timed.items())  # n is not timed
