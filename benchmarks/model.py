@@ -65,6 +65,16 @@ def _step_kind(before: tuple[int, int] | None, after: tuple[int, int] | None) ->
     return "captured" if after[1] > before[1] else "replayed" if after[0] > before[0] else "layer by layer"
 
 
+def _how(d: dict, k: int) -> str:
+    """How timed step k ran, for the slowest steps' line: " (replayed, 37 blocks on the CPU)"."""
+    kind = (d.get("step_kinds") or [""] * (k + 1))[k]
+    cpu = (d.get("step_cpu_blocks") or [0] * (k + 1))[k] if d.get("cpu_blocks_per_token") else None
+    parts = [kind] if kind else []
+    if cpu is not None:
+        parts.append(f"{cpu} blocks on the CPU")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm: bool = True, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
@@ -96,15 +106,16 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     seq = engine.new_sequence()
     logits = engine.extend(seq, prompt)
     before, flushes = engine.rt.stats.snapshot(), allocator_flushes(engine.device)
-    times, kinds = [], []  # kinds: how each step ran (replayed whole, captured, or layer by layer: `_step_kind`)
+    times, kinds, cpu_steps = [], [], []  # kinds: how each step ran (`_step_kind`); cpu_steps: its blocks on the CPU
     token = int(logits[-1].argmax())
     with gc_pauses() as pauses:
         for _ in range(decode_tokens):
-            seen = _whole_counts(engine)
+            seen, cpu = _whole_counts(engine), engine.rt.stats.cpu_blocks
             t = time.perf_counter()
             token = int(engine.extend(seq, [token])[-1].argmax())
             times.append(time.perf_counter() - t)
             kinds.append(_step_kind(seen, _whole_counts(engine)))
+            cpu_steps.append(engine.rt.stats.cpu_blocks - cpu)
     io = engine.rt.stats.since(before)
     engine.release(seq)
     n, block = decode_tokens, engine.store.block_bytes
@@ -115,7 +126,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     steps = [round(1000 * t, 3) for t in times]  # in order: a step that slows down for good shows where it began
     times = sorted(times)
     d = out["decode"] = {
-        "tokens": n, "step_ms": steps, "step_kinds": kinds, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
+        "tokens": n, "step_ms": steps, "step_kinds": kinds, "step_cpu_blocks": cpu_steps, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
         "ms_first_token": 1000 * first, "ms_per_token_mean_after_first": 1000 * (sum(times) - first) / max(n - 1, 1),
         "tok_s": n / sum(times), "blocks_per_token": per_tier, "bytes_per_token": {t: v * block for t, v in per_tier.items()},
         "hit_rate": 1 - io["blocks"]["disk"] / total if total else None,
@@ -247,8 +258,7 @@ def format_bench(r: dict, block_bytes: int) -> str:
                      f"{block_bytes / d['cpu_ms_per_block'] / 1e6:.1f} GB/s of expert bytes)")
     slow = sorted(range(len(d["step_ms"])), key=lambda k: -d["step_ms"][k])[:3]
     gcs = d.get("gc_pauses_ms", [])
-    kinds = d.get("step_kinds") or [""] * len(d["step_ms"])
-    lines.append("  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms" + (f" ({kinds[k]})" if kinds[k] else "") for k in slow)
+    lines.append("  slowest steps: " + ", ".join(f"#{k} {d['step_ms'][k]:.1f} ms{_how(d, k)}" for k in slow)
                  + (f"; VRAM tier refreshes {d['refreshes']}, {d['refresh_host_ms']:.2f} ms each on the host (of which "
                     f"{d['refresh_wait_ms']:.2f} waiting for the GPU's counts)"
                     if d.get("refreshes") else "")

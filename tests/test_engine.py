@@ -140,7 +140,11 @@ def test_bench_model_reports_io(stores):
     assert "decode:" in text and "hit rate" in text
     d.update(cpu_blocks_per_token=2.0, cpu_ms_per_block=0.15, cpu_ms_per_call=0.1, cpu_calls={1: [0.25, 3], 4: [0.7, 3]})
     assert "the CPU's calls: 1 blocks 0.250 ms (3 timed), 4 blocks 0.700 ms (3 timed)" in format_bench(r, 1 << 20)
-    d.update(step_ms=[9.0, 85.7, 9.1, 9.2], step_kinds=["replayed", "captured", "replayed", "layer by layer"])
+    d.update(step_ms=[9.0, 85.7, 9.1, 9.2], step_kinds=["replayed", "captured", "replayed", "layer by layer"],
+             step_cpu_blocks=[3, 0, 2, 3])
+    assert ("slowest steps: #1 85.7 ms (captured, 0 blocks on the CPU), #3 9.2 ms (layer by layer, 3 blocks on the CPU), "
+            "#2 9.1 ms (replayed, 2 blocks on the CPU)") in format_bench(r, 1 << 20)
+    d.update(cpu_blocks_per_token=0)  # no CPU share: the kinds alone
     assert "slowest steps: #1 85.7 ms (captured), #3 9.2 ms (layer by layer), #2 9.1 ms (replayed)" in format_bench(r, 1 << 20)
 
 
