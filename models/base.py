@@ -251,9 +251,10 @@ class Architecture(ABC):
         """Recurrent state bytes per sequence (Mamba / DeltaNet conv and SSM states)."""
         return 0
 
-    def prefill_scratch_bytes(self, hf_config: Any, tokens: int) -> int:
+    def prefill_scratch_bytes(self, hf_config: Any, tokens: int, fused: bool = False) -> int:
         """The largest temporary one resident layer allocates for a `tokens`-token prompt chunk, beyond the
-        activations' own size (the VRAM budget's reserve must hold it); 0 where nothing stands out."""
+        activations' own size (the VRAM budget's reserve must hold it), with Sluice's fused Mamba-2 kernels or
+        without them; 0 where nothing stands out."""
         return 0
 
     def encoder(self, hf_config: Any) -> Callable[[str], bool]:
@@ -298,8 +299,8 @@ class LanguageModelOf:
     def recurrent_bytes(self, hf_config: Any, dtype_bytes: int) -> int:
         return super().recurrent_bytes(hf_config.get_text_config(), dtype_bytes)
 
-    def prefill_scratch_bytes(self, hf_config: Any, tokens: int) -> int:
-        return super().prefill_scratch_bytes(hf_config.get_text_config(), tokens)
+    def prefill_scratch_bytes(self, hf_config: Any, tokens: int, fused: bool = False) -> int:
+        return super().prefill_scratch_bytes(hf_config.get_text_config(), tokens, fused=fused)
 
     def ignored(self, hf_config: Any) -> Callable[[str], bool]:
         return super().ignored(hf_config.get_text_config())

@@ -64,18 +64,20 @@ class NemotronH(Architecture):
         conv_dim = config.mamba_num_heads * config.mamba_head_dim + 2 * config.n_groups * config.ssm_state_size
         return n * (ssm + conv_dim * config.conv_kernel * dtype_bytes)
 
-    def prefill_scratch_bytes(self, config, tokens: int, broadcast: bool | None = None) -> int:
+    def prefill_scratch_bytes(self, config, tokens: int, broadcast: bool | None = None, fused: bool = False) -> int:
         """transformers' PyTorch Mamba-2 prefill (without mamba_ssm's kernels) contracts C and B per chunk through
         a broadcast product [chunks, chunk, chunk, heads, state] in fp32 in versions before its `mamba2_chunk_scan`
         (5.17: 2 GiB for a 512-token prompt of a Nemotron-3-Nano layer, more than an 8 GiB budget leaves;
-        docs/benchmarks/2026-11-30.md); with it (einsums), three [chunks, chunk, chunk, heads] fp32 tensors.
-        `broadcast` None: the installed version's."""
+        docs/benchmarks/2026-11-30.md); with it (einsums), three [chunks, chunk, chunk, heads] fp32 tensors; with
+        `fused` (kernels/mamba.py's scan in its place: `scan_swapped`) none. `broadcast` None: the installed version's."""
         if not any(t in MAMBA for t in config.layers_block_type):
             return 0
         if broadcast is None:
             from transformers.models.nemotron_h import modeling_nemotron_h
 
             broadcast = not hasattr(modeling_nemotron_h, "mamba2_chunk_scan")
+        if fused and not broadcast:  # the scan to swap is there: one launch, state in registers, no chunk tensors
+            return 0
         cs = config.chunk_size
         per_chunk = cs * cs * config.mamba_num_heads * 4
         return -(-tokens // cs) * per_chunk * (config.ssm_state_size if broadcast else 3)

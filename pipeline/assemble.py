@@ -69,10 +69,15 @@ def assemble(path: str | Path, progress: bool, settings: dict) -> tuple[ExpertSt
     # by default on CUDA (faster decode: docs/benchmarks/); a CPU keeps transformers' step (the kernels would run
     # in Triton's interpreter there)
     fused_mamba = config.fused_mamba if config.fused_mamba is not None else device.type == "cuda"
-    piece = config.mixer_chunk or MAX_MIXER_CHUNK
+    scratch = lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens, fused=fused_mamba)  # noqa: E731
+    prompt_piece = config.prefill_chunk or MAX_PREFILL_CHUNK
+    # a scan without scratch (the fused one) takes a prompt piece in one run, where each run is a call of host work
+    # (~1 ms a Nemotron-3-Nano layer); transformers' scan runs at most MAX_MIXER_CHUNK tokens at once
+    asked = config.mixer_chunk or (prompt_piece if scratch(prompt_piece) == 0 else None)
+    piece = asked or MAX_MIXER_CHUNK
     if config.vram_budget is not None and device.type == "cuda":
-        vram_blocks, piece = engine_slots(config, store, device, arch, hf_config, schedule, model.dtype,
-                                          config.prefill_chunk or MAX_PREFILL_CHUNK)
+        vram_blocks, piece = engine_slots(config, store, device, arch, hf_config, schedule, model.dtype, prompt_piece,
+                                          scratch, asked)
     else:
         if config.vram_budget is not None:
             get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))

@@ -95,14 +95,14 @@ def budget_slots(budget: int, store: ExpertStore, device: torch.device, scratch=
 
 
 def engine_slots(config, store: ExpertStore, device: torch.device, arch, hf_config, schedule, dtype: torch.dtype,
-                 prompt_tokens: int) -> tuple[int, int]:
-    """`budget_slots` for an engine being opened: its architecture's Mamba-2 scratch, and beside it the states of the
-    sequences one step holds (--max-batch), a `prompt_tokens` chunk's activations, and a prompt's staging bank (h2d's
-    prompt_group blocks, double-buffered, where the schedule has one)."""
+                 prompt_tokens: int, scratch, chunk: int | None) -> tuple[int, int]:
+    """`budget_slots` for an engine being opened: its Mamba-2 scratch(tokens) in runs of `chunk` tokens (None: the
+    most that fits), and beside it the states of the sequences one step holds (--max-batch), a `prompt_tokens` chunk's
+    activations, and a prompt's staging bank (h2d's prompt_group blocks, double-buffered, where the schedule has one)."""
     h2d = schedule.stage("h2d")
     group = getattr(h2d.knobs, "prompt_group", 0) if h2d is not None else 0
-    return budget_slots(config.vram_budget, store, device, lambda tokens: arch.prefill_scratch_bytes(hf_config, tokens),
-                        config.mixer_chunk, config.max_batch * state_bytes(arch, hf_config, dtype, config.static_kv),
+    return budget_slots(config.vram_budget, store, device, scratch,
+                        chunk, config.max_batch * state_bytes(arch, hf_config, dtype, config.static_kv),
                         prompt_bytes(hf_config, store.manifest.top_k, prompt_tokens), 2 * group * store.block_bytes,
                         config.vram_reserve)
 

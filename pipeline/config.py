@@ -87,8 +87,8 @@ class EngineConfig:
     # what a one-token step replayed as a CUDA graph needs; a sequence may not grow past it. 0: the growing cache; None:
     # the model's context on CUDA for models whose whole step is checked (pipeline/whole.py `default_static_kv`), else 0
     mixer_chunk: int | None = None  # longest run of a piece a Mamba-2 mixer prefills at once (its scratch grows with it);
-    # None: 512, or with a VRAM budget the largest power of two <= 512 whose scratch fits what the expert slots leave
-    # (budget.py `plan_budget`)
+    # None: the whole piece with the fused scan (no scratch), else 512, or with a VRAM budget the largest power of two
+    # <= 512 whose scratch fits what the expert slots leave (budget.py `plan_budget`)
 
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -326,6 +326,8 @@ def test_prefill_chunk_follows_the_scratch_a_budget_leaves():
     # transformers' einsum scan (mamba2_chunk_scan, 5.2x): 48 MiB per 512 tokens, so 512-token runs even at 8 GiB
     einsum = lambda n: get_architecture("nemotron_h").prefill_scratch_bytes(nano, n, broadcast=False)  # noqa: E731
     assert einsum(512) == 48 << 20 and plan_budget(8 * GiB, 4_300_000_000, 2944, block, einsum)[1] == 512
+    fused = lambda n: get_architecture("nemotron_h").prefill_scratch_bytes(nano, n, broadcast=False, fused=True)  # noqa: E731
+    assert fused(2048) == 0 and plan_budget(8 * GiB, 4_300_000_000, 2944, block, fused, chunk=2048)[1:] == (2048, GiB)
     slots, chunk, reserve = plan_budget(8 * GiB, 4_300_000_000, 2944, block, scratch)
     assert (chunk, reserve) == (128, GiB + WORKSPACE) and slots == (8 * GiB - 4_300_000_000 - reserve) // block
     assert plan_budget(8 * GiB, int(1.81 * GiB), 512, block, scratch)[:2] == (512, 256)

@@ -157,6 +157,22 @@ def test_fused_mamba_prefill_follows_transformers(stores, refs, monkeypatch):
         assert (engine.forward(PROMPT) - plain).abs().max().item() > 1e-2
 
 
+def test_a_scan_without_scratch_takes_a_prompt_piece_whole(stores):
+    """With the fused scan (no chunk tensors: models/nemotron_h.py `prefill_scratch_bytes`) a Mamba-2 mixer takes the
+    engine's prompt piece (2048 tokens) in one run, where each run is a call of host work; transformers' scan keeps
+    runs of at most 512 tokens (its chunk tensors grow with the run); a run asked for (`mixer_chunk`) is kept."""
+    from sluice.models import get_architecture
+    from sluice.pipeline.budget import MAX_MIXER_CHUNK, MAX_PREFILL_CHUNK
+
+    for fused, asked, want in ((True, None, MAX_PREFILL_CHUNK), (False, None, MAX_MIXER_CHUNK), (True, 64, 64)):
+        with sluice.load(stores["nemotron_h_latent"], device=DEVICE, fused_mamba=fused, mixer_chunk=asked) as engine:
+            assert {layer.prefill_piece for layer in engine.model.layers} == {want}, (fused, asked)
+    config = engine.model.config
+    arch = get_architecture("nemotron_h")
+    assert arch.prefill_scratch_bytes(config, 512, broadcast=False, fused=True) == 0
+    assert arch.prefill_scratch_bytes(config, 512, broadcast=True, fused=True) > 0  # no chunked scan to swap: its own
+
+
 def test_a_cpus_one_token_steps_take_the_torch_step(stores, refs, monkeypatch):
     """Unset `fused_mamba` on a CPU: a Nemotron-H's one-token steps go through kernels/mamba.py's plain-torch step and
     its prompt's conv runs in fp32 (transformers' bf16 depthwise conv takes milliseconds a call there, ~10 x more off
