@@ -118,7 +118,8 @@ def cmd_bench_model(args) -> int:
             if line:
                 print(line)
             if lengths and max(lengths) > 1:
-                print(f"profile of a {max(lengths)}-token prompt on the VRAM tier as opened (as the table's first column), per prompt token:")
+                print(f"profile of a {max(lengths)}-token prompt on the VRAM tier as opened (as the table's first column), "
+                      "per prompt token:")
                 print(profile_prefill(engine, max(lengths), empty=True))
     del engine  # the second engine opens with this one's GPU memory given back (a VRAM budget counts it)
     if args.resident_alone:

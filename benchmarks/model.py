@@ -126,7 +126,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
     steps = [round(1000 * t, 3) for t in times]  # in order: a step that slows down for good shows where it began
     times = sorted(times)
     d = out["decode"] = {
-        "tokens": n, "step_ms": steps, "step_kinds": kinds, "step_cpu_blocks": cpu_steps, "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
+        "tokens": n, "step_ms": steps, "step_kinds": kinds, "step_cpu_blocks": cpu_steps,
+        "ms_per_token_median": 1000 * times[n // 2], "ms_per_token_mean": 1000 * sum(times) / n,
         "ms_first_token": 1000 * first, "ms_per_token_mean_after_first": 1000 * (sum(times) - first) / max(n - 1, 1),
         "tok_s": n / sum(times), "blocks_per_token": per_tier, "bytes_per_token": {t: v * block for t, v in per_tier.items()},
         "hit_rate": 1 - io["blocks"]["disk"] / total if total else None,

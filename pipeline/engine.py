@@ -207,7 +207,8 @@ class Engine:
         return time.perf_counter() - t
 
     def empty_vram(self) -> None:
-        """Forget the VRAM tier's blocks but a loaded hot set and leave it as at open (`sluice bench model`: a prompt on the tier as opened)."""
+        """Forget the VRAM tier's blocks but a loaded hot set and leave it as at open (`sluice bench model`: a prompt
+        on the tier as opened)."""
         self.rt.streams.synchronize()
         self.coordinator.empty_vram()
         if self.rt.vram is not None:
