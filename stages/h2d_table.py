@@ -31,8 +31,8 @@ class H2DTableKnobs:
     prompt_ahead: int = 128  # prompts: the next MoE layer's blocks, guessed by its router on this layer's input, copied
     # while this layer computes: into free tier slots (as many as are free), then up to this many into a bank of
     # 2 x this many of the tier's slots (at most half of them), which one-token steps take back into the tier with the
-    # blocks in it; 0: off. 128 (a whole layer of 128 experts) against 32: Nano's 512- and 2048-token prompts 0.302-0.306
-    # s against 0.328-0.349 and 0.495-0.513 against 0.566-0.616 at 8 GiB (BENCHMARKS.md, 2026-12-07, H200)
+    # blocks in it; 0: off. 128, a whole layer of 128 experts: its copies queue before the host's work between layers,
+    # and Nano's prompts at 8 GiB ran faster than with 32 (BENCHMARKS.md, seventeenth set)
 
     def __post_init__(self):
         if self.prompt_ahead < 0:
