@@ -40,7 +40,8 @@ class CpuRate:
     Each count n keeps its last WINDOW calls' seconds, its figure their lower median: a call stalled by the OS or a
     neighbour (milliseconds where 0.2 is usual) moves nothing, and a count enters the line at its second call, so one
     stalled call of a count the balance then never gives again cannot hold the line (it did: a count of 2 timed once at
-    2.8 ms left the CPU one block a layer, 2026-12-07). Figures given (`give`: the calibration's best of a few; `set`)
+    2.8 ms left the CPU one block a layer, 2026-12-07); nor can a few (`_plausible`: a count's figure that one timed more
+    often belies, as three calls of 2 blocks at 0.82 ms beside 2643 of one at 0.33 did, 2026-12-07). Figures given (`give`: the calibration's best of a few; `set`)
     stand for a count until it has two calls of its own. The two parts are the least-squares line through the figures,
     weighted by their calls (one count alone, or a line that slopes down: the line through 0), fitted when read."""
 
@@ -84,9 +85,12 @@ class CpuRate:
         return self.call_s + n * self.block_s if n else 0.0
 
     def _figures(self, single: bool) -> dict[int, tuple[float, int]]:
-        """count -> (figure, weight): a count's lower median once it has two calls, else its given figure (while the
-        counts timed do not belie it), else (with `single`, or where nothing else is known) its one call."""
+        """count -> (figure, weight): a count's lower median once it has two calls (while no count timed more often
+        belies it), else its given figure (while the counts timed do not belie it), else (with `single`, or where
+        nothing else is known) its one call."""
         out = {n: (sorted(ts)[(len(ts) - 1) // 2], len(ts)) for n, ts in self._times.items() if len(ts) >= 2}
+        out = {n: f for n, f in out.items()
+               if _plausible(n, f[0], {m: g for m, g in out.items() if self._calls[m] > self._calls[n]})}
         timed = dict(out)
         out.update({n: (t, 1) for n, t in self._given.items() if n not in out and _plausible(n, t, timed)})
         if single or not out:
@@ -115,8 +119,8 @@ class CpuRate:
 
 
 def _plausible(n: int, t: float, timed: dict[int, tuple[float, int]]) -> bool:
-    """Whether a given figure for a call of n blocks fits the counts the engine timed: no faster than a call of fewer
-    blocks, no slower than one of more, nor than the calls of m blocks that would do its n (a calibration stalled as
-    a whole gave 16.8 ms for one block and for four, where the engine's calls of two took 0.40: the line through them
-    gave the CPU 1.4 blocks a token, H200 2026-12-07)."""
-    return all(-(-n // m) * tm >= t and (t <= tm if n < m else t >= tm) for m, (tm, _) in timed.items())  # n is not timed
+    """Whether a figure for a call of n blocks fits the other counts' figures `timed` (n not among them): no faster than
+    a call of fewer blocks, no slower than one of more, nor than the calls of m blocks that would do its n (a
+    calibration stalled as a whole gave 16.8 ms for one block and for four, where the engine's calls of two took 0.40:
+    the line through them gave the CPU 1.4 blocks a token, H200 2026-12-07)."""
+    return all(-(-n // m) * tm >= t and (t <= tm if n < m else t >= tm) for m, (tm, _) in timed.items())

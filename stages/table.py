@@ -88,6 +88,7 @@ class Table(StreamedSteps, CpuSteps):
         self._cpu_plain = 0  # ... tokens since the last that did
         self._cpu_retimed = False  # ... a token gave the CPU blocks the balance did not, and they timed it again
         self._cpu_forced = False  # ... this token's counts are such blocks (`cpu_counts`)
+        self._cpu_probe = 0  # ... tokens with the share since the last whose counts give the CPU one more (`cpu_counts`)
         self._cpu_gave_up: tuple | None = None  # ... the GPU's waits for the host gave up: (on the device, its pinned copy)
         self._cpu: dict = {}  # cpu_share: (kind, act) -> the CPU's expert kernels
         self._cpu_credit = 0.0  # cpu_share: the CPU's share of blocks carried across layers

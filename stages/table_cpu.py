@@ -288,8 +288,10 @@ class CpuSteps:
         outside VRAM. Balanced, every layer's row is the balance's (`_cpu_count`). Where that gives the CPU none at the
         numbers the layers had at their last step with the share (K where none yet), its rate may be stale (one slow
         first timing, and a CPU given no blocks is never timed again): two wherever two or more are outside, which
-        re-times it (each layer's call feeds its rate). A fixed share: the layer's count from its last number (a
-        credit carried across layers), at most the blocks outside."""
+        re-times it (each layer's call feeds its rate). Every PROBE-th token with the share, one block more than that
+        wherever there is one: a count the balance stopped giving (its figure slowed by the RAM's other readers at the
+        time) is timed again as things are now. A fixed share: the layer's count from its last number (a credit carried
+        across layers), at most the blocks outside."""
         outside = [self._cpu_outside.get(i, K) for i in range(len(self.layers))]
         if not self._balanced():
             self._cpu_forced = False
@@ -298,6 +300,9 @@ class CpuSteps:
         self._cpu_forced = not any(row[n] for n in outside)
         if self._cpu_forced:
             row = [2 if n >= 2 else 0 for n in range(K + 1)]
+        self._cpu_probe = (self._cpu_probe + 1) % PROBE
+        if not self._cpu_probe:
+            row = [min(n, c + 1) for n, c in enumerate(row)]
         return [row] * len(self.layers)
 
     def _cpu_buffers(self, i: int, block, dx: int, x: torch.Tensor) -> _LayerBuffers:

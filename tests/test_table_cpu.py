@@ -108,7 +108,7 @@ class _Rule:
         from sluice.stages.table_cpu import CpuSteps
 
         self.cpu = type("T", (CpuSteps,), {"_cpu_copy_s": lambda self: copy_s})()
-        self.cpu.__dict__.update(cpu_share=0.3, cpu_now=True, _cpu_plain=0, _cpu_retimed=False, _cpu_forced=False,
+        self.cpu.__dict__.update(cpu_share=0.3, cpu_now=True, _cpu_plain=0, _cpu_retimed=False, _cpu_forced=False, _cpu_probe=0,
                                  _cpu_outside=outside,
                                  layers=list(range(23)),
                                  knobs=SimpleNamespace(cpu_balance=True, cpu_wait=wait),
@@ -185,6 +185,23 @@ def test_a_cpu_given_no_blocks_is_timed_again():
     fast = _Rule({i: 5 for i in range(23)})
     assert fast.cpu.cpu_counts(6) == [[balance_cpu_blocks(n, 0.10e-3, 0.18e-3) for n in range(7)]] * 23
     assert fast.cpu.cpu_counts(6)[0][5] == 2 and not fast.cpu._cpu_forced
+
+
+def test_every_probe_gives_the_cpu_one_block_more():
+    """Balanced, every PROBE-th token with the CPU's share gives it one block more than the balance wherever there is
+    one, so that a count the balance stopped giving is timed again as things are now (an H100 host, 2026-12-07: three
+    calls of two blocks at 0.82 ms, slowed beside PCIe's reads, left the CPU one block a layer for the run, 58 tok/s
+    where runs with two made 68). The must-fail side: the balance's own counts never time two."""
+    from sluice.stages.h2d import balance_cpu_blocks
+    from sluice.stages.table_cpu import PROBE
+
+    rule = _Rule({i: 5 for i in range(23)}, cpu_s=0.333e-3, copy_s=0.105e-3)
+    balance = [balance_cpu_blocks(n, 0.105e-3, 0.333e-3) for n in range(7)]
+    assert balance[5] == 1
+    rows = [rule.cpu.cpu_counts(6)[0] for _ in range(2 * PROBE)]
+    assert rows.count(balance) == 2 * PROBE - 2
+    assert rows[PROBE - 1] == rows[-1] == [0] + [min(n, c + 1) for n, c in enumerate(balance)][1:]
+    assert rows[PROBE - 1][5] == 2  # the count the balance would not give
 
 
 def test_the_device_split_takes_the_count_for_this_tokens_blocks_outside_vram():
@@ -289,3 +306,31 @@ def test_a_stalled_calibration_yields_to_the_engines_calls():
     assert balance_cpu_blocks(5, 0.102e-3, rate.block_s, rate.call_s) == 2
     stalled = CpuRate._fit({1: (16.784e-3, 1), 2: (0.401e-3, 8), 4: (16.782e-3, 1)})
     assert stalled[0] == pytest.approx(1.84e-3, rel=0.01) and balance_cpu_blocks(5, 0.102e-3, *stalled) == 0
+
+
+def test_a_count_timed_a_few_times_yields_to_one_timed_often():
+    """As measured on an H100 host (2026-12-07): 2643 calls of one block at 0.333 ms and three of two at 0.82 (slower
+    than two calls of one): the two-block figure leaves the line, which charges a block 0.333 ms; in another run two
+    calls of three blocks stalled at 8.4 ms beside 86 of two at 0.307 and the calibration's one at 0.122: without the
+    three, 0.153 ms a block, and a layer with 5 blocks outside VRAM gives the CPU two. The must-fail side: the line
+    through the stalled count gives the CPU none."""
+    from sluice.kernels.rates import CpuRate
+    from sluice.stages.h2d import balance_cpu_blocks
+
+    rate = CpuRate()
+    for _ in range(2643):
+        rate.observe(1, 0.333e-3)
+    for _ in range(3):
+        rate.observe(2, 0.82e-3)
+    assert (rate.block_s, rate.call_s) == (pytest.approx(0.333e-3), 0.0)
+    assert rate.by_count()[2] == (pytest.approx(0.82e-3), 3)  # still printed, out of the line
+    stalled = CpuRate()
+    stalled.give(1, 0.122e-3)
+    for _ in range(86):
+        stalled.observe(2, 0.307e-3)
+    for _ in range(2):
+        stalled.observe(3, 8.448e-3)
+    assert stalled.block_s == pytest.approx((0.122e-3 + 8 * 2 * 0.307e-3) / (1 + 8 * 4))
+    assert balance_cpu_blocks(5, 0.105e-3, stalled.block_s, stalled.call_s) == 2
+    every = CpuRate._fit({1: (0.122e-3, 1), 2: (0.307e-3, 8), 3: (8.448e-3, 2)})
+    assert balance_cpu_blocks(5, 0.105e-3, *every) == 0
