@@ -21,7 +21,9 @@ in four), or with `cpu_balance` the count that finishes both soonest from the me
 block and a call (its own timings: kernels/rates.py `CpuRate`) and a block's bytes over the host-to-device rate. In a
 whole step the device picks each layer's count from a row made before the token (`cpu_counts`: the count for each
 number of blocks outside VRAM) by the number this token has: under uniform routing a layer's number moves token to token
-(3 to 6 of 6 at 8 GiB), which the count of the token before followed a token late.
+(3 to 6 of 6 at 8 GiB), which the count of the token before followed a token late. Every PROBE-th token with the
+share gives the CPU one block more than the balance, so that the count next to the balance's stays timed as things are
+now (a call's time depends on the PCIe reads beside it).
 
 Which tokens (`cpu_choose`, balanced): a token replayed whole runs with the CPU's share only while the split saves more
 than its turns cost (a wait on the device, or a segment's end), else the step captured without the CPU's share
