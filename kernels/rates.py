@@ -40,10 +40,11 @@ class CpuRate:
     Each count n keeps its last WINDOW calls' seconds, its figure their lower median: a call stalled by the OS or a
     neighbour (milliseconds where 0.2 is usual) moves nothing, and a count enters the line at its second call, so one
     stalled call of a count the balance then never gives again cannot hold the line (it did: a count of 2 timed once at
-    2.8 ms left the CPU one block a layer, 2026-12-07); nor can a few (`_plausible`: a count's figure that one timed more
-    often belies, as three calls of 2 blocks at 0.82 ms beside 2643 of one at 0.33 did, 2026-12-07). Figures given (`give`: the calibration's best of a few; `set`)
-    stand for a count until it has two calls of its own. The two parts are the least-squares line through the figures,
-    weighted by their calls (one count alone, or a line that slopes down: the line through 0), fitted when read."""
+    2.8 ms left the CPU one block a layer, 2026-12-07); nor can a few (`_plausible`: a count's figure that one timed
+    more often belies, as three calls of 2 blocks at 0.82 ms beside 2643 of one at 0.33 did, 2026-12-07). Figures given
+    (`give`: the calibration's best of a few; `set`) stand for a count until it has two calls of its own. The two
+    parts are the least-squares line through the figures, weighted by their calls (one count alone, or a line that
+    slopes down: the line through 0), fitted when read."""
 
     WINDOW = 8
 
