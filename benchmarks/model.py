@@ -91,7 +91,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         dt = time.perf_counter() - t
         engine.release(seq)  # as a finished request's: its state goes to the next sequence (not left to the GC)
         io = engine.rt.stats.since(before)
-        return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"],
+        return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"], "cpu_blocks": io["cpu_blocks"],
                 "allocator_flushes": allocator_flushes(engine.device) - flushes}
 
     for n in prompt_lengths:
@@ -231,6 +231,8 @@ def format_bench(r: dict, block_bytes: int) -> str:
         lines.append(f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}   next: {nxt['s']:.3f} s, {nxt['tok_s']:.1f} tok/s, "
                      f"blocks VRAM / RAM {nxt['blocks']['vram']} / {nxt['blocks']['ram'] + nxt['blocks']['disk']} "
                      f"(first: {p['blocks']['vram']} / {p['blocks']['ram'] + p['blocks']['disk']})"
+                     + (f"; of the RAM blocks on the CPU {nxt['cpu_blocks']} (first: {p['cpu_blocks']})"
+                        if p.get("cpu_blocks") or nxt.get("cpu_blocks") else "")
                      + _flushes(p.get("allocator_flushes", 0) + nxt.get("allocator_flushes", 0)))
     d = r["decode"]
     lines.append(f"decode: {d['tok_s']:.2f} tok/s (mean {d['ms_per_token_mean']:.2f} ms/token), median {d['ms_per_token_median']:.2f} "

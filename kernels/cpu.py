@@ -220,13 +220,26 @@ class CpuExperts:
         """A MoE layer's host rows: each block's output on x [Dx] fp32 rounded to x_dtype, times its weight w [n] fp32,
         into out's `rows` (out [K, Dx]) as `weighed_rows_ref` writes them; in the native call where x_dtype is fp32 or
         bf16 and out a contiguous fp32 or bf16 tensor, else through `run_many`."""
-        native = (self.plan is not None and x_dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
-                  and out.dtype in (torch.float32, torch.bfloat16) and x.dtype == w.dtype == torch.float32
-                  and x.is_contiguous() and w.is_contiguous())
-        if native:
+        if self._native_rows(x, w, x_dtype, out):
             self.plan.rows(blocks, x, w, x_dtype == torch.bfloat16, out, rows)
         else:
             weighed_rows_ref(self.run_many(blocks, x), w, x_dtype, out, rows)
+
+    @torch.inference_mode()
+    def weighed_pairs(self, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, out: torch.Tensor,
+                      rows: list[int]) -> None:
+        """`weighed_rows` with an input a block: block e on x[e] (x [n, Dx] fp32), a prompt's (block, row) pairs; a block's
+        pairs side by side read it from RAM once in the native call."""
+        if self._native_rows(x, w, x_dtype, out):
+            self.plan.pairs(blocks, x, w, x_dtype == torch.bfloat16, out, rows)
+        else:
+            weighed_rows_ref(torch.stack([self.run(b, xe) for b, xe in zip(blocks, x)]), w, x_dtype, out, rows)
+
+    def _native_rows(self, x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, out: torch.Tensor) -> bool:
+        """Whether the native call writes these rows: a plan, fp32 or bf16 rounding and out, fp32 contiguous inputs."""
+        return (self.plan is not None and x_dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
+                and out.dtype in (torch.float32, torch.bfloat16) and x.dtype == w.dtype == torch.float32
+                and x.is_contiguous() and w.is_contiguous())
 
     @torch.inference_mode()
     def run(self, block: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

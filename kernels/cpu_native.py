@@ -87,6 +87,8 @@ def native_kernels():
             lib.sluice_experts.restype = ctypes.c_int
             lib.sluice_experts_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
             lib.sluice_experts_rows.restype = ctypes.c_int
+            lib.sluice_experts_pairs.argtypes = lib.sluice_experts_rows.argtypes
+            lib.sluice_experts_pairs.restype = ctypes.c_int
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             get_logger().warning("CPU FP4/FP8 kernels: building the native path failed; using torch.compile's",
@@ -285,6 +287,18 @@ class ExpertPlan:
         self._check(self.lib.sluice_experts_rows(self.plan, n, _addresses(blocks), x.data_ptr(), self._scratch.data_ptr(),
                                                  w.data_ptr(), (ctypes.c_int64 * n)(*rows), int(round_bf16), out.data_ptr(),
                                                  int(out.dtype == torch.bfloat16)))
+
+    def pairs(self, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, round_bf16: bool, out: torch.Tensor,
+              rows: list[int]) -> None:
+        """`rows` with an input a block: x [n, Dx] fp32 (contiguous), pair e block e on x[e]; a block's pairs side by side
+        read it from RAM once (sluice_experts_pairs)."""
+        set_threads(self.lib, self.threads)
+        n = len(blocks)
+        if self._scratch is None:
+            self._scratch = torch.empty(8, self.dx, dtype=torch.float32)
+        self._check(self.lib.sluice_experts_pairs(self.plan, n, _addresses(blocks), x.data_ptr(), self._scratch.data_ptr(),
+                                                  w.data_ptr(), (ctypes.c_int64 * n)(*rows), int(round_bf16), out.data_ptr(),
+                                                  int(out.dtype == torch.bfloat16)))
 
     @staticmethod
     def _check(done: int) -> None:

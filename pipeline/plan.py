@@ -14,10 +14,11 @@ on the device's) and the mix of both rows into combine's sum (stages/table_cpu.p
 A step whose routed ids must come to the host (a prompt, the torch backend, a one-token step of a block whose MoE
 input is not pure over a RAM cache) runs the same stages' host faces in order (`layer`): fetch readies the tier,
 route brings the ids to the host, fetch pins (reads from disk) and places the blocks, h2d plans and copies them
-group by group while compute runs each group as it lands, h2d copies the next layer's guesses ahead, combine sums
-and finishes; each under its stage's span in the trace. The values pass by name in one dict (li, i, token;
-weights, ids, xe, ids_cpu, flat, experts, guess, shared; in_vram, ahead, in_ram, early, rows, counts, offsets;
-groups, copies, filled, offs, at, planned; y, w, h). One-token steps over a RAM cache that route on the host and then run
+group by group while compute runs each group as it lands (and, with h2d's `prompt_cpu`, the CPU the blocks of few rows
+beside them: compute's `beside_cpu`), h2d copies the next layer's guesses ahead, combine sums and finishes; each under
+its stage's span in the trace. The values pass by name in one dict (li, i, token; weights, ids, xe, ids_cpu, flat,
+experts, guess, shared; in_vram, ahead, in_ram, early, counts, offsets; cpu, cpu_pairs, rows, groups, copies, filled,
+offs, at, planned; y, w, h). One-token steps over a RAM cache that route on the host and then run
 the composed step are the table's (stages/table_stream.py).
 """
 
@@ -96,21 +97,22 @@ class TokenPlan:
             return
         with span("h2d", layer=layer, stream=table.stream):
             h2d.plan(v)
-        try:
-            with span("compute", layer=layer, stream=table.stream):
-                if v["in_vram"]:
-                    compute.group(v, v["in_vram"])
-                table.settle_ahead()  # the step's stream waits for the copies ahead; the tier slots they filled pointed at
-                if v["ahead"]:
-                    compute.group(v, v["ahead"])
-                for group in h2d.copied(v):
-                    compute.group(v, group)
-        except BaseException:  # tier slots planned for copies that may not have been queued: free again, unread
-            table.unfill(v["filled"])
-            raise
-        with span("h2d", layer=layer, stream=table.stream):
-            h2d.landed(v)
-            h2d.look_ahead(v)
+        with compute.beside_cpu(v):  # the CPU's blocks of few rows (h2d's `prompt_cpu`), beside all that follows
+            try:
+                with span("compute", layer=layer, stream=table.stream):
+                    if v["in_vram"]:
+                        compute.group(v, v["in_vram"])
+                    table.settle_ahead()  # the step's stream waits for the copies ahead; the tier slots they filled pointed at
+                    if v["ahead"]:
+                        compute.group(v, v["ahead"])
+                    for group in h2d.copied(v):
+                        compute.group(v, group)
+            except BaseException:  # tier slots planned for copies that may not have been queued: free again, unread
+                table.unfill(v["filled"])
+                raise
+            with span("h2d", layer=layer, stream=table.stream):
+                h2d.landed(v)
+                h2d.look_ahead(v)
 
     def token(self, layer, h: torch.Tensor, nxt, first: bool = True) -> torch.Tensor | None:
         """A one-token step of MoE `layer` whole from its input h [1, 1, D] (its norm included: one replay is the

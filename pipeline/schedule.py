@@ -202,7 +202,7 @@ def _parse_stage(name: str, body: Any, where: str) -> StageSpec:
     return StageSpec(name, tuple(after), stream, cls.Knobs(**values), cls)
 
 
-SIGNED_KNOBS = ("cpu_prefill",)  # int knobs with a meaning below 0 (checked by their stage)
+SIGNED_KNOBS = ("cpu_prefill", "prompt_cpu")  # int knobs with a meaning below 0 (checked by their stage)
 
 
 def _check_value(value: Any, hint: Any, where: str, name: str = "") -> Any:

@@ -7,12 +7,17 @@ the down kernel's tail (on the step's stream, before the side stream's join; the
 wherever they lie), or through the plain-torch reference (`reference`, the torch backend); combine sums those.
 `routed: false` skips the routed experts (and loading their blocks at open): a zero routed sum, outputs that are not
 the model's, to time the resident part alone (schedules/resident-alone.yaml). With `cpu_share` the CPU computes part
-of a one-token step's blocks outside VRAM (stages/table_cpu.py): the GPU's rows stay unsummed for combine.
+of a one-token step's blocks outside VRAM (stages/table_cpu.py): the GPU's rows stay unsummed for combine. With h2d's
+`prompt_cpu` a prompt's blocks of few rows are computed by the CPU on a worker thread beside the GPU's groups
+(`beside_cpu`), a block's rows one after another so that it is read from RAM once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +25,7 @@ import torch
 from sluice.errors import ScheduleError
 from sluice.kernels.down import ordered_sum
 from sluice.stages.base import Stage
-from sluice.stages.compute import check_fp4_matvec, torch_expert
+from sluice.stages.compute import check_fp4_matvec, cpu_experts, torch_expert
 from sluice.stages.route import group_by_expert
 
 
@@ -84,6 +89,10 @@ class ComputeTable(Stage):
     def needs(cls, k: ComputeTableKnobs) -> dict:
         return {} if k.routed else {"ram": "one"}  # no routed experts: one RAM slot will do
 
+    def __init__(self, knobs, stream, rt):
+        super().__init__(knobs, stream, rt)
+        self._worker: ThreadPoolExecutor | None = None  # prompt_cpu: the thread the CPU's blocks run on (`beside_cpu`)
+
     def launch(self, t):
         table, block, part = self.table, t.block, t.part
         if not self.knobs.routed:
@@ -144,6 +153,53 @@ class ComputeTable(Stage):
         at[0] += n
         at[1] += sum(c)
         at[2] += 1
+
+    @contextlib.contextmanager
+    def beside_cpu(self, v: dict):
+        """A prompt step's CPU blocks (h2d's `prompt_cpu`: `cpu`, their rows `cpu_pairs`) computed from their RAM slots on
+        a worker thread (one native call, a block's rows side by side) while the step's GPU work is queued inside; their
+        rows copied into y on leaving. The worker is joined on the way out however the step ends: its blocks go back to
+        the RAM cache only after it."""
+        if not v.get("cpu"):
+            yield
+            return
+        table, rt, li = self.table, self.rt, v["li"]
+        block, pairs, dev = li.block, v["cpu_pairs"], v["xe"].device
+        k = table.knobs
+        first = (block.kind, block.act_name) not in table._cpu  # the first call compiles the kernels: not a rate
+        kernels = cpu_experts(table._cpu, rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
+        rows = torch.from_numpy(pairs).to(dev, non_blocking=True)
+        inputs = torch.cat((v["xe"].index_select(0, rows // block.top_k).float(),
+                            v["w"].index_select(0, rows).float()[:, None]), 1).cpu()  # one wait: the router's work is done
+        x, w = inputs[:, :-1].contiguous(), inputs[:, -1].contiguous()
+        blocks = [table.blocks.entries[(block.layer, e)].buf for e in v["flat"][pairs].tolist()]
+        out = torch.empty(len(pairs), x.shape[1], dtype=v["y"].dtype, pin_memory=dev.type == "cuda")
+
+        def work() -> float:
+            t = time.perf_counter()
+            kernels.weighed_pairs(blocks, x, w, li.x.dtype, out, list(range(len(pairs))))
+            return time.perf_counter() - t
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="sluice-prompt-cpu")
+        job = self._worker.submit(work)
+        try:
+            yield
+        except BaseException:
+            wait([job])
+            raise
+        with rt.tracer.span("compute:cpu", layer=block.layer, blocks=len(v["cpu"]), rows=len(pairs)):  # the host's wait
+            seconds = job.result()
+            with rt.streams.use(table.stream):
+                v["y"].index_copy_(0, rows, out.to(dev, non_blocking=True))
+        rt.stats.cpu_blocks += len(v["cpu"])
+        if not first:
+            table.prompt_rate.observe(len(pairs), seconds)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+            self._worker = None
 
     def reference(self, v: dict) -> None:
         """The plain-torch reference path (the torch backend), each expert from its RAM slot."""

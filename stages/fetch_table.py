@@ -145,8 +145,8 @@ class FetchTable(Stage):
 
     def place(self, v: dict) -> None:
         """Where each of the step's experts is read from, in the order compute takes them: VRAM tier slots, blocks the
-        layer before copied ahead (`h2d: {prompt_ahead}`), RAM; each counted by tier; the (token, k) rows sorted into
-        that order once, so that each group's rows are one slice; the VRAM and copied-ahead blocks' offsets."""
+        layer before copied ahead (`h2d: {prompt_ahead}`), RAM (h2d's `plan` then sorts the rows into that order); each
+        counted by tier; the rows each expert has (`counts`); the VRAM and copied-ahead blocks' offsets."""
         table, i, experts, stats = self.table, v["i"], v["experts"], self.rt.stats
         tier, blocks = table.tier, table.blocks
         if not table.knobs.routed:
@@ -163,10 +163,6 @@ class FetchTable(Stage):
         for e in experts:  # a block copied ahead is read from VRAM (its copy is counted as a guess copied, once)
             stats.tier("vram" if e in early or (i, e) in tier.slot_of else "disk" if e in blocks.disk else "ram")
         stats.vram_prefetch_hits += len(ahead)
-        rank = np.zeros(table.num_experts, dtype=np.int64)
-        rank[in_vram + ahead + in_ram] = np.arange(len(experts))
-        flat = v["flat"]  # numpy (route's on_host)
         v.update(in_vram=in_vram, ahead=ahead, in_ram=in_ram, early=early,
-                 rows=torch.from_numpy(np.argsort(rank[flat], kind="stable")).to(v["xe"].device, non_blocking=True),
-                 counts=np.bincount(flat, minlength=table.num_experts).tolist(),
+                 counts=np.bincount(v["flat"], minlength=table.num_experts).tolist(),  # flat: numpy (route's on_host)
                  offsets=[tier.offset(i, e) for e in in_vram] + [early[e] for e in ahead])

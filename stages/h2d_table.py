@@ -5,6 +5,9 @@ MoE layer's guessed blocks (predict's list, chosen in the step just queued) are 
 the tier's slots, on a stream of their own, while the resident layers before that layer run: that layer's step waits
 for them and reads them there. Prompts copy RAM blocks into VRAM `prompt_group` at a time (`plan`, `copied`), into
 free tier slots first (`prompt_fill`), and copy the next layer's guessed blocks ahead (`prompt_ahead`: `look_ahead`).
+With `prompt_cpu` a prompt's RAM blocks of few rows cross no bus: the CPU computes them from their RAM slots while
+PCIe carries the others (compute's `beside_cpu`), so that the host's RAM reads add to PCIe's, as llama.cpp's CPU
+layers do; the blocks the next layer's guesses leave to the CPU are not copied ahead.
 """
 
 from __future__ import annotations
@@ -33,10 +36,16 @@ class H2DTableKnobs:
     # 2 x this many of the tier's slots (at most half of them), which one-token steps take back into the tier with the
     # blocks in it; 0: off. 128, a whole layer of 128 experts: its copies queue before the host's work between layers,
     # and Nano's prompts at 8 GiB ran faster than with 32 (BENCHMARKS.md, seventeenth set)
+    prompt_cpu: int = 0  # prompts: RAM blocks routed to at most this many of the step's rows are computed by the CPU
+    # from their RAM slots while the others cross PCIe, and not copied ahead; -1: the count from the measured rates
+    # that finishes both soonest, layer by layer (`balance_prompt_cpu`; none until a GPU's rates are measured); 0: off
 
     def __post_init__(self):
         if self.prompt_ahead < 0:
             raise ScheduleError(f"stage 'h2d': 'prompt_ahead' must be >= 0, got {self.prompt_ahead!r}")
+        if self.prompt_cpu < -1:
+            raise ScheduleError(f"stage 'h2d': 'prompt_cpu' must be -1 (from the rates), 0 (off) or a row count, "
+                                f"got {self.prompt_cpu!r}")
 
 
 class H2DTable(Stage):
@@ -72,12 +81,22 @@ class H2DTable(Stage):
     # -- a step whose ids come to the host (a prompt) ---------------------------------------------------------------
 
     def plan(self, v: dict) -> None:
-        """Where each RAM block of the step is read: copied `prompt_group` at a time into a free tier slot (where
-        `prompt_fill` finds one; it stays there) or a staging bank (double-buffered), or in place (`prompt_group: 0`);
-        every block's offset sent to the GPU in one copy (`offs`)."""
+        """Where each RAM block of the step is read: by the CPU where it has few rows (`prompt_cpu`: `cpu`), else copied
+        `prompt_group` at a time into a free tier slot (where `prompt_fill` finds one; it stays there) or a staging bank
+        (double-buffered), or in place (`prompt_group: 0`); every block's offset sent to the GPU in one copy (`offs`);
+        the (token, k) rows sorted into the order compute takes the blocks once, so that each group's rows are one slice,
+        the CPU's last (`cpu_pairs`: their flat rows, block by block)."""
         table, i = self.table, v["i"]
         tier, G, bb, offsets = table.tier, self.knobs.prompt_group, table.block_bytes, v["offsets"]
-        in_ram = v["in_ram"]
+        counts = v["counts"]
+        limit = self._cpu_limit(i, [counts[e] for e in v["in_ram"]], v["li"].block, v["xe"].shape[1])
+        cpu = [e for e in v["in_ram"] if counts[e] <= limit]
+        in_ram = v["in_ram"] = [e for e in v["in_ram"] if counts[e] > limit]
+        rank = np.zeros(table.num_experts, dtype=np.int64)
+        rank[v["in_vram"] + v["ahead"] + in_ram + cpu] = np.arange(len(v["experts"]))
+        order = np.argsort(rank[v["flat"]], kind="stable")
+        v.update(cpu=cpu, cpu_pairs=order[len(order) - sum(counts[e] for e in cpu):],
+                 rows=torch.from_numpy(order).to(v["xe"].device, non_blocking=True))
         groups = [in_ram[s : s + G] for s in range(0, len(in_ram), G)] if G else [in_ram] if in_ram else []
         if G and in_ram and table.staging is None:
             table.staging = torch.empty(2 * G * bb, dtype=torch.uint8, device=self.rt.device)
@@ -143,8 +162,11 @@ class H2DTable(Stage):
         bank = iter(tier.ahead_bank[i % 2])
         early, filled, moves = {}, [], []
         layer = table.layers[i]
-        for e in order:
-            if (i, e) in tier.slot_of or (src := table.blocks.resident(layer, e)) is None:
+        outside = [e for e in order if (i, e) not in tier.slot_of]
+        limit = self._cpu_limit(i, [int(counts[e]) for e in outside], v["li"].next_block, v["xe"].shape[1], fresh=True)
+        table.cpu_ahead = (i, limit)  # that layer's plan keeps it (the blocks left to copy then are few)
+        for e in outside:
+            if counts[e] <= limit or (src := table.blocks.resident(layer, e)) is None:  # the CPU's, or not in RAM
                 continue
             if self.knobs.prompt_fill and tier.free:
                 slot = tier.slot_of[(i, e)] = tier.free.pop()
@@ -170,6 +192,37 @@ class H2DTable(Stage):
             raise
         self.rt.stats.vram_prefetches += len(moves)
         table.ahead = (i, early, landed, filled)
+
+    def _cpu_limit(self, i: int, counts: list[int], block, dx: int, fresh: bool = False) -> int:
+        """Most rows a block outside VRAM of MoE index i's prompt step may have for the CPU to compute it: `prompt_cpu`,
+        or with -1 the balance over `counts` (the rows of the layer's blocks outside VRAM) by the measured rates, as the
+        layer before chose it when it copied this one's blocks ahead, unless `fresh` (choosing it for those copies)."""
+        k, table = self.knobs.prompt_cpu, self.table
+        if k >= 0:
+            return k
+        if not fresh:
+            chosen, table.cpu_ahead = table.cpu_ahead, None
+            if chosen is not None and chosen[0] == i:
+                return chosen[1]
+        rates = table.prompt_rates(block, dx) if counts else None
+        return balance_prompt_cpu(counts, table._cpu_copy_s(), *rates) if rates else 0
+
+
+def balance_prompt_cpu(counts: list[int], tg: float, tc: float, call: float = 0.0) -> int:
+    """Of a prompt layer's blocks outside VRAM, with `counts` rows each, the most rows a block may have for the CPU to
+    compute it (tc seconds a row, `call` a call, one block after another) rather than copy it (tg seconds a block, one
+    after another, beside the CPU): the count that finishes both soonest, the lower on a tie; 0 where the CPU would
+    finish after the copies of every block."""
+    cs = sorted(counts)
+    best, best_t, rows = 0, len(cs) * tg, 0
+    for j, c in enumerate(cs):
+        rows += c
+        if j + 1 < len(cs) and cs[j + 1] == c:  # a count takes every block of that count
+            continue
+        t = max(call + rows * tc, (len(cs) - j - 1) * tg)
+        if t < best_t - 1e-12:
+            best, best_t = c, t
+    return best
 
 
 def copy_blocks(pairs: list[tuple[torch.Tensor, torch.Tensor]], block_bytes: int) -> None:

@@ -144,7 +144,10 @@ class CpuSteps:
         a first slow call would leave the CPU no blocks, and so no later timing to correct it."""
         k = self.knobs
         kernels = cpu_experts(self._cpu, self.rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
-        bufs = [self.blocks.entries[(block.layer, e)].buf for e in range(min(n, self.num_experts))]
+        held = (self.blocks.resident(block.layer, e) for e in range(self.num_experts))  # hold: false holds some
+        bufs = [entry.buf for entry in held if entry is not None][:n]
+        if not bufs:
+            return
         kernels.run_many(bufs, xe)
         for some in {1: bufs[:1], len(bufs): bufs}.values():
             best = float("inf")
@@ -179,6 +182,19 @@ class CpuSteps:
     def _cpu_copy_s(self) -> float:
         """A block's seconds over PCIe at the measured host-to-device rate."""
         return self.block_bytes / self.rt.h2d_rate()
+
+    def prompt_rates(self, block, dx: int) -> tuple[float, float] | None:
+        """The CPU's (seconds a row, seconds a call) over a prompt's (block, row) pairs (h2d's `prompt_cpu: -1`): as
+        timed in prompts (compute's `beside_cpu`), else a one-token call's seconds a block (a row that reads its block
+        from RAM; calibrated on zeros once where nothing timed it); None off a GPU (no PCIe to balance against)."""
+        rt = self.rt
+        if rt.device.type != "cuda" or self.backend != "triton":
+            return None
+        if self.prompt_rate.block_s is not None:
+            return self.prompt_rate.block_s, self.prompt_rate.call_s
+        if rt.cpu_rate.block_s is None:
+            self._cpu_calibrate(block, torch.zeros(dx))
+        return (rt.cpu_rate.block_s, rt.cpu_rate.call_s) if rt.cpu_rate.block_s is not None else None
 
     def _waits_on_device(self) -> bool:
         """Whether a whole step's CPU turns are waits on the device (`cpu_wait: device`, on CUDA, stores in order), not

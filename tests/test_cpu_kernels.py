@@ -325,6 +325,37 @@ def test_weighed_rows_in_the_native_call_are_torchs(kind, fmt):
     assert not torch.equal(rounded, unrounded)
 
 
+@pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("swiglu", "nvfp4"), ("swiglu", "bf16"), ("relu2", "fp8_block")])
+def test_a_prompts_pairs_in_one_native_call_are_each_blocks_own(kind, fmt):
+    """A prompt's (block, row) pairs in one native call (CpuExperts.weighed_pairs: a block's rows side by side, each on
+    its own input) are each pair's one-block `weighed_rows` bit for bit, and the torch path's (no native plan); the
+    must-fail side: the same pairs with two inputs swapped differ in those rows."""
+    from sluice.kernels.cpu_native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler here: the native path is not built")
+    Dx, I = 128, 256
+    bank, offs, manifest, _ = make_bank(kind, fmt, 3, Dx, I, seed=13)
+    act = relu2 if kind == "relu2" else F.silu
+    cpu = CpuExperts(manifest, kind, act, compiled=False, act_name="relu2" if kind == "relu2" else "silu")
+    plain = CpuExperts(manifest, kind, act, compiled=False, native=False)
+    assert cpu.plan is not None and plain.plan is None
+    by = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs]
+    blocks = [by[0], by[0], by[2], by[1], by[1], by[1]]
+    x = torch.randn(6, Dx, generator=torch.Generator().manual_seed(5))
+    w, rows = torch.rand(6, generator=torch.Generator().manual_seed(6)), [5, 0, 3, 1, 4, 2]
+    got, want, torch_path = (torch.zeros(7, Dx, dtype=torch.bfloat16) for _ in range(3))
+    cpu.weighed_pairs(blocks, x, w, torch.bfloat16, got, rows)
+    for b, xe, we, r in zip(blocks, x, w, rows):
+        cpu.weighed_rows([b], xe, we[None], torch.bfloat16, want, [r])
+    plain.weighed_pairs(blocks, x, w, torch.bfloat16, torch_path, rows)
+    assert torch.equal(got, want) and got[rows].all() and not got[6].any()
+    assert float((torch_path.float() - got.float()).norm() / got.float().norm()) < 1e-2
+    swapped = torch.zeros(7, Dx, dtype=torch.bfloat16)
+    cpu.weighed_pairs(blocks, x[[1, 0, 2, 3, 4, 5]], w, torch.bfloat16, swapped, rows)
+    assert not torch.equal(swapped[[5, 0]], got[[5, 0]]) and torch.equal(swapped[[3, 1, 4, 2]], got[[3, 1, 4, 2]])
+
+
 @pytest.mark.parametrize("threads", [1, 3, 7])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("int8", [True, False])
