@@ -205,7 +205,7 @@ class H2DTable(Stage):
             if chosen is not None and chosen[0] == i:
                 return chosen[1]
         rates = table.prompt_rates(block, dx) if counts else None
-        return balance_prompt_cpu(counts, table._cpu_copy_s(), *rates) if rates else 0
+        return balance_prompt_cpu(counts, table.copy_s(), *rates) if rates else 0
 
 
 def balance_prompt_cpu(counts: list[int], tg: float, tc: float, call: float = 0.0) -> int:

@@ -166,7 +166,7 @@ class CpuSteps:
         if not self.cpu_share or not self._balanced() or not self._cpu_outside:
             self.cpu_now = bool(self.cpu_share)
             return self.cpu_now
-        tg, rate = self._cpu_copy_s(), self.rt.cpu_rate
+        tg, rate = self.copy_s(), self.rt.cpu_rate
         saved, given = 0.0, 0
         for n in self._cpu_outside.values():
             c = balance_cpu_blocks(n, tg, rate.block_s, rate.call_s)
@@ -179,7 +179,7 @@ class CpuSteps:
         self.cpu_now = self._cpu_plain == 0
         return self.cpu_now
 
-    def _cpu_copy_s(self) -> float:
+    def copy_s(self) -> float:
         """A block's seconds over PCIe at the measured host-to-device rate."""
         return self.block_bytes / self.rt.h2d_rate()
 
@@ -209,7 +209,7 @@ class CpuSteps:
         """How many of a step's `outside` blocks (not in VRAM) the CPU computes."""
         k, rt = self.knobs, self.rt
         if self._balanced():
-            return balance_cpu_blocks(outside, self._cpu_copy_s(), rt.cpu_rate.block_s, rt.cpu_rate.call_s)
+            return balance_cpu_blocks(outside, self.copy_s(), rt.cpu_rate.block_s, rt.cpu_rate.call_s)
         self._cpu_credit += k.cpu_share * outside
         n = min(outside, int(self._cpu_credit + 1e-9))
         self._cpu_credit -= n

@@ -107,7 +107,7 @@ class _Rule:
 
         from sluice.stages.table_cpu import CpuSteps
 
-        self.cpu = type("T", (CpuSteps,), {"_cpu_copy_s": lambda self: copy_s})()
+        self.cpu = type("T", (CpuSteps,), {"copy_s": lambda self: copy_s})()
         self.cpu.__dict__.update(cpu_share=0.3, cpu_now=True, _cpu_plain=0, _cpu_retimed=False, _cpu_forced=False, _cpu_probe=0,
                                  _cpu_outside=outside,
                                  layers=list(range(23)),
