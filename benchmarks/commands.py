@@ -52,6 +52,8 @@ def add_bench_parser(sub) -> None:
     bc.add_argument("--int8", action="store_true", help="FP4 experts also with int8 activations (AVX-512 VNNI): a second row")
     bc.add_argument("--calls", action="store_true", help="the hybrid path's calls instead: microseconds a call by its count of "
                     "blocks, back to back, after the host's wait for ids, from cache (first --shape and --format: nano nvfp4)")
+    bc.add_argument("--pairs", action="store_true", help="a prompt's CPU share instead (h2d.prompt_cpu): microseconds a block "
+                    "by its rows, a block's rows side by side, from RAM (first --shape and --format: nano nvfp4)")
     bc.set_defaults(func=cmd_bench_cpu)
 
     from sluice.benchmarks.batch import add_batch_parser
@@ -245,18 +247,22 @@ def cmd_bench_cpu(args) -> int:
     from sluice.benchmarks.cpu_kernels import bench_cpu
     from sluice.benchmarks.kernels import FORMATS, format_table
 
-    if args.calls:
-        from sluice.benchmarks.cpu_kernels import bench_calls, format_calls
+    if args.calls or args.pairs:
+        from sluice.benchmarks.cpu_kernels import bench_calls, bench_pairs, format_calls, format_pairs
         from sluice.benchmarks.kernels import SHAPES, expert_layout
 
+        what = "--pairs" if args.pairs else "--calls"
         shape, fmt = (args.shape or ["nano"])[0], (args.format or ["nvfp4"])[0]
         if shape not in SHAPES or fmt not in FORMATS:
-            raise SystemExit(f"bench cpu --calls: unknown shape {shape!r} or format {fmt!r}")
+            raise SystemExit(f"bench cpu {what}: unknown shape {shape!r} or format {fmt!r}")
         block_mb = expert_layout(SHAPES[shape][0], fmt, SHAPES[shape][1], SHAPES[shape][2], "cpu")[3] / 1e6
         for threads in args.threads or [None]:
             if threads:
                 torch.set_num_threads(threads)
             print(f"{shape} {fmt}{', int8 activations' if args.int8 else ''}, {block_mb:.2f} MB a block, threads {torch.get_num_threads()}")
+            if args.pairs:
+                print(format_pairs(*bench_pairs(shape, fmt, int8=args.int8), block_mb), flush=True)
+                continue
             ways, h2d = bench_calls(shape, fmt, int8=args.int8)
             print(format_calls(ways, block_mb, h2d), flush=True)
         return 0

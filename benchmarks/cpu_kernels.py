@@ -1,5 +1,6 @@
 """`sluice bench cpu`: the CPU expert kernels (kernels/cpu.py) alone, one token through one expert at a time (and a
-layer's top-k in one native call), against the memory read rate measured in the same run."""
+layer's top-k in one native call), against the memory read rate measured in the same run; `--calls`: the hybrid path's
+calls by their count of blocks; `--pairs`: a prompt's (block, row) pairs, a block's rows side by side."""
 
 from __future__ import annotations
 
@@ -138,6 +139,56 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
         ways.append(("beside H2D copies", 0.0, False, True, 0))
     ways.append((f"beside {busy} busy", 0.0, False, False, busy))
     return [(name, way(*how)) for name, *how in ways], h2d
+
+
+def bench_pairs(shape: str = "nano", fmt: str = "nvfp4", rows=(1, 2, 3, 4, 8), blocks: int = 16, calls: int = 20,
+                int8: bool = False, bank_bytes: int = 768 << 20) -> tuple[dict[int, float], dict[int, float]]:
+    """A prompt's CPU share (`CpuExperts.weighed_pairs`, h2d's `prompt_cpu`): calls over `blocks` distinct blocks with
+    r rows each, a block's rows side by side, each call's blocks new (from RAM, as the engine's RAM slots are: pinned
+    where CUDA is); median microseconds a block by r, back to back and (where CUDA is) beside pinned-to-device copies.
+    A block's rows after its first cost what its weights' second pass from the threads' caches costs: the slope over r
+    (compute's: int8 activations make it cheaper). Returns ({r: us a block}, {r: us a block beside the copies} or {})."""
+    kind, Dx, I, _ = SHAPES[shape]
+    tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
+    block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
+    n = max(2 * blocks, -(-bank_bytes // block_bytes))
+    bank = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    bank.view(n, block_bytes)[:] = block
+    bufs = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
+    cpu = _experts(types.SimpleNamespace(formats=fmts, slots=slots), kind, True, int8)
+    if cpu.plan is None:
+        raise SystemExit(f"bench cpu --pairs: no native plan for {shape} {fmt} on this machine")
+    if int8 and not cpu.int8:
+        raise SystemExit("bench cpu --pairs --int8: int8 activations need AVX-512 VNNI and FP4 weights, not here")
+    copies = _Copies(torch.device("cuda")) if torch.cuda.is_available() else None
+
+    def timed(r: int, beside: bool) -> float:
+        x, w = torch.randn(blocks * r, Dx), torch.rand(blocks * r)
+        out, at, spent = torch.empty(blocks * r, Dx, dtype=torch.bfloat16), 0, []
+        done = copies.start(calls * blocks * r * 2e-4) if beside else None
+        while len(spent) < calls or (done is not None and not done.query()):
+            some = [bufs[(at + b) % n] for b in range(blocks) for _ in range(r)]
+            at += blocks
+            t = time.perf_counter()
+            cpu.weighed_pairs(some, x, w, torch.bfloat16, out, list(range(blocks * r)))
+            spent.append(time.perf_counter() - t)
+        return sorted(spent)[len(spent) // 2] * 1e6 / blocks
+
+    timed(1, False)  # the team's start
+    return {r: timed(r, False) for r in rows}, ({r: timed(r, True) for r in rows} if copies else {})
+
+
+def format_pairs(alone: dict[int, float], beside: dict[int, float], block_mb: float) -> str:
+    """bench_pairs' table: us a block by its rows, then the line over them (a block's first row + each next)."""
+    out = [f"{'us a block, median':22} " + " ".join(f"{r:>7}" for r in alone) + "   first row + each next   GB/s first"]
+    for way, us in (("back to back", alone), ("beside H2D copies", beside)):
+        if not us:
+            continue
+        slope, icept = np.polyfit(np.array(list(us), float), np.array(list(us.values())), 1)
+        first = icept + slope
+        out.append(f"{way:22} " + " ".join(f"{v:7.1f}" for v in us.values())
+                   + f"   {first:9.1f} + {slope:9.1f}   {block_mb / first * 1e3 if first > 0 else 0:10.1f}")
+    return "\n".join(out)
 
 
 class _Copies:

@@ -132,6 +132,24 @@ def test_bench_cpu_calls_fit_a_call_and_a_block():
             bench_calls("qwen3-30b", "nvfp4", counts=(1,), calls=1, int8=True, bank_bytes=0)
 
 
+def test_bench_cpu_pairs_fit_a_blocks_first_row_and_each_next():
+    """`bench cpu --pairs`' figures: microseconds a block by its rows, and the line through them read as a block's first
+    row and each next (a made-up 150 us for one row and 50 for each next reads back as such)."""
+    import torch
+
+    from sluice.benchmarks.cpu_kernels import bench_pairs, format_pairs
+    from sluice.kernels.cpu_native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler here: no native calls to time")
+    alone, beside = bench_pairs("qwen3-30b", "nvfp4", rows=(1, 2), blocks=2, calls=2, bank_bytes=0)
+    assert set(alone) == {1, 2} and min(alone.values()) > 0 and set(beside) == (set(alone) if torch.cuda.is_available() else set())
+    text = format_pairs({1: 150.0, 2: 200.0, 4: 300.0}, {}, block_mb=6.0)
+    assert "150.0 +      50.0" in text and text.splitlines()[1].split()[-1] == "40.0" and len(text.splitlines()) == 2
+    with pytest.raises(SystemExit, match="bench cpu --pairs: unknown shape 'nope'"):
+        main(["bench", "cpu", "--pairs", "--shape", "nope"])
+
+
 def test_bench_kernels_sweep_names_its_kernels(capsys):
     """A kernel name `bench kernels --sweep --only` does not know is refused by name, before any GPU is looked for."""
     with pytest.raises(SystemExit) as e:
