@@ -76,6 +76,23 @@ def _experts(manifest, kind: str, compiled: bool, int8: bool) -> CpuExperts:
                       compiled=compiled, act_name="relu2" if kind == "relu2" else "silu", int8=int8)
 
 
+def _bank(what: str, shape: str, fmt: str, least: int, bank_bytes: int, int8: bool) -> tuple[list[torch.Tensor], CpuExperts]:
+    """A bank of copies of one block of the layout (at least `least`, and `bank_bytes` of them: more than the CPU's
+    caches; pinned where CUDA is, as the engine's RAM slots are), each block's view, and the layout's native kernels."""
+    kind, Dx, I, _ = SHAPES[shape]
+    tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
+    block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
+    n = max(least, -(-bank_bytes // block_bytes))
+    bank = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    bank.view(n, block_bytes)[:] = block
+    cpu = _experts(types.SimpleNamespace(formats=fmts, slots=slots), kind, True, int8)
+    if cpu.plan is None:
+        raise SystemExit(f"bench cpu {what}: no native plan for {shape} {fmt} on this machine")
+    if int8 and not cpu.int8:
+        raise SystemExit(f"bench cpu {what} --int8: int8 activations need AVX-512 VNNI and FP4 weights, not here")
+    return [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)], cpu
+
+
 def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6), calls: int = 200, gap_us: float = 250.0,
                 int8: bool = False, bank_bytes: int = 768 << 20) -> tuple[list[tuple[str, dict[int, float]]], dict]:
     """The hybrid path's calls (`CpuExperts.weighed_rows`: n of a layer's blocks on one token into bf16 rows), median
@@ -86,18 +103,9 @@ def bench_calls(shape: str = "nano", fmt: str = "nvfp4", counts=(1, 2, 3, 4, 6),
     bandwidth); and beside spinning processes, one more than the cores the team leaves free, so a thread of the team
     shares a core (as with a busy neighbour: a static split waits for that thread). The bank is pinned where CUDA is,
     as the engine's RAM slots are (`bank_bytes` of them: more than the CPU's caches). Returns ([(way, {count: us})], {"alone" | count: the copies' GB/s alone | beside that count's calls})."""
-    kind, Dx, I, K = SHAPES[shape]
-    tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
-    block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
-    n = max(2 * max(counts), -(-bank_bytes // block_bytes))
-    bank = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    bank.view(n, block_bytes)[:] = block
-    blocks = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
-    cpu = _experts(types.SimpleNamespace(formats=fmts, slots=slots), kind, True, int8)
-    if cpu.plan is None:
-        raise SystemExit(f"bench cpu --calls: no native plan for {shape} {fmt} on this machine")
-    if int8 and not cpu.int8:
-        raise SystemExit("bench cpu --calls --int8: int8 activations need AVX-512 VNNI and FP4 weights, not here")
+    _, Dx, _, K = SHAPES[shape]
+    blocks, cpu = _bank("--calls", shape, fmt, 2 * max(counts), bank_bytes, int8)
+    n = len(blocks)
     x, out = torch.randn(Dx), torch.empty(K, Dx, dtype=torch.bfloat16)
     copies = _Copies(torch.device("cuda")) if torch.cuda.is_available() else None
     h2d = {"alone": copies.alone} if copies else {}
@@ -148,18 +156,9 @@ def bench_pairs(shape: str = "nano", fmt: str = "nvfp4", rows=(1, 2, 3, 4, 8), b
     where CUDA is); median microseconds a block by r, back to back and (where CUDA is) beside pinned-to-device copies.
     A block's rows after its first cost what its weights' second pass from the threads' caches costs: the slope over r
     (compute's: int8 activations make it cheaper). Returns ({r: us a block}, {r: us a block beside the copies} or {})."""
-    kind, Dx, I, _ = SHAPES[shape]
-    tensors, slots, fmts, block_bytes = expert_layout(kind, fmt, Dx, I, "cpu")
-    block = pack_block(slots, tensors, torch.zeros(block_bytes, dtype=torch.uint8))
-    n = max(2 * blocks, -(-bank_bytes // block_bytes))
-    bank = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    bank.view(n, block_bytes)[:] = block
-    bufs = [bank[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
-    cpu = _experts(types.SimpleNamespace(formats=fmts, slots=slots), kind, True, int8)
-    if cpu.plan is None:
-        raise SystemExit(f"bench cpu --pairs: no native plan for {shape} {fmt} on this machine")
-    if int8 and not cpu.int8:
-        raise SystemExit("bench cpu --pairs --int8: int8 activations need AVX-512 VNNI and FP4 weights, not here")
+    Dx = SHAPES[shape][1]
+    bufs, cpu = _bank("--pairs", shape, fmt, 2 * blocks, bank_bytes, int8)
+    n = len(bufs)
     copies = _Copies(torch.device("cuda")) if torch.cuda.is_available() else None
 
     def timed(r: int, beside: bool) -> float:

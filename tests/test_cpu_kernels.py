@@ -264,6 +264,20 @@ def test_int8_cpu_experts(kind, fmt):
             assert torch.equal(got, steps.run(block, x))
 
 
+def native_layer(kind: str, fmt: str, seed: int, Dx: int = 128, I: int = 256):
+    """Three blocks of a layout (their views of one bank), the manifest, the layout's CPU kernels with a native plan,
+    the blocks' dense weights and the activation; skips where no C compiler builds the native path."""
+    from sluice.kernels.cpu_native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler here: the native path is not built")
+    bank, offs, manifest, dense = make_bank(kind, fmt, 3, Dx, I, seed=seed)
+    act = relu2 if kind == "relu2" else F.silu
+    cpu = CpuExperts(manifest, kind, act, compiled=False, act_name="relu2" if kind == "relu2" else "silu")
+    assert cpu.plan is not None
+    return [bank[int(o) : int(o) + manifest.block_bytes] for o in offs], manifest, cpu, dense, act
+
+
 @pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("relu2", "mxfp4"), ("swiglu", "nvfp4"), ("relu2", "bf16"),
                                        ("relu2", "fp8_block"), ("swiglu", "fp8"), ("swiglu", "fp8_block_e8m0"), ("swiglu", "bf16")])
 def test_run_many_is_run_block_by_block(kind, fmt):
@@ -271,16 +285,8 @@ def test_run_many_is_run_block_by_block(kind, fmt):
     each block's own run(), in the order given, and match the reference: bit for bit where each output is one row's
     or one chunk's sum; up to fp32 summation order for a ReLU^2 FP4 or FP8 layer, whose re-laid down is split over the
     threads by runs of scale groups or row tiles across expert boundaries (native/layers.c relu2_layer, native/dense.c fp8_krows_team)."""
-    from sluice.kernels.cpu_native import native_kernels
-
-    if native_kernels() is None:
-        pytest.skip("no C compiler here: the native path is not built")
-    Dx, I = 128, 256
-    bank, offs, manifest, dense = make_bank(kind, fmt, 3, Dx, I, seed=7)
-    act = relu2 if kind == "relu2" else F.silu
-    cpu = CpuExperts(manifest, kind, act, compiled=False, act_name="relu2" if kind == "relu2" else "silu")
-    assert cpu.plan is not None
-    blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs][::-1]
+    blocks, _, cpu, dense, act = native_layer(kind, fmt, seed=7)
+    blocks, Dx = blocks[::-1], 128
     x = torch.randn(Dx, generator=torch.Generator().manual_seed(3))
     many = cpu.run_many(blocks, x)
     one = torch.stack([cpu.run(b, x) for b in blocks])
@@ -301,15 +307,9 @@ def test_weighed_rows_in_the_native_call_are_torchs(kind, fmt):
     weights in one native call) are `weighed_rows_ref`'s bit for bit, for bf16 and fp32 models and combine buffers, in
     the given rows only; the must-fail side: without the rounding to bf16 the rows differ."""
     from sluice.kernels.cpu import weighed_rows_ref
-    from sluice.kernels.cpu_native import native_kernels
 
-    if native_kernels() is None:
-        pytest.skip("no C compiler here: the native path is not built")
-    Dx, I = 128, 256
-    bank, offs, manifest, _ = make_bank(kind, fmt, 3, Dx, I, seed=11)
-    cpu = CpuExperts(manifest, kind, relu2 if kind == "relu2" else F.silu, compiled=False,
-                     act_name="relu2" if kind == "relu2" else "silu")
-    blocks = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs]
+    blocks, _, cpu, _, _ = native_layer(kind, fmt, seed=11)
+    Dx = 128
     x = torch.randn(Dx, generator=torch.Generator().manual_seed(4))
     w, rows = torch.tensor([0.37, 0.21, 0.11]), [4, 0, 2]
     for x_dtype in (torch.bfloat16, torch.float32):
@@ -330,17 +330,9 @@ def test_a_prompts_pairs_in_one_native_call_are_each_blocks_own(kind, fmt):
     """A prompt's (block, row) pairs in one native call (CpuExperts.weighed_pairs: a block's rows side by side, each on
     its own input) are each pair's one-block `weighed_rows` bit for bit, and the torch path's (no native plan); the
     must-fail side: the same pairs with two inputs swapped differ in those rows."""
-    from sluice.kernels.cpu_native import native_kernels
-
-    if native_kernels() is None:
-        pytest.skip("no C compiler here: the native path is not built")
-    Dx, I = 128, 256
-    bank, offs, manifest, _ = make_bank(kind, fmt, 3, Dx, I, seed=13)
-    act = relu2 if kind == "relu2" else F.silu
-    cpu = CpuExperts(manifest, kind, act, compiled=False, act_name="relu2" if kind == "relu2" else "silu")
-    plain = CpuExperts(manifest, kind, act, compiled=False, native=False)
-    assert cpu.plan is not None and plain.plan is None
-    by = [bank[int(o) : int(o) + manifest.block_bytes] for o in offs]
+    by, manifest, cpu, _, act = native_layer(kind, fmt, seed=13)
+    plain, Dx = CpuExperts(manifest, kind, act, compiled=False, native=False), 128
+    assert plain.plan is None
     blocks = [by[0], by[0], by[2], by[1], by[1], by[1]]
     x = torch.randn(6, Dx, generator=torch.Generator().manual_seed(5))
     w, rows = torch.rand(6, generator=torch.Generator().manual_seed(6)), [5, 0, 3, 1, 4, 2]
