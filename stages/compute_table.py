@@ -25,7 +25,7 @@ import torch
 from sluice.errors import ScheduleError
 from sluice.kernels.down import ordered_sum
 from sluice.stages.base import Stage
-from sluice.stages.compute import check_fp4_matvec, cpu_experts, torch_expert
+from sluice.stages.compute import check_fp4_matvec, torch_expert
 from sluice.stages.route import group_by_expert
 
 
@@ -165,9 +165,7 @@ class ComputeTable(Stage):
             return
         table, rt, li = self.table, self.rt, v["li"]
         block, pairs, dev = li.block, v["cpu_pairs"], v["xe"].device
-        k = table.knobs
-        first = (block.kind, block.act_name) not in table._cpu  # the first call compiles the kernels: not a rate
-        kernels = cpu_experts(table._cpu, rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
+        kernels, first = table.cpu_kernels(block)
         rows = torch.from_numpy(pairs).to(dev, non_blocking=True)
         inputs = torch.cat((v["xe"].index_select(0, rows // block.top_k).float(),
                             v["w"].index_select(0, rows).float()[:, None]), 1).cpu()  # one wait: the router's work is done

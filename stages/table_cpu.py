@@ -124,13 +124,19 @@ class CpuSteps:
             b.y_dev.copy_(b.y, non_blocking=True)
             return finish(b.y_dev, mask_host.to(li.x.device, non_blocking=True))
 
+    def cpu_kernels(self, block) -> tuple:
+        """The CPU's expert kernels for `block`'s kind (compute's cpu_threads, cpu_compile, cpu_int8), and whether this
+        call made them (its first use builds them: not a rate)."""
+        k = self.knobs
+        first = (block.kind, block.act_name) not in self._cpu
+        return cpu_experts(self._cpu, self.rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8), first
+
     def _cpu_rows(self, block, experts: list[int], xe: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, y: torch.Tensor,
                   rows: list[int]) -> None:
         """The CPU's experts on xe [Dx] fp32 from their RAM slots, each output rounded to x_dtype and weighted
         as the GPU's kernels do, into y's `rows`; the time a block feeds the CPU's rate (`cpu_balance`)."""
-        k, rt = self.knobs, self.rt
-        first = (block.kind, block.act_name) not in self._cpu
-        kernels = cpu_experts(self._cpu, rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
+        rt = self.rt
+        kernels, first = self.cpu_kernels(block)
         t = time.perf_counter()
         kernels.weighed_rows([self.blocks.entries[(block.layer, e)].buf for e in experts], xe, w, x_dtype, y, rows)
         rt.stats.cpu_blocks += len(experts)
@@ -142,8 +148,7 @@ class CpuSteps:
         """The CPU's rate before any step has timed it (`cpu_balance`): the best of a few calls over one and over n of
         the layer's blocks (a call's overhead and a block's seconds), after one that compiles the kernels. Without it
         a first slow call would leave the CPU no blocks, and so no later timing to correct it."""
-        k = self.knobs
-        kernels = cpu_experts(self._cpu, self.rt, block, k.cpu_threads, k.cpu_compile, k.cpu_int8)
+        kernels, _ = self.cpu_kernels(block)
         held = (self.blocks.resident(block.layer, e) for e in range(self.num_experts))  # hold: false holds some
         bufs = [entry.buf for entry in held if entry is not None][:n]
         if not bufs:
