@@ -81,15 +81,15 @@ class H2DTable(Stage):
     # -- a step whose ids come to the host (a prompt) ---------------------------------------------------------------
 
     def plan(self, v: dict) -> None:
-        """Where each RAM block of the step is read: by the CPU where it has few rows (`prompt_cpu`: `cpu`), else copied
-        `prompt_group` at a time into a free tier slot (where `prompt_fill` finds one; it stays there) or a staging bank
-        (double-buffered), or in place (`prompt_group: 0`); every block's offset sent to the GPU in one copy (`offs`);
-        the (token, k) rows sorted into the order compute takes the blocks once, so that each group's rows are one slice,
-        the CPU's last (`cpu_pairs`: their flat rows, block by block)."""
+        """Where each RAM block of the step is read: by the CPU where a prompt gives it few rows (`prompt_cpu`: `cpu`),
+        else copied `prompt_group` at a time into a free tier slot (where `prompt_fill` finds one; it stays there) or a
+        staging bank (double-buffered), or in place (`prompt_group: 0`); every block's offset sent to the GPU in one
+        copy (`offs`); the (token, k) rows sorted into the order compute takes the blocks once, so that each group's
+        rows are one slice, the CPU's last (`cpu_pairs`: their flat rows, block by block)."""
         table, i = self.table, v["i"]
         tier, G, bb, offsets = table.tier, self.knobs.prompt_group, table.block_bytes, v["offsets"]
         counts = v["counts"]
-        limit = self._cpu_limit(i, [counts[e] for e in v["in_ram"]], v["li"].block, v["xe"].shape[1])
+        limit = 0 if v["token"] else self._cpu_limit(i, [counts[e] for e in v["in_ram"]], v["li"].block, v["xe"].shape[1])
         cpu = [e for e in v["in_ram"] if counts[e] <= limit]
         in_ram = v["in_ram"] = [e for e in v["in_ram"] if counts[e] > limit]
         rank = np.zeros(table.num_experts, dtype=np.int64)
