@@ -10,7 +10,7 @@ without it (`--cold`) the expert caches are emptied after them: each timed promp
 starts from the disk. Reported per
 decode token: blocks and bytes per tier, hit rate, prefetch recall, fetch stall; and, on CUDA,
 the roofline: bytes that crossed PCIe over the pinned host-to-device bandwidth measured in the
-same run (the time a perfect pipeline would need for the expert I/O alone).
+same run (the time a perfect pipeline would need for the expert I/O alone), and each prompt's (its PCIe floor).
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         engine.release(seq)  # as a finished request's: its state goes to the next sequence (not left to the GC)
         io = engine.rt.stats.since(before)
         return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"], "cpu_blocks": io["cpu_blocks"],
+                # copied over PCIe: the blocks read from RAM or disk but the CPU's, and the next layers' copied ahead
+                "pcie_blocks": io["blocks"]["ram"] + io["blocks"]["disk"] - io["cpu_blocks"] + io["vram_prefetches"],
                 "allocator_flushes": allocator_flushes(engine.device) - flushes}
 
     for n in prompt_lengths:
@@ -171,6 +173,8 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
             d["hybrid_roofline_ms_per_token"] = 1000 * max((per_tier["ram"] * block + fills) / both, fills / bw)
         # the guesses copied ahead that no step read: PCIe bytes, but ones a perfect guess would not move
         d["unread_guesses_ms_per_token"] = 1000 * max(0, io["vram_prefetches"] - io["vram_prefetch_hits"]) / n * block / bw
+        for p in (q for first in out["prefill"].values() for q in (first, first["next"])):  # each prompt's PCIe floor
+            p["pcie_floor_s"] = p["pcie_blocks"] * block / bw
     reads = (io["blocks"]["disk"] + io["prefetch_reads"]) / n  # every block read from disk, for demand or on a guess
     d["disk_reads_per_token"] = reads
     if reads:
@@ -224,16 +228,24 @@ def routing_line(r: dict) -> str:
     return line
 
 
+def _prompt_row(n: int, p: dict) -> str:
+    """A prompt length's row: the first prompt's seconds and rate, the next's, their blocks by tier (and the CPU's), and
+    on CUDA each one's PCIe floor (its blocks copied, over the host-to-device rate measured in the run) and time over it."""
+    nxt = p["next"]
+    tiers = lambda q: f"{q['blocks']['vram']} / {q['blocks']['ram'] + q['blocks']['disk']}"  # noqa: E731
+    row = (f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}   next: {nxt['s']:.3f} s, {nxt['tok_s']:.1f} tok/s, "
+           f"blocks VRAM / RAM {tiers(nxt)} (first: {tiers(p)})")
+    if p.get("cpu_blocks") or nxt.get("cpu_blocks"):
+        row += f"; of the RAM blocks on the CPU {nxt['cpu_blocks']} (first: {p['cpu_blocks']})"
+    if "pcie_floor_s" in p:
+        floor = lambda q: f"{q['pcie_floor_s']:.3f} s ({q['s'] / max(q['pcie_floor_s'], 1e-9):.2f} x)"  # noqa: E731
+        row += f"; PCIe floor {floor(p)}, next {floor(nxt)}"
+    return row + _flushes(p.get("allocator_flushes", 0) + nxt.get("allocator_flushes", 0))
+
+
 def format_bench(r: dict, block_bytes: int) -> str:
     lines = [routing_line(r),f"{'prompt':>8} {'prefill s':>10} {'tok/s':>10}   (a prompt on the VRAM tier as opened; the next prompt, on the tier it left)"]
-    for n, p in r["prefill"].items():
-        nxt = p["next"]
-        lines.append(f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}   next: {nxt['s']:.3f} s, {nxt['tok_s']:.1f} tok/s, "
-                     f"blocks VRAM / RAM {nxt['blocks']['vram']} / {nxt['blocks']['ram'] + nxt['blocks']['disk']} "
-                     f"(first: {p['blocks']['vram']} / {p['blocks']['ram'] + p['blocks']['disk']})"
-                     + (f"; of the RAM blocks on the CPU {nxt['cpu_blocks']} (first: {p['cpu_blocks']})"
-                        if p.get("cpu_blocks") or nxt.get("cpu_blocks") else "")
-                     + _flushes(p.get("allocator_flushes", 0) + nxt.get("allocator_flushes", 0)))
+    lines += [_prompt_row(n, p) for n, p in r["prefill"].items()]
     d = r["decode"]
     lines.append(f"decode: {d['tok_s']:.2f} tok/s (mean {d['ms_per_token_mean']:.2f} ms/token), median {d['ms_per_token_median']:.2f} "
                  f"ms/token over {d['tokens']} tokens; first token {d['ms_first_token']:.1f} ms, mean of the rest "

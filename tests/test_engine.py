@@ -146,6 +146,12 @@ def test_bench_model_reports_io(stores):
             "#2 9.1 ms (replayed, 2 blocks on the CPU)") in format_bench(r, 1 << 20)
     d.update(cpu_blocks_per_token=0)  # no CPU share: the kinds alone
     assert "slowest steps: #1 85.7 ms (captured), #3 9.2 ms (layer by layer), #2 9.1 ms (replayed)" in format_bench(r, 1 << 20)
+    p = r["prefill"][8]  # a prompt's blocks copied over PCIe, and on CUDA their floor beside the prompt's time
+    assert p["pcie_blocks"] == p["blocks"]["ram"] + p["blocks"]["disk"] - p["cpu_blocks"] > 0
+    p.update(s=0.30, pcie_floor_s=0.25, cpu_blocks=7)
+    p["next"].update(s=0.29, pcie_floor_s=0.20)
+    row = next(line for line in format_bench(r, 1 << 20).splitlines() if line.startswith("       8 "))
+    assert row.endswith("; of the RAM blocks on the CPU 0 (first: 7); PCIe floor 0.250 s (1.20 x), next 0.200 s (1.45 x)"), row
 
 
 def test_bench_model_cold_times_from_empty_caches(stores):
