@@ -92,6 +92,7 @@ def bench_model(engine, prompt_lengths=(32, 512), decode_tokens: int = 32, warm:
         engine.release(seq)  # as a finished request's: its state goes to the next sequence (not left to the GC)
         io = engine.rt.stats.since(before)
         return {"s": dt, "tok_s": n / dt, "blocks": io["blocks"], "vram_fills": io["vram_fills"], "cpu_blocks": io["cpu_blocks"],
+                "cpu_s": io["cpu_prompt_s"],  # the CPU's calls, beside the copies: the prompt's other floor
                 # copied over PCIe: the blocks read from RAM or disk but the CPU's, and the next layers' copied ahead
                 "pcie_blocks": io["blocks"]["ram"] + io["blocks"]["disk"] - io["cpu_blocks"] + io["vram_prefetches"],
                 "allocator_flushes": allocator_flushes(engine.device) - flushes}
@@ -236,7 +237,8 @@ def _prompt_row(n: int, p: dict) -> str:
     row = (f"{n:8d} {p['s']:10.3f} {p['tok_s']:10.1f}   next: {nxt['s']:.3f} s, {nxt['tok_s']:.1f} tok/s, "
            f"blocks VRAM / RAM {tiers(nxt)} (first: {tiers(p)})")
     if p.get("cpu_blocks") or nxt.get("cpu_blocks"):
-        row += f"; of the RAM blocks on the CPU {nxt['cpu_blocks']} (first: {p['cpu_blocks']})"
+        row += (f"; of the RAM blocks on the CPU {nxt['cpu_blocks']} in {nxt['cpu_s']:.3f} s (first: {p['cpu_blocks']} in "
+                f"{p['cpu_s']:.3f} s)")
     if "pcie_floor_s" in p:
         floor = lambda q: f"{q['pcie_floor_s']:.3f} s ({q['s'] / max(q['pcie_floor_s'], 1e-9):.2f} x)"  # noqa: E731
         row += f"; PCIe floor {floor(p)}, next {floor(nxt)}"

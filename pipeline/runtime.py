@@ -54,6 +54,7 @@ class IOStats:
     # request's (a request's difference of them counts any read that overlapped its turns)
     reader: Callable[[], dict] | None = field(default=None, repr=False)
     cpu_blocks: int = 0  # blocks the hybrid path computed on the CPU instead of copying them
+    cpu_prompt_s: float = 0.0  # the CPU's time in a prompt's share (h2d's prompt_cpu: its worker's calls)
     steps: int = 0
     tokens: int = 0
     kernels: list = field(default_factory=list, repr=False)  # TritonExperts, for live-group counts

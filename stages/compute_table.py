@@ -191,6 +191,7 @@ class ComputeTable(Stage):
             with rt.streams.use(table.stream):
                 v["y"].index_copy_(0, rows, out.to(dev, non_blocking=True))
         rt.stats.cpu_blocks += len(v["cpu"])
+        rt.stats.cpu_prompt_s += seconds
         if not first:
             table.prompt_rate.observe(len(pairs), seconds)
 

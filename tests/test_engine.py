@@ -148,10 +148,11 @@ def test_bench_model_reports_io(stores):
     assert "slowest steps: #1 85.7 ms (captured), #3 9.2 ms (layer by layer), #2 9.1 ms (replayed)" in format_bench(r, 1 << 20)
     p = r["prefill"][8]  # a prompt's blocks copied over PCIe, and on CUDA their floor beside the prompt's time
     assert p["pcie_blocks"] == p["blocks"]["ram"] + p["blocks"]["disk"] - p["cpu_blocks"] > 0
-    p.update(s=0.30, pcie_floor_s=0.25, cpu_blocks=7)
+    p.update(s=0.30, pcie_floor_s=0.25, cpu_blocks=7, cpu_s=0.125)
     p["next"].update(s=0.29, pcie_floor_s=0.20)
     row = next(line for line in format_bench(r, 1 << 20).splitlines() if line.startswith("       8 "))
-    assert row.endswith("; of the RAM blocks on the CPU 0 (first: 7); PCIe floor 0.250 s (1.20 x), next 0.200 s (1.45 x)"), row
+    assert row.endswith("; of the RAM blocks on the CPU 0 in 0.000 s (first: 7 in 0.125 s); PCIe floor 0.250 s (1.20 x), "
+                        "next 0.200 s (1.45 x)"), row
 
 
 def test_bench_model_cold_times_from_empty_caches(stores):

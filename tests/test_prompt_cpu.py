@@ -48,7 +48,7 @@ def test_a_prompts_blocks_of_few_rows_on_the_cpu_give_the_direct_logits(variant,
     assert io_plain["cpu_blocks"] == 0 and not any(cpu for _, cpu in layers)
     layers.clear()
     got, got_again, io = _run(stores[variant], on_cpu)
-    assert io["cpu_blocks"] == sum(cpu for _, cpu in layers) > 0
+    assert io["cpu_blocks"] == sum(cpu for _, cpu in layers) > 0 and io["cpu_prompt_s"] > 0
     assert any(ahead and cpu for ahead, cpu in layers)  # the layer before copied the others ahead, left these
     assert [int(t) for t in got.argmax(-1)] == refs.greedy(variant, PROMPT, STEPS)
     assert_logits_close(variant, got[0], refs.logits(variant, PROMPT)[-1], f"{variant}: a prompt with the CPU's blocks")
