@@ -16,6 +16,7 @@ that fails (a step that needs the host) leaves every later step eager, with a wa
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class _Whole:
 
     ids: torch.Tensor  # [B, 1] int64 on the device: each sequence's token, written before each replay
     past: torch.Tensor  # [] int64 on the device: its position ([B]: each sequence's)
+    inputs: torch.Tensor  # [B + B] or [1 + 1]: ids then past, of which the two are views
     graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph segments, replayed in order, each followed by its
     # host turns; none: the body runs eagerly at each step (a CPU: tests/test_whole.py)
     turns: list = field(default_factory=list)  # per segment, the host's turns after its replay (stages/table_cpu.py CpuTurn):
@@ -117,8 +119,10 @@ class WholeStep:
                            lambda: self._capture(self._body_rows, caches, (len(seqs), 1), (len(seqs),), rows=True))
         if w is None:
             return None
-        w.ids.copy_(torch.tensor(tokens).view(-1, 1))
-        w.past.copy_(torch.tensor([len(s.tokens) for s in seqs]))
+        B = len(seqs)
+        host = self.rt.streams.host_buffer(("whole rows",), torch.Size([2 * B]), torch.int64)  # the caller read the
+        host.numpy()[:] = [*tokens, *(len(s.tokens) for s in seqs)]  # last step's logits: its copy from here landed
+        w.inputs.copy_(host, non_blocking=True)
         self._replay(w, self._body_rows, caches)
         return list(w.logits.clone().split(1))
 
@@ -173,7 +177,9 @@ class WholeStep:
         positions); OUT_OF_VRAM where it does not fit now; None where it cannot be: whole steps off from now on
         (`rows`: batched ones only), with a warning."""
         dev = self.model.device
-        w = _Whole(torch.zeros(ids, dtype=torch.int64, device=dev), torch.zeros(past, dtype=torch.int64, device=dev))
+        n = math.prod(ids)  # ids and positions one tensor: a batched step sends both in one copy (`run_rows`)
+        both = torch.zeros(n + math.prod(past), dtype=torch.int64, device=dev)
+        w = _Whole(both[:n].view(ids), both[n:].view(past), both)
         if not self.graphs:
             return w
         try:

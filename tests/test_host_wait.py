@@ -96,7 +96,8 @@ def test_a_failed_turn_raises_the_flags_of_the_turns_left():
     plan = SimpleNamespace(begin_token=lambda: None, token_queued=lambda: None, replayed=lambda ran, marks: None)
     step = WholeStep.__new__(WholeStep)
     step.coordinator, step.replays = SimpleNamespace(plan=plan), 0
-    w = _Whole(torch.zeros(1, 1, dtype=torch.int64), torch.zeros((), dtype=torch.int64))
+    both = torch.zeros(2, dtype=torch.int64)
+    w = _Whole(both[:1].view(1, 1), both[1:].view(()), both)
     w.graphs, w.turns = [SimpleNamespace(replay=lambda: log.append("replay"))], [[turn(0), turn(1, fails=True), turn(2)]]
     with pytest.raises(RuntimeError, match="the CPU's rows failed"):
         step._replay(w, None, None)
