@@ -123,6 +123,7 @@ class WholeStep:
         host = self.rt.streams.host_buffer(("whole rows",), torch.Size([2 * B]), torch.int64)  # the caller read the
         host.numpy()[:] = [*tokens, *(len(s.tokens) for s in seqs)]  # last step's logits: its copy from here landed
         w.inputs.copy_(host, non_blocking=True)
+        self.coordinator.plan.table.cpu_now = False  # rows never share with the CPU: none of its per-token host work
         self._replay(w, self._body_rows, caches)
         return list(w.logits.clone().split(1))
 
