@@ -81,7 +81,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "transformers' step)")
     p.add_argument("--schedule", default="auto", help="schedule name (schedules/NAME.yaml) or path, with knob edits "
                    "after it if wanted: NAME:STAGE.KNOB=VALUE[:...], e.g. direct-stream:fetch.depth=2 (default: %(default)s: "
-                   "direct where every expert block fits in 75%% of the free RAM or in --ram-cache, else direct-stream)")
+                   "direct where every expert block fits in 75%% of the free RAM or in --ram-cache, direct-hybrid where they do not "
+                   "all fit in VRAM too, else direct-stream)")
     p.add_argument("--image-encoder", default="auto", choices=["auto", "resident", "stream"],
                    help="vision-language models on a GPU: keep the image encoder resident, or stream its layers from pinned RAM "
                         "(default: %(default)s: resident when it fits twice over in the VRAM left)")

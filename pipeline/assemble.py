@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from sluice.errors import ConfigError
 from sluice.kernels import triton_runs_on
 from sluice.log import get_logger
@@ -55,7 +57,8 @@ def assemble(path: str | Path, progress: bool, settings: dict) -> tuple[ExpertSt
     # every block held in RAM (by default as much RAM as that takes), or one slot where routed experts are skipped
     whole = store.total_blocks * store.block_bytes
     schedule = load_schedule(auto_schedule(config.schedule, whole, store.manifest.num_experts * store.block_bytes,
-                                           config.ram_cache, available_ram(), config.record_routing is not None))
+                                           config.ram_cache, available_ram(), config.record_routing is not None,
+                                           _vram_room(config, store, model, device)))
     needs = schedule.needs
     readers = config.readers or needs.readers
     ram_bytes = config.ram_cache if config.ram_cache is not None else \
@@ -108,3 +111,13 @@ def assemble(path: str | Path, progress: bool, settings: dict) -> tuple[ExpertSt
         rt.close()
         raise
     return store, model, rt, coordinator, config, routing
+
+
+def _vram_room(config: EngineConfig, store: ExpertStore, model: ResidentModel, device) -> int | None:
+    """The VRAM the expert slots may take (a budget's beside the resident part, else the default slots'), for `auto`'s
+    CPU share; None where there is none to weigh: a CPU, or steps not replayed whole (the share's measured path)."""
+    if device.type != "cuda" or not model.whole_checked or not config.static_kv or config.whole_step is False:
+        return None
+    if config.vram_budget is not None:
+        return config.vram_budget - torch.cuda.memory_allocated(device)
+    return (config.vram_slots or 4 * store.manifest.top_k) * store.block_bytes

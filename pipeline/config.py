@@ -60,7 +60,7 @@ class EngineConfig:
     vram_reserve: int | None = None  # bytes of the VRAM budget kept free of expert slots; None: from the need (budget.py)
     max_batch: int = 1  # sequences one step may hold (serve --max-batch): the budget keeps room for their states
     schedule: str = "auto"  # schedule name (schedules/NAME.yaml) or path; auto: direct where every block fits in RAM,
-    # else direct-stream (pipeline/schedule.py `auto_schedule`)
+    # direct-hybrid where they do not all fit in VRAM, else direct-stream (pipeline/schedule.py `auto_schedule`)
     readers: int | None = None  # reader threads; None = the schedule's (fetch's or direct's `readers`)
     verify_checksums: bool = True
     direct_io: bool = True

@@ -75,12 +75,15 @@ RAM_SHARE = 0.75  # `auto` holds every block in RAM (direct) only where the stor
 
 
 def auto_schedule(ref: str | Path, store_bytes: int, layer_bytes: int, ram_cache: int | None, available: int,
-                  recording: bool = False) -> str:
+                  recording: bool = False, vram_room: int | None = None) -> str:
     """The schedule to load: `ref` as named, or for `auto` (the default) `direct`, the fast path, where every expert
     block fits in RAM (in --ram-cache if given, else in RAM_SHARE of the RAM free now, and in the RAM there is) and no
-    routing trace is recorded (its routed ids stay on the GPU), else `direct-stream`, which reads from disk what its RAM
-    cache lacks, else (a RAM cache smaller than one MoE layer's experts) `overlap`; knob edits after `auto:` apply to
-    the one chosen. The choice and why are logged before the file is read (an error in the edits names it)."""
+    routing trace is recorded (its routed ids stay on the GPU), and `direct-hybrid` (the CPU computing a share of the
+    blocks outside VRAM where that pays) where they do not all fit in `vram_room` (the VRAM a budget or the card leaves
+    beside the resident part; None: no CPU share, as on a CPU or for a model whose whole step is unchecked on a GPU),
+    else `direct-stream`, which reads from disk what its RAM cache lacks, else (a RAM cache smaller than one MoE layer's
+    experts) `overlap`; knob edits after `auto:` apply to the one chosen. The choice and why are logged before the file
+    is read (an error in the edits names it)."""
     name, sep, edits = str(ref).partition(":")
     if name != AUTO:
         return str(ref)
@@ -94,6 +97,9 @@ def auto_schedule(ref: str | Path, store_bytes: int, layer_bytes: int, ram_cache
         chosen, why = "direct-stream", f"{blocks} do not fit in {where} ({format_bytes(room)})"
     elif store_bytes > available:
         chosen, why = "direct-stream", f"{blocks} do not fit in the free RAM ({format_bytes(available)})"
+    elif vram_room is not None and store_bytes > vram_room:
+        chosen, why = "direct-hybrid", (f"{blocks} fit in {where} ({format_bytes(room)}) but not in the VRAM left beside "
+                                        f"the resident part ({format_bytes(vram_room)})")
     else:
         chosen, why = "direct", f"{blocks} fit in {where} ({format_bytes(room)})"
     if chosen == "direct-stream" and cache < layer_bytes:

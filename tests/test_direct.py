@@ -413,6 +413,10 @@ def test_auto_holds_every_block_where_ram_allows_else_streams(stores, monkeypatc
     assert auto_schedule("auto", 1 * G, L, None, 64 * G, recording=True) == "direct-stream"  # it records routing
     assert auto_schedule("auto", 3 * G, L, L - 1, 64 * G) == "overlap"  # a RAM cache below one layer's experts
     assert auto_schedule("overlap", 1, 1, None, 1 << 40) == "overlap"  # a schedule named is run as named
+    # blocks in RAM past the VRAM beside the resident part: the CPU computes a share of those outside where it pays
+    assert auto_schedule("auto:h2d.prompt_cpu=2", 3 * G, L, None, 64 * G, vram_room=2 * G) == "direct-hybrid:h2d.prompt_cpu=2"
+    assert auto_schedule("auto", 3 * G, L, None, 64 * G, vram_room=3 * G) == "direct"  # every block fits in VRAM
+    assert auto_schedule("auto", 3 * G, L, None, 2 * G, vram_room=G) == "direct-stream"  # RAM decides first
     with sluice.load(store, device=DEVICE) as e:  # the default
         assert e.coordinator.schedule.name == "direct"
         tokens = e.generate(PROMPT, 4)
