@@ -55,9 +55,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint or expert store (default: the bundled default model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s: a GPU if there is one)")
     p.add_argument("--ram-cache", help="host RAM for expert blocks, e.g. 8GiB (default: a quarter of free RAM)")
-    p.add_argument("--vram-slots", type=int, help="expert slots on the GPU (default: 4 x top-k)")
-    p.add_argument("--vram-budget", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; the expert slot bank "
-                                         "gets what the resident part, the CUDA context and a reserve leave")
+    p.add_argument("--vram-slots", type=int, help="expert slots on the GPU, in place of a budget's")
+    p.add_argument("--vram-budget", default="card", help="GPU memory the engine may use, e.g. 8GiB: emulates that card; "
+                   "the expert slot bank gets what the resident part, the CUDA context and a reserve leave (default: "
+                   "%(default)s: the card's memory less other processes'; ignored with --vram-slots)")
     p.add_argument("--vram-reserve", help="with --vram-budget: GPU memory kept free of expert slots, e.g. 1GiB (default: "
                                           "from the need: a prompt chunk's activations, --max-batch sequences' states, workspaces)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for one-token steps of resident layers (Mamba mixers, MoE norms, routers, shared experts)")

@@ -16,7 +16,7 @@ from sluice.kernels import triton_runs_on
 from sluice.log import get_logger
 from sluice.models import get_architecture
 from sluice.models.base import ResidentModel
-from sluice.pipeline.budget import MAX_MIXER_CHUNK, MAX_PREFILL_CHUNK, engine_slots
+from sluice.pipeline.budget import CARD, MAX_MIXER_CHUNK, MAX_PREFILL_CHUNK, card_budget, engine_slots
 from sluice.pipeline.config import EngineConfig, available_ram, default_ram_cache, format_bytes, parse_size
 from sluice.pipeline.coordinator import Coordinator
 from sluice.pipeline.routing import RoutingControl, check_guess_extra, controlled_routing
@@ -32,12 +32,17 @@ def assemble(path: str | Path, progress: bool, settings: dict) -> tuple[ExpertSt
                                                                           EngineConfig, RoutingControl | None]:
     """(store, model, runtime, coordinator, config, routing) for `Engine`; settings: EngineConfig fields, sizes may be
     strings ('8GiB')."""
+    card = settings.get("vram_budget") == CARD  # the card's memory, found once the device is known
+    if card:
+        settings["vram_budget"] = None
     for size in ("ram_cache", "vram_budget", "vram_reserve"):
         if size in settings:
             settings[size] = parse_size(settings[size], size)
     config = EngineConfig(**{k: v for k, v in settings.items() if v is not None})
-    store = ExpertStore.open(resolve_store(path, progress))
     device = config.torch_device
+    if card and device.type == "cuda" and config.vram_slots is None:  # before the resident part takes its share
+        config = replace(config, vram_budget=card_budget(device))
+    store = ExpertStore.open(resolve_store(path, progress))
     from transformers import AutoConfig
 
     arch = get_architecture(store.manifest.architecture)

@@ -18,6 +18,7 @@ RESERVE_SHARE = 8  # at least 1/8 of a VRAM budget stays free of expert slots (a
 WORKSPACE = 256 << 20  # beside the estimates: cuBLAS's and Triton's workspaces, CUDA graphs' pools, the allocator's slack
 MAX_MIXER_CHUNK = 512  # the default (and the automatic piece's largest) run of a Mamba-2 prefill
 MAX_PREFILL_CHUNK = 2048  # the default prompt piece of one step (`extend`)
+CARD = "card"  # a budget of the card's memory this process may have (the CLI's default): `card_budget`
 
 
 def prompt_bytes(hf_config, top_k: int, tokens: int) -> int:
@@ -105,6 +106,16 @@ def engine_slots(config, store: ExpertStore, device: torch.device, arch, hf_conf
                         chunk, config.max_batch * state_bytes(arch, hf_config, dtype, config.static_kv),
                         prompt_bytes(hf_config, store.manifest.top_k, prompt_tokens), 2 * group * store.block_bytes,
                         config.vram_reserve)
+
+
+def card_budget(device: torch.device) -> int:
+    """The GPU memory this process may have (`--vram-budget card`, the CLI's default): the card's, less what other
+    processes hold now; without it the slot bank is the default 4 x top-k and every other block crosses PCIe."""
+    index = cuda_index(device)
+    free, _ = torch.cuda.mem_get_info(index)
+    budget = free + torch.cuda.memory_reserved(index) + outside_allocator(index)
+    get_logger().info("VRAM budget from the card", budget=format_bytes(budget))
+    return budget
 
 
 def outside_allocator(index: int) -> int:

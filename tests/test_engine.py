@@ -87,6 +87,10 @@ def test_bad_settings_are_named(stores, tmp_path):
     with sluice.load(stores["qwen3_moe"], device=DEVICE) as engine:
         with pytest.raises(SluiceError, match="empty"):
             engine.generate([], 3)
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, vram_budget="card", vram_slots=4) as engine:  # the CLI's default
+        assert engine.config.vram_budget is None and engine.config.vram_slots == 4  # slots given: no budget beside them
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, vram_budget="card") as engine:  # the card's, on a GPU
+        assert (engine.config.vram_budget is not None) == (engine.device.type == "cuda")
     assert parse_size("1.5GiB", "x") == 1536 * 1024**2 and parse_size("512MB", "x") == 512 * 10**6
 
 
