@@ -97,8 +97,9 @@ class TokenPlan:
             return
         with span("h2d", layer=layer, stream=table.stream):
             h2d.plan(v)
-        with compute.beside_cpu(v):  # the CPU's blocks of few rows (h2d's `prompt_cpu`), beside all that follows
+        with contextlib.ExitStack() as beside:
             try:
+                beside.enter_context(compute.beside_cpu(v))  # the CPU's blocks of few rows (h2d's `prompt_cpu`)
                 with span("compute", layer=layer, stream=table.stream):
                     if v["in_vram"]:
                         compute.group(v, v["in_vram"])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.errors import ScheduleError
+from sluice.log import get_logger
 from sluice.kernels.down import ordered_sum
 from sluice.stages.base import Stage
 from sluice.stages.compute import check_fp4_matvec, torch_expert
@@ -167,14 +168,19 @@ class ComputeTable(Stage):
         block, pairs, dev = li.block, v["cpu_pairs"], v["xe"].device
         kernels, first = table.cpu_kernels(block)
         rows = v["rows"][v["rows"].shape[0] - len(pairs):]  # on the device already: the sorted rows' tail (h2d's plan)
-        inputs = torch.cat((v["xe"].index_select(0, rows // block.top_k).float(),
-                            v["w"].index_select(0, rows).float()[:, None]), 1).cpu()  # one wait: the router's work is done
-        x, w = inputs[:, :-1].contiguous(), inputs[:, -1].contiguous()
+        on_dev = torch.cat((v["xe"].index_select(0, rows // block.top_k).float(),
+                            v["w"].index_select(0, rows).float()[:, None]), 1)
+        cuda = dev.type == "cuda"
+        inputs = torch.empty(on_dev.shape, dtype=on_dev.dtype, pin_memory=cuda).copy_(on_dev, non_blocking=cuda)
+        arrived = rt.streams.record(table.stream) if cuda else None  # the worker waits for it, not the host
         blocks = [table.blocks.entries[(block.layer, e)].buf for e in v["flat"][pairs].tolist()]
-        out = torch.empty(len(pairs), x.shape[1], dtype=v["y"].dtype, pin_memory=dev.type == "cuda")
+        out = torch.empty(len(pairs), on_dev.shape[1] - 1, dtype=v["y"].dtype, pin_memory=cuda)
 
         def work() -> float:
+            if arrived is not None:
+                arrived.synchronize()
             t = time.perf_counter()
+            x, w = inputs[:, :-1].contiguous(), inputs[:, -1].contiguous()
             kernels.weighed_pairs(blocks, x, w, li.x.dtype, out, list(range(len(pairs))))
             return time.perf_counter() - t
 
@@ -183,13 +189,15 @@ class ComputeTable(Stage):
         job = self._worker.submit(work)
         try:
             yield
-        except BaseException:
-            wait([job])
+            with rt.tracer.span("compute:cpu", layer=block.layer, blocks=len(v["cpu"]), rows=len(pairs)):  # the host's wait
+                seconds = job.result()
+        except BaseException as e:
+            wait([job])  # joined however the step ends: its blocks go back to the RAM cache only after it
+            if job.exception() not in (None, e):  # the step failed first: the worker's own error is not lost
+                get_logger().warning("a prompt step's CPU rows failed too", error=str(job.exception())[:200])
             raise
-        with rt.tracer.span("compute:cpu", layer=block.layer, blocks=len(v["cpu"]), rows=len(pairs)):  # the host's wait
-            seconds = job.result()
-            with rt.streams.use(table.stream):
-                v["y"].index_copy_(0, rows, out.to(dev, non_blocking=True))
+        with rt.streams.use(table.stream):
+            v["y"].index_copy_(0, rows, out.to(dev, non_blocking=True))
         rt.stats.cpu_blocks += len(v["cpu"])
         rt.stats.cpu_prompt_s += seconds
         if not first:

@@ -89,7 +89,8 @@ class H2DTable(Stage):
         table, i = self.table, v["i"]
         tier, G, bb, offsets = table.tier, self.knobs.prompt_group, table.block_bytes, v["offsets"]
         counts = v["counts"]
-        limit = 0 if v["token"] else self._cpu_limit(i, [counts[e] for e in v["in_ram"]], v["li"].block, v["xe"].shape[1])
+        limit = 0 if v["token"] or v["li"].decode else \
+            self._cpu_limit(i, [counts[e] for e in v["in_ram"]], v["li"].block, v["xe"].shape[1])  # prompts only
         cpu = [e for e in v["in_ram"] if counts[e] <= limit]
         in_ram = v["in_ram"] = [e for e in v["in_ram"] if counts[e] > limit]
         rank = np.zeros(table.num_experts, dtype=np.int64)
@@ -163,8 +164,10 @@ class H2DTable(Stage):
         early, filled, moves = {}, [], []
         layer = table.layers[i]
         outside = [e for e in order if (i, e) not in tier.slot_of]
-        limit = self._cpu_limit(i, [int(counts[e]) for e in outside], v["li"].next_block, v["xe"].shape[1], fresh=True)
-        table.cpu_ahead = (i, limit)  # that layer's plan keeps it (the blocks left to copy then are few)
+        limit = 0
+        if outside and not v["li"].decode:  # else that layer's plan chooses over the blocks it finds outside
+            limit = self._cpu_limit(i, [int(counts[e]) for e in outside], v["li"].next_block, v["xe"].shape[1], fresh=True)
+            table.cpu_ahead = (i, limit)  # that layer's plan keeps it (the blocks left to copy then are few)
         for e in outside:
             if counts[e] <= limit or (src := table.blocks.resident(layer, e)) is None:  # the CPU's, or not in RAM
                 continue

@@ -86,3 +86,40 @@ def test_the_balance_takes_the_blocks_that_finish_soonest(counts, tg, tc, call, 
     from sluice.stages.h2d_table import balance_prompt_cpu
 
     assert balance_prompt_cpu(counts, tg, tc, call) == want
+
+
+def test_a_failure_as_the_cpus_rows_start_leaves_no_tier_slot_filled(stores, tmp_path, monkeypatch):
+    """A prompt step that fails as it starts the CPU's rows, after h2d's plan took free VRAM tier slots (none filled at
+    open) for its copies, gives them back: the next prompt's logits are those of a run on the same tier that never
+    failed."""
+    from sluice.stages.table import Table
+    from test_direct import table_of
+
+    variant, knobs = "nemotron_h_latent", dict(backend="triton", refresh=2, prompt_group=2, cpu_compile=False)
+    schedule = direct_schedule(tmp_path, "on-cpu", prompt_cpu=2, vram_fill=False, **knobs)
+    with sluice.load(stores[variant], device=DEVICE, schedule=schedule, vram_slots=12) as engine:
+        engine.empty_vram()
+        want = engine.forward(PROMPT)
+        engine.empty_vram()
+        tier, kernels = table_of(engine).tier, Table.cpu_kernels
+        held = dict(tier.slot_of)
+        monkeypatch.setattr(Table, "cpu_kernels", lambda self, block: (_ for _ in ()).throw(RuntimeError("no CPU kernels")))
+        with pytest.raises(RuntimeError, match="no CPU kernels"):
+            engine.forward(PROMPT)
+        assert tier.slot_of == held  # the failed step's slots given back
+        monkeypatch.setattr(Table, "cpu_kernels", kernels)
+        assert_logits_close(variant, engine.forward(PROMPT), want, "a prompt after a failed one")
+
+
+def test_a_batchs_decode_rows_routed_on_the_host_stay_on_the_gpu(stores, tmp_path):
+    """`prompt_cpu` is for prompts: a batched step's decode rows routed on the host (`batch_rows: host`) give the CPU
+    none of their blocks, however few rows each has; the prompts before them do."""
+    schedule = direct_schedule(tmp_path, "rows-host", backend="triton", refresh=2, prompt_group=2, cpu_compile=False,
+                               prompt_cpu=2, batch_rows="host")
+    with sluice.load(stores["nemotron_h_latent"], device=DEVICE, schedule=schedule, vram_slots=4) as engine:
+        seqs = [engine.new_sequence() for _ in range(2)]
+        last = [int(engine.extend(s, p)[-1].argmax()) for s, p in zip(seqs, (PROMPT, PROMPT[::-1]))]
+        prompts = engine.rt.stats.cpu_blocks
+        for _ in range(2):
+            last = [int(l[-1].argmax()) for l in engine.extend_many(seqs, last)]
+        assert prompts > 0 and engine.rt.stats.cpu_blocks == prompts
