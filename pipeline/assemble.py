@@ -91,8 +91,7 @@ def assemble(path: str | Path, progress: bool, settings: dict) -> tuple[ExpertSt
             get_logger().warning("vram_budget ignored: no GPU memory on this device", device=str(device))
         # on a CPU a VRAM tier only where vram_slots asks for one: an emulated tier in host memory that runs
         # the GPU's tier code (copies are memcpy), for tests and for sizing experiments
-        default = 4 * store.manifest.top_k if device.type == "cuda" else 0
-        vram_blocks = min(store.total_blocks, config.vram_slots or default)
+        vram_blocks = min(store.total_blocks, config.vram_slots or _default_slots(store, device))
     recorder = RoutingRecorder(config.record_routing, trace_header(store, schedule, ram_blocks, vram_blocks, str(routing.setting) if routing else "natural")) \
         if config.record_routing else None
     rt = Runtime(store, device, ram_blocks, vram_blocks, readers, config.verify_checksums, config.direct_io, config.trace,
@@ -125,4 +124,9 @@ def _vram_room(config: EngineConfig, store: ExpertStore, model: ResidentModel, d
         return None
     if config.vram_budget is not None:
         return config.vram_budget - torch.cuda.memory_allocated(device)
-    return (config.vram_slots or 4 * store.manifest.top_k) * store.block_bytes
+    return (config.vram_slots or _default_slots(store, device)) * store.block_bytes
+
+
+def _default_slots(store: ExpertStore, device) -> int:
+    """Expert slots with neither a budget nor --vram-slots: 4 x top-k on a GPU, none on a CPU."""
+    return 4 * store.manifest.top_k if device.type == "cuda" else 0
