@@ -280,25 +280,23 @@ class ExpertPlan:
         """`__call__`'s outputs, each rounded to bf16 (round_bf16) or not and times its weight w [n] fp32, written to
         out's `rows` (out [K, Dx] fp32 or bf16, contiguous) in the same native call: a MoE layer's host rows with no
         torch op (a few of them on [n, Dx] cost ~70 us of dispatch a layer)."""
-        set_threads(self.lib, self.threads)
-        n = len(blocks)
-        if self._scratch is None or self._scratch.shape[0] < n:
-            self._scratch = torch.empty(max(n, 8), self.dx, dtype=torch.float32)
-        self._check(self.lib.sluice_experts_rows(self.plan, n, _addresses(blocks), x.data_ptr(), self._scratch.data_ptr(),
-                                                 w.data_ptr(), (ctypes.c_int64 * n)(*rows), int(round_bf16), out.data_ptr(),
-                                                 int(out.dtype == torch.bfloat16)))
+        self._weighed(self.lib.sluice_experts_rows, len(blocks), blocks, x, w, round_bf16, out, rows)
 
     def pairs(self, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, round_bf16: bool, out: torch.Tensor,
               rows: list[int]) -> None:
         """`rows` with an input a block: x [n, Dx] fp32 (contiguous), pair e block e on x[e]; a block's pairs side by side
-        read it from RAM once (sluice_experts_pairs)."""
+        read it from RAM once (sluice_experts_pairs: scratch for one block's rows at a time)."""
+        self._weighed(self.lib.sluice_experts_pairs, 1, blocks, x, w, round_bf16, out, rows)
+
+    def _weighed(self, fn, scratch_rows: int, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+                 round_bf16: bool, out: torch.Tensor, rows: list[int]) -> None:
+        """One native call of `rows`' or `pairs`' kind, its fp32 scratch at least `scratch_rows` (and 8) rows."""
         set_threads(self.lib, self.threads)
         n = len(blocks)
-        if self._scratch is None:
-            self._scratch = torch.empty(8, self.dx, dtype=torch.float32)
-        self._check(self.lib.sluice_experts_pairs(self.plan, n, _addresses(blocks), x.data_ptr(), self._scratch.data_ptr(),
-                                                  w.data_ptr(), (ctypes.c_int64 * n)(*rows), int(round_bf16), out.data_ptr(),
-                                                  int(out.dtype == torch.bfloat16)))
+        if self._scratch is None or self._scratch.shape[0] < scratch_rows:
+            self._scratch = torch.empty(max(scratch_rows, 8), self.dx, dtype=torch.float32)
+        self._check(fn(self.plan, n, _addresses(blocks), x.data_ptr(), self._scratch.data_ptr(), w.data_ptr(),
+                       (ctypes.c_int64 * n)(*rows), int(round_bf16), out.data_ptr(), int(out.dtype == torch.bfloat16)))
 
     @staticmethod
     def _check(done: int) -> None:

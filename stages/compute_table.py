@@ -172,7 +172,7 @@ class ComputeTable(Stage):
                             v["w"].index_select(0, rows).float()[:, None]), 1)
         cuda = dev.type == "cuda"
         inputs = torch.empty(on_dev.shape, dtype=on_dev.dtype, pin_memory=cuda).copy_(on_dev, non_blocking=cuda)
-        arrived = rt.streams.record(table.stream) if cuda else None  # the worker waits for it, not the host
+        arrived = rt.streams.record(table.stream)  # the worker waits for it, not the host (None on a CPU)
         blocks = [table.blocks.entries[(block.layer, e)].buf for e in v["flat"][pairs].tolist()]
         out = torch.empty(len(pairs), on_dev.shape[1] - 1, dtype=v["y"].dtype, pin_memory=cuda)
 

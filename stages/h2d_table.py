@@ -89,7 +89,7 @@ class H2DTable(Stage):
         table, i = self.table, v["i"]
         tier, G, bb, offsets = table.tier, self.knobs.prompt_group, table.block_bytes, v["offsets"]
         counts = v["counts"]
-        limit = 0 if v["token"] or v["li"].decode else \
+        limit = 0 if v["li"].decode else \
             self._cpu_limit(i, [counts[e] for e in v["in_ram"]], v["li"].block, v["xe"].shape[1])  # prompts only
         cpu = [e for e in v["in_ram"] if counts[e] <= limit]
         in_ram = v["in_ram"] = [e for e in v["in_ram"] if counts[e] > limit]
