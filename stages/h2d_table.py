@@ -168,18 +168,26 @@ class H2DTable(Stage):
         if outside and not v["li"].decode:  # else that layer's plan chooses over the blocks it finds outside
             limit = self._cpu_limit(i, [int(counts[e]) for e in outside], v["li"].next_block, v["xe"].shape[1], fresh=True)
             table.cpu_ahead = (i, limit)  # that layer's plan keeps it (the blocks left to copy then are few)
+        free = len(tier.free) if self.knobs.prompt_fill else 0
+        picks = []  # (expert, its RAM entry), most chosen first, as many as the free slots and the bank's half take
         for e in outside:
-            if counts[e] <= limit or (src := table.blocks.resident(layer, e)) is None:  # the CPU's, or not in RAM
-                continue
-            if self.knobs.prompt_fill and tier.free:
-                slot = tier.slot_of[(i, e)] = tier.free.pop()
-                filled.append((i, e, slot))
-            else:
-                slot = next(bank, None)
-                if slot is None:
-                    break
-            early[e] = slot * table.block_bytes
-            moves.append((e, slot, src))
+            if len(picks) == free + len(tier.ahead_bank[i % 2]):
+                break
+            if counts[e] > limit and (src := table.blocks.resident(layer, e)) is not None:  # not the CPU's, in RAM
+                picks.append((e, src))
+        # the most chosen take the free slots (they stay in the hot set), the others the bank's; each part in expert
+        # order, so that blocks adjacent in RAM go to adjacent slots as one copy (copy_blocks): a copy a block was ~2600
+        # calls, copy_blocks 0.23 s of the host's 0.85 in two 512-token prompts' profile (nineteenth set)
+        taken = min(free, len(picks))
+        for into_free, part in ((True, picks[:taken]), (False, picks[taken:])):
+            for e, src in sorted(part, key=lambda pick: pick[0]):
+                if into_free:
+                    slot = tier.slot_of[(i, e)] = tier.free.pop()
+                    filled.append((i, e, slot))
+                else:
+                    slot = next(bank)
+                early[e] = slot * table.block_bytes
+                moves.append((e, slot, src))
         if not moves:
             return
         streams = self.rt.streams
@@ -231,12 +239,13 @@ def balance_prompt_cpu(counts: list[int], tg: float, tc: float, call: float = 0.
 def copy_blocks(pairs: list[tuple[torch.Tensor, torch.Tensor]], block_bytes: int) -> None:
     """(destination, source) blocks copied on the current stream, blocks adjacent at both ends as one copy (a layer's RAM
     blocks lie in expert order, a group's staging slots in a row): fewer calls for the host."""
+    ptrs = [(dst.data_ptr(), src.data_ptr()) for dst, src in pairs]  # read once: each call costs the host
     k = 0
     while k < len(pairs):
         n = 1
-        while (k + n < len(pairs) and pairs[k][0].dtype == pairs[k][1].dtype == torch.uint8  # sizes in bytes
-               and pairs[k + n][0].data_ptr() == pairs[k][0].data_ptr() + n * block_bytes
-               and pairs[k + n][1].data_ptr() == pairs[k][1].data_ptr() + n * block_bytes
+        raw = pairs[k][0].dtype == pairs[k][1].dtype == torch.uint8  # sizes in bytes
+        while (raw and k + n < len(pairs)
+               and ptrs[k + n][0] == ptrs[k][0] + n * block_bytes and ptrs[k + n][1] == ptrs[k][1] + n * block_bytes
                and all(_storage(pairs[k + n][x]) == _storage(pairs[k][x]) for x in (0, 1))):
             n += 1
         dst, src = pairs[k]

@@ -233,3 +233,33 @@ def test_copy_blocks_joins_adjacent_blocks_only(monkeypatch):
         assert torch.equal(d, s)
     assert calls == [3 * bb, bb, bb, bb, bb]  # left and right adjacent at both ends, but of two storages
     assert torch.equal(blk(dst, 4), torch.zeros(bb, dtype=torch.uint8))  # nothing past a run written
+
+
+def test_prompt_copies_ahead_go_in_expert_order(stores, tmp_path, monkeypatch):
+    """A prompt's copies ahead (h2d's `look_ahead`) take the free slots for the most chosen blocks and the bank's for
+    the rest, each part's blocks in expert order into ascending slots, so that blocks adjacent in RAM go as one copy
+    (`copy_blocks`); the logits are those of copies through the staging buffer alone (a wrong block moves them by
+    more than 1e-3: `test_prompt_copies_the_next_layers_guesses_ahead`). The order is shown to matter: popularity
+    order (the tree before 2026-12-08) failed the order check here."""
+    import sluice.stages.h2d_table as h2d_table
+
+    ahead = direct_schedule(tmp_path, "ahead", backend="triton", prompt_group=2, prompt_ahead=4, vram_fill=False)
+    staged = direct_schedule(tmp_path, "staged", backend="triton", prompt_group=2, prompt_fill=False, prompt_ahead=0)
+    prompt = (PROMPT * 4)[:40]  # enough rows that the blocks' counts differ: most chosen first is not expert order
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=staged, vram_slots=14) as engine:
+        want = engine.forward(prompt)
+    calls, real = [], h2d_table.copy_blocks
+    monkeypatch.setattr(h2d_table, "copy_blocks", lambda pairs, bb: (calls.append(list(pairs)), real(pairs, bb))[1])
+    with sluice.load(stores["qwen3_moe"], device=DEVICE, schedule=ahead, vram_slots=14) as engine:
+        stage, E = table_of(engine), engine.store.manifest.num_experts
+        expert = {stage.blocks.entries[(layer, e)].buf.data_ptr(): e for layer in stage.layers for e in range(E)}
+        tier, bb = stage.tier, engine.store.block_bytes
+        bank, arena = set(tier.ahead_bank[0] + tier.ahead_bank[1]), tier.vram.arena
+        got = engine.forward(prompt)
+    slots = [[((d.data_ptr() - arena.data.data_ptr()) // bb, expert[s.data_ptr()]) for d, s in pairs] for pairs in calls]
+    moved = [[p for p in m if 0 <= p[0] < arena.n] for m in slots]  # into the tier's slots (not the staging buffer)
+    assert any(len([p for p in m if p[0] in bank]) > 2 for m in moved)
+    for m in moved:
+        for part in ([p for p in m if p[0] not in bank], [p for p in m if p[0] in bank]):
+            assert part == sorted(part) and [e for _, e in part] == sorted(e for _, e in part), m
+    assert (got - want).abs().max().item() < 1e-5  # fp32 rounding: the grouped GEMMs' groups follow where blocks lie
