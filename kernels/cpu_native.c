@@ -90,14 +90,8 @@ static inline uint16_t f32_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* sluice_experts, then each expert's output [Dx] rounded to bf16 (round_x) or not, times its weight w[e], into row
- * rows[e] of out (fp32, out_bf16 = 0, or bf16 bits): the host's rows of a MoE layer in one call, as
- * `(y.to(x_dtype).float() * w[:, None]).to(out.dtype)` writes them (kernels/cpu.py `weighed_rows_ref`). */
-int sluice_experts_rows(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y, const float *w,
-                        const int64_t *rows, int round_x, void *out, int out_bf16) {
-    if (!sluice_experts(plan, n, bases, x, y))
-        return 0;
-    const long Dx = (long)plan[P_DX];
+/* y [n, Dx] -> out's rows: each rounded to bf16 (round_x) or not, times w[e] */
+static void weigh(const float *y, int n, long Dx, const float *w, const int64_t *rows, int round_x, void *out, int out_bf16) {
     for (int e = 0; e < n; e++) {
         const float *ye = y + (long)e * Dx, we = w[e];
         float *of = (float *)out + rows[e] * Dx;
@@ -111,18 +105,43 @@ int sluice_experts_rows(const int64_t *plan, int n, const int64_t *bases, const 
                 of[j] = v;
         }
     }
+}
+
+/* sluice_experts, then each expert's output [Dx] rounded to bf16 (round_x) or not, times its weight w[e], into row
+ * rows[e] of out (fp32, out_bf16 = 0, or bf16 bits): the host's rows of a MoE layer in one call, as
+ * `(y.to(x_dtype).float() * w[:, None]).to(out.dtype)` writes them (kernels/cpu.py `weighed_rows_ref`). */
+int sluice_experts_rows(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y, const float *w,
+                        const int64_t *rows, int round_x, void *out, int out_bf16) {
+    if (!sluice_experts(plan, n, bases, x, y))
+        return 0;
+    weigh(y, n, (long)plan[P_DX], w, rows, round_x, out, out_bf16);
     return 1;
 }
+
 
 /* sluice_experts_rows over n (block, row) pairs, pair e on its own input x[e] [Dx]: a prompt's blocks of few rows. A
  * block's pairs side by side run one after another with the same static shares of its weights per thread, so each
  * thread's share (~0.4 MB of a Nano block over 14 threads) is still in its cache for the block's next row: the block
- * is read from RAM once, however many rows it has (`sluice bench cpu --pairs` times what that saves). y: scratch [Dx]. */
+ * is read from RAM once, however many rows it has (`sluice bench cpu --pairs` times what that saves). A ReLU^2 FP4
+ * block's pairs go up to ROWS at a time, each weight decoded once for them (AVX-512: relu2_rows): the FP4 decode,
+ * not RAM, bounds a row (BENCHMARKS.md, fourteenth set: 98 us a Nano block from cache, 113 from RAM). y: scratch
+ * [ROWS, Dx]. */
 int sluice_experts_pairs(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y, const float *w,
                          const int64_t *rows, int round_x, void *out, int out_bf16) {
     const long Dx = (long)plan[P_DX];
-    for (int e = 0; e < n; e++)
+    for (int e = 0, r = 1; e < n; e += r) {
+#ifdef __AVX512BW__  /* a ReLU^2 FP4 block's next pairs (up to ROWS) in one pass, each weight decoded once for them */
+        init_scales();
+        for (r = 1; e + r < n && r < ROWS && bases[e + r] == bases[e]; r++)
+            ;
+        if (r > 1 && plan[P_KIND] == 0 && !plan[P_INT8] && relu2_rows(plan, (const uint8_t *)(intptr_t)bases[e], r, x + e * Dx, y)) {
+            weigh(y, r, Dx, w + e, rows + e, round_x, out, out_bf16);
+            continue;
+        }
+#endif
+        r = 1;
         if (!sluice_experts_rows(plan, 1, bases + e, x + e * Dx, y, w + e, rows + e, round_x, out, out_bf16))
             return 0;
+    }
     return 1;
 }

@@ -285,8 +285,8 @@ class ExpertPlan:
     def pairs(self, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, round_bf16: bool, out: torch.Tensor,
               rows: list[int]) -> None:
         """`rows` with an input a block: x [n, Dx] fp32 (contiguous), pair e block e on x[e]; a block's pairs side by side
-        read it from RAM once (sluice_experts_pairs: scratch for one block's rows at a time)."""
-        self._weighed(self.lib.sluice_experts_pairs, 1, blocks, x, w, round_bf16, out, rows)
+        read it from RAM once (sluice_experts_pairs: scratch for up to 4 of a block's rows at a time, its ROWS)."""
+        self._weighed(self.lib.sluice_experts_pairs, 4, blocks, x, w, round_bf16, out, rows)
 
     def _weighed(self, fn, scratch_rows: int, blocks: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor,
                  round_bf16: bool, out: torch.Tensor, rows: list[int]) -> None:

@@ -328,8 +328,9 @@ def test_weighed_rows_in_the_native_call_are_torchs(kind, fmt):
 @pytest.mark.parametrize("kind, fmt", [("relu2", "nvfp4"), ("swiglu", "nvfp4"), ("swiglu", "bf16"), ("relu2", "fp8_block")])
 def test_a_prompts_pairs_in_one_native_call_are_each_blocks_own(kind, fmt):
     """A prompt's (block, row) pairs in one native call (CpuExperts.weighed_pairs: a block's rows side by side, each on
-    its own input) are each pair's one-block `weighed_rows` bit for bit, and the torch path's (no native plan); the
-    must-fail side: the same pairs with two inputs swapped differ in those rows."""
+    its own input) are each pair's one-block `weighed_rows` bit for bit (in fp32 too: a block's rows decoded once
+    for several, AVX-512, sum in the one-row kernel's order), and the torch path's (no native plan); the must-fail
+    side: the same pairs with two inputs swapped differ in those rows."""
     by, manifest, cpu, _, act = native_layer(kind, fmt, seed=13)
     plain, Dx = CpuExperts(manifest, kind, act, compiled=False, native=False), 128
     assert plain.plan is None
@@ -343,6 +344,11 @@ def test_a_prompts_pairs_in_one_native_call_are_each_blocks_own(kind, fmt):
     plain.weighed_pairs(blocks, x, w, torch.bfloat16, torch_path, rows)
     assert torch.equal(got, want) and got[rows].all() and not got[6].any()
     assert float((torch_path.float() - got.float()).norm() / got.float().norm()) < 1e-2
+    exact, one_by_one = torch.zeros(7, Dx), torch.zeros(7, Dx)  # fp32 rows, unrounded: the same arithmetic, bit for bit
+    cpu.weighed_pairs(blocks, x, w, torch.float32, exact, rows)
+    for b, xe, we, r in zip(blocks, x, w, rows):
+        cpu.weighed_rows([b], xe, we[None], torch.float32, one_by_one, [r])
+    assert torch.equal(exact, one_by_one)
     swapped = torch.zeros(7, Dx, dtype=torch.bfloat16)
     cpu.weighed_pairs(blocks, x[[1, 0, 2, 3, 4, 5]], w, torch.bfloat16, swapped, rows)
     assert not torch.equal(swapped[[5, 0]], got[[5, 0]]) and torch.equal(swapped[[3, 1, 4, 2]], got[[3, 1, 4, 2]])

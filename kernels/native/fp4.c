@@ -111,6 +111,102 @@ static inline void fp4_kgroup(float *acc, float *part, const uint8_t *p, const u
     }
 }
 
+/* Up to ROWS inputs at once (a prompt's rows of one block, kernels/native/layers.c relu2_rows): each weight's codes
+ * decoded once for all of them, each input's arithmetic fp4_row's / fp4_kgroup's in the same order, so every output
+ * is the one-input kernel's bit for bit. */
+#define ROWS 4
+
+/* fp4_row over r inputs (xe[q], xo[q]): out[q] */
+static inline void fp4_row_multi(const uint8_t *row, const uint8_t *srow, const float *const *xe, const float *const *xo,
+                                 int r, long K2, int half, int e8m0, float *out) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    const float *lut = SCALES[e8m0 != 0];
+    __m512 vacc[ROWS];
+    for (int q = 0; q < r; q++)
+        vacc[q] = _mm512_setzero_ps();
+    long g0 = 0;
+    for (; g0 + 16 <= K2; g0 += 16) {
+        if (!(g0 & 63))
+            prefetch(row + g0 + PF_ROW);
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g0)));
+        __m512 lo = _mm512_permutexvar_ps(c, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+        __m512 sv = half == 16 ? _mm512_set1_ps(lut[srow[g0 / 16]])
+                               : _mm512_insertf32x8(_mm512_set1_ps(lut[srow[g0 / 8]]), _mm256_set1_ps(lut[srow[g0 / 8 + 1]]), 1);
+        for (int q = 0; q < r; q++) {
+            __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo[q] + g0), _mm512_mul_ps(lo, _mm512_loadu_ps(xe[q] + g0)));
+            vacc[q] = _mm512_fmadd_ps(t, sv, vacc[q]);
+        }
+    }
+    for (int q = 0; q < r; q++) {
+        float acc = _mm512_reduce_add_ps(vacc[q]);
+        for (long t0 = g0, g = g0 / half; t0 < K2; t0 += half, g++) {
+            long end = t0 + half < K2 ? t0 + half : K2;
+            float part = 0.0f;
+            for (long j = t0; j < end; j++) {
+                int b = row[j];
+                part += e2m1(b & 15) * xe[q][j] + e2m1(b >> 4) * xo[q][j];
+            }
+            acc += part * scale_f32(srow[g], e8m0);
+        }
+        out[q] = acc;
+    }
+}
+
+/* fp4_kgroup over r inputs: acc[q] [N] += the group's sums on xe[q], xo[q]; part[q] [N] scratch */
+static inline void fp4_kgroup_multi(float *const *acc, float *const *part, int r, const uint8_t *p, const uint8_t *sr,
+                                    const float *const *xe, const float *const *xo, long N, long j, long end, int e8m0) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    for (int q = 0; q < r; q++)
+        for (long n = 0; n < N; n++)
+            part[q][n] = 0.0f;
+    for (; j + 1 < end; j += 2) {
+        const uint8_t *r0 = p + j * N, *r1 = r0 + N;
+        __m512 a0[ROWS], b0[ROWS], a1[ROWS], b1[ROWS];
+        for (int q = 0; q < r; q++) {
+            a0[q] = _mm512_set1_ps(xe[q][j]), b0[q] = _mm512_set1_ps(xo[q][j]);
+            a1[q] = _mm512_set1_ps(xe[q][j + 1]), b1[q] = _mm512_set1_ps(xo[q][j + 1]);
+        }
+        for (long n = 0; n < N; n += 16) {
+            if (!(n & 63)) {
+                prefetch(r0 + n + PF_KROW);
+                prefetch(r1 + n + PF_KROW);
+            }
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+            __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + n)));
+            __m512 l0 = _mm512_permutexvar_ps(c0, table), h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table);
+            __m512 l1 = _mm512_permutexvar_ps(c1, table), h1 = _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), table);
+            for (int q = 0; q < r; q++) {
+                __m512 v = _mm512_loadu_ps(part[q] + n);
+                v = _mm512_fmadd_ps(l0, a0[q], v);
+                v = _mm512_fmadd_ps(h0, b0[q], v);
+                v = _mm512_fmadd_ps(l1, a1[q], v);
+                v = _mm512_fmadd_ps(h1, b1[q], v);
+                _mm512_storeu_ps(part[q] + n, v);
+            }
+        }
+    }
+    for (; j < end; j++) {
+        const uint8_t *r0 = p + j * N;
+        for (long n = 0; n < N; n += 16) {
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + n)));
+            __m512 l0 = _mm512_permutexvar_ps(c0, table), h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table);
+            for (int q = 0; q < r; q++) {
+                __m512 v = _mm512_loadu_ps(part[q] + n);
+                v = _mm512_fmadd_ps(l0, _mm512_set1_ps(xe[q][j]), v);
+                v = _mm512_fmadd_ps(h0, _mm512_set1_ps(xo[q][j]), v);
+                _mm512_storeu_ps(part[q] + n, v);
+            }
+        }
+    }
+    for (long n = 0; n < N; n += 16) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(sr + n));
+        __m512 sv = e8m0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23))
+                         : _mm512_mul_ps(e4m3x16(sr + n), _mm512_set1_ps(256.0f));
+        for (int q = 0; q < r; q++)
+            _mm512_storeu_ps(acc[q] + n, _mm512_fmadd_ps(_mm512_loadu_ps(part[q] + n), sv, _mm512_loadu_ps(acc[q] + n)));
+    }
+}
+
 /* k-major by rows: each thread takes a run of scale groups and streams their rows whole (contiguous
  * bytes, where the 64-output chunks above read 64 bytes a row at a stride of N), keeping all N
  * outputs' partial sums in L1 (part, per group) and its running sums (acc); the threads' sums are

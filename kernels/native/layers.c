@@ -162,6 +162,84 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
 }
 #endif
 
+#ifdef __AVX512BW__
+/* One ReLU^2 FP4 block on r <= ROWS inputs (x [r, Dx] fp32; a prompt's rows of the block, sluice_experts_pairs) in one
+ * parallel region: relu2_layer's steps for n = 1 with each weight decoded once for the r inputs (fp4_row_multi,
+ * fp4_kgroup_multi), the down groups split over the team as relu2_layer splits one expert's, so that each output row
+ * is relu2_layer's on that input bit for bit -> y [r, Dx]. fp32 activations only; 0 where it cannot run. */
+static int relu2_rows(const int64_t *plan, const uint8_t *base, int r, const float *x, float *y) {
+    const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
+    const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
+    if (r < 1 || r > ROWS || Dx % 64 || K2u % half || K2d % half || half % 4)
+        return 0;
+    const int T = omp_get_max_threads();
+    const long Gd = K2d / half, chunks = Dx / 64;
+    if (!layer_scratch(4 * (size_t)r * (Dx + I + 2 * K2d + 2 * (size_t)T * Dx) + 64 * (6 + 4 * ROWS)))
+        return 0;
+    size_t at = 0;
+    float *xe = carve(&at, 4 * (size_t)r * K2u), *xo = carve(&at, 4 * (size_t)r * K2u), *h = carve(&at, 4 * (size_t)r * I);
+    float *he = carve(&at, 4 * (size_t)r * K2d), *ho = carve(&at, 4 * (size_t)r * K2d);
+    float *acc = carve(&at, 4 * (size_t)T * r * Dx), *parts = carve(&at, 4 * (size_t)T * r * Dx);
+    const uint8_t *uw, *us, *dw, *ds;
+    long ust, dst;
+    float us2, ds2;
+    plan_proj(plan, 0, base, &uw, &us, &ust, &us2);
+    plan_proj(plan, 1, base, &dw, &ds, &dst, &ds2);
+    const float *xes[ROWS], *xos[ROWS], *hes[ROWS], *hos[ROWS];
+    for (int q = 0; q < r; q++) {
+        xes[q] = xe + q * K2u, xos[q] = xo + q * K2u, hes[q] = he + q * K2d, hos[q] = ho + q * K2d;
+        for (long i = 0; i < K2u; i++) {
+            xe[q * K2u + i] = x[q * Dx + 2 * i];
+            xo[q * K2u + i] = x[q * Dx + 2 * i + 1];
+        }
+    }
+#pragma omp parallel num_threads(T)
+    {
+        float out[ROWS];
+#pragma omp for schedule(static)
+        for (long i = 0; i < I; i++) {
+            fp4_row_multi(uw + i * K2u, us + i * ust, xes, xos, r, K2u, half, e8m0, out);
+            for (int q = 0; q < r; q++)
+                h[q * I + i] = out[q];
+        }
+#pragma omp for schedule(static)
+        for (long gg = 0; gg < r * Gd; gg++) {
+            const long q = gg / Gd, g0 = gg % Gd * half;
+            relu2_pairs(h + q * I, us2, g0, g0 + half, he + q * K2d, ho + q * K2d);
+        }
+        const int t = omp_get_thread_num(), used = omp_get_num_threads();
+        const long a = Gd * t / used, b = Gd * (t + 1) / used;
+        float *mine[ROWS], *part[ROWS];
+        for (int q = 0; q < r; q++)
+            mine[q] = acc + ((size_t)t * r + q) * Dx, part[q] = parts + ((size_t)t * r + q) * Dx;
+        if (a < b) {
+            memset(acc + (size_t)t * r * Dx, 0, sizeof(float) * (size_t)r * Dx);
+            for (long g = a; g < b; g++)
+                fp4_kgroup_multi(mine, part, r, dw, ds + g * dst, hes, hos, Dx, g * half, g * half + half, e8m0);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long c = 0; c < r * chunks; c++) {
+            const long q = c / chunks, n0 = c % chunks * 64;
+            int first = -1;
+            for (long m = n0; m < n0 + 64; m += 16) {
+                __m512 v = _mm512_setzero_ps();
+                for (int u = 0; u < used; u++) {  /* the threads whose runs took groups, in thread order */
+                    if (Gd * u / used >= Gd * (u + 1) / used)
+                        continue;
+                    const __m512 from = _mm512_loadu_ps(acc + ((size_t)u * r + q) * Dx + m);
+                    v = first < 0 ? from : _mm512_add_ps(v, from);
+                    first = u;
+                }
+                _mm512_storeu_ps(y + q * Dx + m, _mm512_mul_ps(v, _mm512_set1_ps(ds2)));
+                first = -1;
+            }
+        }
+    }
+    return 1;
+}
+#endif
+
 /* A layer's n SwiGLU FP4 experts (plain SiLU) on one token in one parallel region, int8 activations or fp32: x
  * quantized once (int8); every expert's gate and up rows in one `omp for`; silu(g) * u (quantized by group) per
  * expert; every expert's down rows in one `omp for`. Each output is one row's dot, so the result is
