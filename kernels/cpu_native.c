@@ -118,7 +118,6 @@ int sluice_experts_rows(const int64_t *plan, int n, const int64_t *bases, const 
     return 1;
 }
 
-
 /* sluice_experts_rows over n (block, row) pairs, pair e on its own input x[e] [Dx]: a prompt's blocks of few rows. A
  * block's pairs side by side run one after another with the same static shares of its weights per thread, so each
  * thread's share (~0.4 MB of a Nano block over 14 threads) is still in its cache for the block's next row: the block

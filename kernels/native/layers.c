@@ -221,18 +221,17 @@ static int relu2_rows(const int64_t *plan, const uint8_t *base, int r, const flo
 #pragma omp for schedule(static)
         for (long c = 0; c < r * chunks; c++) {
             const long q = c / chunks, n0 = c % chunks * 64;
-            int first = -1;
             for (long m = n0; m < n0 + 64; m += 16) {
                 __m512 v = _mm512_setzero_ps();
+                int any = 0;
                 for (int u = 0; u < used; u++) {  /* the threads whose runs took groups, in thread order */
                     if (Gd * u / used >= Gd * (u + 1) / used)
                         continue;
                     const __m512 from = _mm512_loadu_ps(acc + ((size_t)u * r + q) * Dx + m);
-                    v = first < 0 ? from : _mm512_add_ps(v, from);
-                    first = u;
+                    v = any ? _mm512_add_ps(v, from) : from;
+                    any = 1;
                 }
                 _mm512_storeu_ps(y + q * Dx + m, _mm512_mul_ps(v, _mm512_set1_ps(ds2)));
-                first = -1;
             }
         }
     }
