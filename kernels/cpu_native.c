@@ -121,19 +121,21 @@ int sluice_experts_rows(const int64_t *plan, int n, const int64_t *bases, const 
 /* sluice_experts_rows over n (block, row) pairs, pair e on its own input x[e] [Dx]: a prompt's blocks of few rows. A
  * block's pairs side by side run one after another with the same static shares of its weights per thread, so each
  * thread's share (~0.4 MB of a Nano block over 14 threads) is still in its cache for the block's next row: the block
- * is read from RAM once, however many rows it has (`sluice bench cpu --pairs` times what that saves). A ReLU^2 FP4
- * block's pairs go up to ROWS at a time, each weight decoded once for them (AVX-512: relu2_rows): the FP4 decode,
+ * is read from RAM once, however many rows it has (`sluice bench cpu --pairs` times what that saves). An FP4 block's
+ * pairs go up to ROWS at a time, each weight decoded once for them (AVX-512: relu2_rows, swiglu_rows): the FP4 decode,
  * not RAM, bounds a row (BENCHMARKS.md, fourteenth set: 98 us a Nano block from cache, 113 from RAM). y: scratch
  * [ROWS, Dx]. */
 int sluice_experts_pairs(const int64_t *plan, int n, const int64_t *bases, const float *x, float *y, const float *w,
                          const int64_t *rows, int round_x, void *out, int out_bf16) {
     const long Dx = (long)plan[P_DX];
     for (int e = 0, r = 1; e < n; e += r) {
-#ifdef __AVX512BW__  /* a ReLU^2 FP4 block's next pairs (up to ROWS) in one pass, each weight decoded once for them */
+#ifdef __AVX512BW__  /* an FP4 block's next pairs (up to ROWS) in one pass, each weight decoded once for them */
         init_scales();
         for (r = 1; e + r < n && r < ROWS && bases[e + r] == bases[e]; r++)
             ;
-        if (r > 1 && plan[P_KIND] == 0 && !plan[P_INT8] && relu2_rows(plan, (const uint8_t *)(intptr_t)bases[e], r, x + e * Dx, y)) {
+        const uint8_t *base = (const uint8_t *)(intptr_t)bases[e];
+        if (r > 1 && !plan[P_INT8] && ((plan[P_KIND] == 0 && relu2_rows(plan, base, r, x + e * Dx, y)) ||
+                                       (plan[P_KIND] == 1 && swiglu_rows(plan, base, r, x + e * Dx, y)))) {
             weigh(y, r, Dx, w + e, rows + e, round_x, out, out_bf16);
             continue;
         }

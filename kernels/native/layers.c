@@ -320,3 +320,67 @@ static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const 
     }
     return 1;
 }
+
+#ifdef __AVX512BW__
+/* One SwiGLU FP4 block on r <= ROWS inputs (x [r, Dx] fp32), as relu2_rows: swiglu_layer's steps for n = 1 with each
+ * weight row decoded once for the r inputs (fp4_row_multi); each output is one row's dot, so y [r, Dx] is swiglu_layer's
+ * on each input bit for bit. fp32 activations only; 0 where it cannot run. */
+static int swiglu_rows(const int64_t *plan, const uint8_t *base, int r, const float *x, float *y) {
+    const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
+    const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
+    if (r < 1 || r > ROWS || K2u % half || K2d % half || half % 4)
+        return 0;
+    const int T = omp_get_max_threads();
+    const long Gd = K2d / half;
+    if (!layer_scratch(4 * (size_t)r * (Dx + 2 * I + I) + 64 * 5))
+        return 0;
+    size_t at = 0;
+    float *xe = carve(&at, 4 * (size_t)r * K2u), *xo = carve(&at, 4 * (size_t)r * K2u), *gu = carve(&at, 4 * 2 * (size_t)r * I);
+    float *he = carve(&at, 4 * (size_t)r * K2d), *ho = carve(&at, 4 * (size_t)r * K2d);
+    const uint8_t *w[3], *sc[3];
+    long st[3];
+    float s2[3];
+    for (int j = 0; j < 3; j++)  /* 0 up, 1 down, 2 gate */
+        plan_proj(plan, j, base, &w[j], &sc[j], &st[j], &s2[j]);
+    const float *xes[ROWS], *xos[ROWS], *hes[ROWS], *hos[ROWS];
+    for (int q = 0; q < r; q++) {
+        xes[q] = xe + q * K2u, xos[q] = xo + q * K2u, hes[q] = he + q * K2d, hos[q] = ho + q * K2d;
+        for (long i = 0; i < K2u; i++) {
+            xe[q * K2u + i] = x[q * Dx + 2 * i];
+            xo[q * K2u + i] = x[q * Dx + 2 * i + 1];
+        }
+    }
+#pragma omp parallel num_threads(T)
+    {
+        float out[ROWS];
+#pragma omp for schedule(static)
+        for (long k = 0; k < 2 * I; k++) {  /* input q's gate rows at gu[2 q I ..], its up rows after them */
+            const int j = k < I ? 2 : 0;
+            const long i = k % I;
+            fp4_row_multi(w[j] + i * K2u, sc[j] + i * st[j], xes, xos, r, K2u, half, e8m0, out);
+            for (int q = 0; q < r; q++)
+                gu[2 * q * I + k] = out[q];
+        }
+#pragma omp for schedule(static)
+        for (long gg = 0; gg < r * Gd; gg++) {  /* input q's group of silu(g) * u */
+            const long q = gg / Gd, g0 = gg % Gd * half;
+            const float *ge = gu + 2 * q * I, *ue = ge + I;
+            for (long i = 2 * g0; i < 2 * (g0 + half); i++) {
+                float a = ge[i] * s2[2], b = ue[i] * s2[0];
+                float h = a / (1.0f + __builtin_expf(-a)) * b;
+                if (i % 2)
+                    ho[q * K2d + i / 2] = h;
+                else
+                    he[q * K2d + i / 2] = h;
+            }
+        }
+#pragma omp for schedule(static)
+        for (long i = 0; i < Dx; i++) {
+            fp4_row_multi(w[1] + i * K2d, sc[1] + i * st[1], hes, hos, r, K2d, half, e8m0, out);
+            for (int q = 0; q < r; q++)
+                y[q * Dx + i] = out[q] * s2[1];
+        }
+    }
+    return 1;
+}
+#endif
