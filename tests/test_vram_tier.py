@@ -256,7 +256,8 @@ def test_prompt_copies_ahead_go_in_expert_order(stores, tmp_path, monkeypatch):
         tier, bb = stage.tier, engine.store.block_bytes
         bank, arena = set(tier.ahead_bank[0] + tier.ahead_bank[1]), tier.vram.arena
         got = engine.forward(prompt)
-    slots = [[((d.data_ptr() - arena.data.data_ptr()) // bb, expert[s.data_ptr()]) for d, s in pairs] for pairs in calls]
+    at = arena.data.data_ptr()
+    slots = [[((d.data_ptr() - at) // bb, expert[s.data_ptr()]) for d, s in pairs] for pairs in calls]
     moved = [[p for p in m if 0 <= p[0] < arena.n] for m in slots]  # into the tier's slots (not the staging buffer)
     assert any(len([p for p in m if p[0] in bank]) > 2 for m in moved)
     for m in moved:

@@ -322,9 +322,9 @@ static int swiglu_layer(const int64_t *plan, int n, const int64_t *bases, const 
 }
 
 #ifdef __AVX512BW__
-/* One SwiGLU FP4 block on r <= ROWS inputs (x [r, Dx] fp32), as relu2_rows: swiglu_layer's steps for n = 1 with each
- * weight row decoded once for the r inputs (fp4_row_multi); each output is one row's dot, so y [r, Dx] is swiglu_layer's
- * on each input bit for bit. fp32 activations only; 0 where it cannot run. */
+/* One SwiGLU FP4 block on r <= ROWS inputs (x [r, Dx] fp32), as relu2_rows: swiglu_layer's steps for n = 1 with
+ * each weight row decoded once for the r inputs (fp4_row_multi); each output is one row's dot, so y [r, Dx] is
+ * swiglu_layer's on each input bit for bit. fp32 activations only; 0 where it cannot run. */
 static int swiglu_rows(const int64_t *plan, const uint8_t *base, int r, const float *x, float *y) {
     const long Dx = (long)plan[P_DX], I = (long)plan[P_I], K2u = Dx / 2, K2d = I / 2;
     const int half = (int)plan[P_HALF], e8m0 = (int)plan[P_E8M0];
