@@ -177,7 +177,7 @@ class H2DTable(Stage):
                 picks.append((e, src))
         # the most chosen take the free slots (they stay in the hot set), the others the bank's; each part in expert
         # order, so that blocks adjacent in RAM go to adjacent slots as one copy (copy_blocks): a copy a block was ~2600
-        # calls, copy_blocks 0.23 s of the host's 0.85 in two 512-token prompts' profile (nineteenth set)
+        # calls a 512-token prompt, copy_blocks 0.23 s of the host's 0.85 over two (nineteenth set's profile)
         taken = min(free, len(picks))
         for into_free, part in ((True, picks[:taken]), (False, picks[taken:])):
             for e, src in sorted(part, key=lambda pick: pick[0]):
