@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 
@@ -125,3 +126,39 @@ def _plausible(n: int, t: float, timed: dict[int, tuple[float, int]]) -> bool:
     calibration stalled as a whole gave 16.8 ms for one block and for four, where the engine's calls of two took 0.40:
     the line through them gave the CPU 1.4 blocks a token, H200 2026-12-07)."""
     return all(-(-n // m) * tm >= t and (t <= tm if n < m else t >= tm) for m, (tm, _) in timed.items())
+
+
+class PairRate:
+    """The CPU's seconds over a prompt layer's (block, row) pairs (h2d's `prompt_cpu`, as compute's `beside_cpu` times
+    its calls): a call over b blocks with r rows in all takes `call_s + b * block_s + (r - b) * row_s`, a block's first
+    row reading it from RAM, its next ones its weights from the threads' caches, decoded once for up to 4 rows
+    (kernels/native/layers.c `relu2_rows`), so that a row of a block with several costs less than a block's first. The
+    least-squares fit over the last WINDOW calls, fitted when read; a part that fits below 0 is dropped and the rest
+    fitted again (the call's first, then the next rows priced as first ones). `parts`: None until a call is timed."""
+
+    WINDOW = 64
+
+    def __init__(self) -> None:
+        self._calls: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (blocks, rows, seconds)
+        self._parts: tuple[float, float, float] | None = None
+
+    def observe(self, blocks: int, rows: int, seconds: float) -> None:
+        self._calls.append((blocks, rows, seconds))
+        self._parts = None
+
+    def parts(self) -> tuple[float, float, float] | None:
+        """(block_s: a block's first row, row_s: each next row, call_s), or None before any call."""
+        if self._parts is None and self._calls:
+            self._parts = self._fit(np.array(self._calls, dtype=np.float64))
+        return self._parts
+
+    @staticmethod
+    def _fit(calls: np.ndarray) -> tuple[float, float, float]:
+        b, r, s = calls[:, 0], calls[:, 1], calls[:, 2]
+        for cols in ((b, r - b, np.ones_like(b)), (b, r - b)):
+            a = np.stack(cols, axis=1)
+            coef, _, rank, _ = np.linalg.lstsq(a, s, rcond=None)
+            if rank == a.shape[1] and (coef >= 0).all():
+                return float(coef[0]), float(coef[1]), float(coef[2]) if len(coef) == 3 else 0.0
+        t = float(s.sum() / r.sum())  # one price a row
+        return t, t, 0.0

@@ -201,7 +201,7 @@ class ComputeTable(Stage):
         rt.stats.cpu_blocks += len(v["cpu"])
         rt.stats.cpu_prompt_s += seconds
         if not first:
-            table.prompt_rate.observe(len(pairs), seconds)
+            table.prompt_rate.observe(len(v["cpu"]), len(pairs), seconds)
 
     def close(self) -> None:
         if self._worker is not None:

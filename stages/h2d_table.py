@@ -219,18 +219,18 @@ class H2DTable(Stage):
         return balance_prompt_cpu(counts, table.copy_s(), *rates) if rates else 0
 
 
-def balance_prompt_cpu(counts: list[int], tg: float, tc: float, call: float = 0.0) -> int:
+def balance_prompt_cpu(counts: list[int], tg: float, tc: float, call: float = 0.0, next_row: float | None = None) -> int:
     """Of a prompt layer's blocks outside VRAM, with `counts` rows each, the most rows a block may have for the CPU to
-    compute it (tc seconds a row, `call` a call, one block after another) rather than copy it (tg seconds a block, one
-    after another, beside the CPU): the count that finishes both soonest, the lower on a tie; 0 where the CPU would
-    finish after the copies of every block."""
-    cs = sorted(counts)
+    compute it (tc seconds a block's first row, `next_row` each further row (None: tc), `call` a call, one block after
+    another) rather than copy it (tg seconds a block, one after another, beside the CPU): the count that finishes both
+    soonest, the lower on a tie; 0 where the CPU would finish after the copies of every block."""
+    cs, tn = sorted(counts), tc if next_row is None else next_row
     best, best_t, rows = 0, len(cs) * tg, 0
     for j, c in enumerate(cs):
         rows += c
         if j + 1 < len(cs) and cs[j + 1] == c:  # a count takes every block of that count
             continue
-        t = max(call + rows * tc, (len(cs) - j - 1) * tg)
+        t = max(call + (j + 1) * tc + (rows - j - 1) * tn, (len(cs) - j - 1) * tg)
         if t < best_t - 1e-12:
             best, best_t = c, t
     return best

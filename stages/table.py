@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from sluice.errors import ScheduleError
-from sluice.kernels.rates import CpuRate
+from sluice.kernels.rates import PairRate
 from sluice.stages.compute import expert_backend, triton_experts
 from sluice.stages.table_cpu import CpuSteps
 from sluice.stages.table_ram import RamBlocks
@@ -134,7 +134,7 @@ class Table(StreamedSteps, CpuSteps):
         # copy event, [(i, e, slot)] tier slots it filled)
         self.cpu_ahead: tuple | None = None  # prompt_cpu: (MoE index, the most rows of its CPU's blocks), chosen by the
         # layer before as it copied the others ahead (h2d's)
-        self.prompt_rate = CpuRate()  # prompt_cpu: the CPU's seconds over a prompt layer's (block, row) pairs (compute's)
+        self.prompt_rate = PairRate()  # prompt_cpu: the CPU's seconds over a prompt layer's (block, row) pairs (compute's)
         self._kernels = {}
         self.graphs = None  # CUDA graphs of one-token steps (the plan's) and of `hold: false`'s routers
         if knobs.graphs and backend == "triton" and dev.type == "cuda":

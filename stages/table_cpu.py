@@ -188,18 +188,21 @@ class CpuSteps:
         """A block's seconds over PCIe at the measured host-to-device rate."""
         return self.block_bytes / self.rt.h2d_rate()
 
-    def prompt_rates(self, block, dx: int) -> tuple[float, float] | None:
-        """The CPU's (seconds a row, seconds a call) over a prompt's (block, row) pairs (h2d's `prompt_cpu: -1`): as
-        timed in prompts (compute's `beside_cpu`), else a one-token call's seconds a block (a row that reads its block
-        from RAM; calibrated on zeros once where nothing timed it); None off a GPU (no PCIe to balance against)."""
+    def prompt_rates(self, block, dx: int) -> tuple[float, float, float] | None:
+        """The CPU's (seconds a block's first row, seconds a call, seconds each next row) over a prompt's (block, row)
+        pairs (h2d's `prompt_cpu: -1`): as timed in prompts (compute's `beside_cpu`: kernels/rates.py PairRate), else a
+        one-token call's seconds a block for every row (a row that reads its block from RAM; calibrated on zeros once
+        where nothing timed it); None off a GPU (no PCIe to balance against)."""
         rt = self.rt
         if rt.device.type != "cuda" or self.backend != "triton":
             return None
-        if self.prompt_rate.block_s is not None:
-            return self.prompt_rate.block_s, self.prompt_rate.call_s
+        if (parts := self.prompt_rate.parts()) is not None:
+            block_s, row_s, call_s = parts
+            return block_s, call_s, row_s
         if rt.cpu_rate.block_s is None:
             self._cpu_calibrate(block, torch.zeros(dx))
-        return (rt.cpu_rate.block_s, rt.cpu_rate.call_s) if rt.cpu_rate.block_s is not None else None
+        block_s = rt.cpu_rate.block_s
+        return (block_s, rt.cpu_rate.call_s, block_s) if block_s is not None else None
 
     def _waits_on_device(self) -> bool:
         """Whether a whole step's CPU turns are waits on the device (`cpu_wait: device`, on CUDA, stores in order), not

@@ -74,18 +74,41 @@ def test_the_rates_choose_the_cpus_blocks_of_a_prompt(stores, refs, tmp_path, mo
     assert io["cpu_blocks"] == 0
 
 
-@pytest.mark.parametrize("counts, tg, tc, call, want", [
-    ([1, 1, 2, 5, 9], 1.0, 0.5, 0.0, 2),  # 4 rows: 2 s on the CPU beside 2 blocks copied
-    ([1, 1, 2, 5, 9], 1.0, 5.0, 0.0, 0),  # a row slower than all the copies: none
-    ([3, 3, 3, 3], 1.0, 0.25, 0.0, 3),  # every block of a count goes, or none
-    ([1, 1, 1, 1], 1.0, 1.0, 0.0, 0),  # 4 s either way: a tie keeps the fewer
-    ([1, 1, 4], 1.0, 1.0, 0.5, 1),  # 2.5 s with the two, 3 s with none
-    ([], 1.0, 1.0, 0.0, 0),
+@pytest.mark.parametrize("counts, tg, tc, call, next_row, want", [
+    ([1, 1, 2, 5, 9], 1.0, 0.5, 0.0, None, 2),  # 4 rows: 2 s on the CPU beside 2 blocks copied
+    ([1, 1, 2, 5, 9], 1.0, 5.0, 0.0, None, 0),  # a row slower than all the copies: none
+    ([3, 3, 3, 3], 1.0, 0.25, 0.0, None, 3),  # every block of a count goes, or none
+    ([1, 1, 1, 1], 1.0, 1.0, 0.0, None, 0),  # 4 s either way: a tie keeps the fewer
+    ([1, 1, 4], 1.0, 1.0, 0.5, None, 1),  # 2.5 s with the two, 3 s with none
+    ([2, 2, 2, 2], 1.0, 0.5, 0.0, None, 0),  # 8 rows at 0.5 s: 4 s, a tie with the copies
+    ([2, 2, 2, 2], 1.0, 0.5, 0.0, 0.1, 2),  # a block's second row at 0.1 s: 2.4 s for all four
+    ([], 1.0, 1.0, 0.0, None, 0),
 ])
-def test_the_balance_takes_the_blocks_that_finish_soonest(counts, tg, tc, call, want):
+def test_the_balance_takes_the_blocks_that_finish_soonest(counts, tg, tc, call, next_row, want):
     from sluice.stages.h2d_table import balance_prompt_cpu
 
-    assert balance_prompt_cpu(counts, tg, tc, call) == want
+    assert balance_prompt_cpu(counts, tg, tc, call, next_row) == want
+
+
+def test_the_prompt_rate_prices_a_blocks_first_row_and_its_next_apart():
+    """kernels/rates.py PairRate: calls over b blocks and r rows fitted as call + b * first + (r - b) * next; a call
+    part that fits below 0 is dropped; calls of one-row blocks alone price the next rows as first ones."""
+    from sluice.kernels.rates import PairRate
+
+    rate = PairRate()
+    assert rate.parts() is None
+    for b, r in [(4, 4), (6, 10), (3, 12), (8, 9), (5, 20)]:
+        rate.observe(b, r, 2e-4 + b * 1e-4 + (r - b) * 3e-5)
+    assert rate.parts() == pytest.approx((1e-4, 3e-5, 2e-4))
+    late = PairRate()
+    for b, r in [(4, 4), (6, 10), (3, 12)]:
+        late.observe(b, r, -1e-4 + b * 1e-4 + (r - b) * 3e-5)  # a negative call: fitted without one
+    first, nxt, call = late.parts()
+    assert call == 0.0 and first > 0 and nxt > 0
+    ones = PairRate()
+    for b in (2, 5, 7):
+        ones.observe(b, b, b * 1e-4)
+    assert ones.parts() == pytest.approx((1e-4, 1e-4, 0.0))
 
 
 def test_a_failure_as_the_cpus_rows_start_leaves_no_tier_slot_filled(stores, tmp_path, monkeypatch):
