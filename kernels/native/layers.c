@@ -163,6 +163,20 @@ static int relu2_layer(const int64_t *plan, int n, const int64_t *bases, const f
 #endif
 
 #ifdef __AVX512BW__
+/* x [r, Dx] -> its rows' even and odd elements (xe, xo [r, Dx/2]); row q's pointers into them (xes, xos) and into
+ * the activation's he, ho [r, K2d] (hes, hos) */
+static void rows_split(const float *x, int r, long Dx, long K2d, float *xe, float *xo, const float *he, const float *ho,
+                       const float **xes, const float **xos, const float **hes, const float **hos) {
+    const long K2u = Dx / 2;
+    for (int q = 0; q < r; q++) {
+        xes[q] = xe + q * K2u, xos[q] = xo + q * K2u, hes[q] = he + q * K2d, hos[q] = ho + q * K2d;
+        for (long i = 0; i < K2u; i++) {
+            xe[q * K2u + i] = x[q * Dx + 2 * i];
+            xo[q * K2u + i] = x[q * Dx + 2 * i + 1];
+        }
+    }
+}
+
 /* One ReLU^2 FP4 block on r <= ROWS inputs (x [r, Dx] fp32; a prompt's rows of the block, sluice_experts_pairs) in one
  * parallel region: relu2_layer's steps for n = 1 with each weight decoded once for the r inputs (fp4_row_multi,
  * fp4_kgroup_multi), the down groups split over the team as relu2_layer splits one expert's, so that each output row
@@ -186,13 +200,7 @@ static int relu2_rows(const int64_t *plan, const uint8_t *base, int r, const flo
     plan_proj(plan, 0, base, &uw, &us, &ust, &us2);
     plan_proj(plan, 1, base, &dw, &ds, &dst, &ds2);
     const float *xes[ROWS], *xos[ROWS], *hes[ROWS], *hos[ROWS];
-    for (int q = 0; q < r; q++) {
-        xes[q] = xe + q * K2u, xos[q] = xo + q * K2u, hes[q] = he + q * K2d, hos[q] = ho + q * K2d;
-        for (long i = 0; i < K2u; i++) {
-            xe[q * K2u + i] = x[q * Dx + 2 * i];
-            xo[q * K2u + i] = x[q * Dx + 2 * i + 1];
-        }
-    }
+    rows_split(x, r, Dx, K2d, xe, xo, he, ho, xes, xos, hes, hos);
 #pragma omp parallel num_threads(T)
     {
         float out[ROWS];
@@ -343,13 +351,7 @@ static int swiglu_rows(const int64_t *plan, const uint8_t *base, int r, const fl
     for (int j = 0; j < 3; j++)  /* 0 up, 1 down, 2 gate */
         plan_proj(plan, j, base, &w[j], &sc[j], &st[j], &s2[j]);
     const float *xes[ROWS], *xos[ROWS], *hes[ROWS], *hos[ROWS];
-    for (int q = 0; q < r; q++) {
-        xes[q] = xe + q * K2u, xos[q] = xo + q * K2u, hes[q] = he + q * K2d, hos[q] = ho + q * K2d;
-        for (long i = 0; i < K2u; i++) {
-            xe[q * K2u + i] = x[q * Dx + 2 * i];
-            xo[q * K2u + i] = x[q * Dx + 2 * i + 1];
-        }
-    }
+    rows_split(x, r, Dx, K2d, xe, xo, he, ho, xes, xos, hes, hos);
 #pragma omp parallel num_threads(T)
     {
         float out[ROWS];
