@@ -133,8 +133,9 @@ class PairRate:
     its calls): a call over b blocks with r rows in all takes `call_s + b * block_s + (r - b) * row_s`, a block's first
     row reading it from RAM, its next ones its weights from the threads' caches, decoded once for up to 4 rows
     (kernels/native/layers.c `relu2_rows`), so that a row of a block with several costs less than a block's first. The
-    least-squares fit over the last WINDOW calls, fitted when read; a part that fits below 0 is dropped and the rest
-    fitted again (the call's first, then the next rows priced as first ones). `parts`: None until a call is timed."""
+    least-squares fit over the last WINDOW calls, fitted when read; where a part fits below 0 or the calls cannot tell it
+    apart, it is dropped and the rest fitted again (the call's first, then the next rows priced as first ones).
+    `parts`: None until a call is timed."""
 
     WINDOW = 64
 
