@@ -148,7 +148,8 @@ class PairRate:
         self._parts = None
 
     def parts(self) -> tuple[float, float, float] | None:
-        """(block_s: a block's first row, row_s: each next row, call_s), or None before any call."""
+        """(block_s: a block's first row, call_s, row_s: each next row), `balance_prompt_cpu`'s order, or None before
+        any call."""
         if self._parts is None and self._calls:
             self._parts = self._fit(np.array(self._calls, dtype=np.float64))
         return self._parts
@@ -160,6 +161,6 @@ class PairRate:
             a = np.stack(cols, axis=1)
             coef, _, rank, _ = np.linalg.lstsq(a, s, rcond=None)
             if rank == a.shape[1] and (coef >= 0).all():
-                return float(coef[0]), float(coef[1]), float(coef[2]) if len(coef) == 3 else 0.0
+                return float(coef[0]), float(coef[2]) if len(coef) == 3 else 0.0, float(coef[1])
         t = float(s.sum() / r.sum())  # one price a row
-        return t, t, 0.0
+        return t, 0.0, t

@@ -197,8 +197,7 @@ class CpuSteps:
         if rt.device.type != "cuda" or self.backend != "triton":
             return None
         if (parts := self.prompt_rate.parts()) is not None:
-            block_s, row_s, call_s = parts
-            return block_s, call_s, row_s
+            return parts
         if rt.cpu_rate.block_s is None:
             self._cpu_calibrate(block, torch.zeros(dx))
         block_s = rt.cpu_rate.block_s

@@ -99,16 +99,16 @@ def test_the_prompt_rate_prices_a_blocks_first_row_and_its_next_apart():
     assert rate.parts() is None
     for b, r in [(4, 4), (6, 10), (3, 12), (8, 9), (5, 20)]:
         rate.observe(b, r, 2e-4 + b * 1e-4 + (r - b) * 3e-5)
-    assert rate.parts() == pytest.approx((1e-4, 3e-5, 2e-4))
+    assert rate.parts() == pytest.approx((1e-4, 2e-4, 3e-5))
     late = PairRate()
     for b, r in [(4, 4), (6, 10), (3, 12)]:
         late.observe(b, r, -1e-4 + b * 1e-4 + (r - b) * 3e-5)  # a negative call: fitted without one
-    first, nxt, call = late.parts()
+    first, call, nxt = late.parts()
     assert call == 0.0 and first > 0 and nxt > 0
     ones = PairRate()
     for b in (2, 5, 7):
         ones.observe(b, b, b * 1e-4)
-    assert ones.parts() == pytest.approx((1e-4, 1e-4, 0.0))
+    assert ones.parts() == pytest.approx((1e-4, 0.0, 1e-4))
 
 
 def test_a_failure_as_the_cpus_rows_start_leaves_no_tier_slot_filled(stores, tmp_path, monkeypatch):
